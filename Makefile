@@ -1,0 +1,44 @@
+# The index of commands. Each target sets up a project-local virtual environment (.venv) the
+# first time, unless a virtual environment is already active, in which case it uses that one.
+
+ifdef VIRTUAL_ENV
+VENV := $(VIRTUAL_ENV)
+PY := python
+else
+VENV := .venv
+PY := .venv/bin/python
+endif
+STAMP := $(VENV)/.nanorl-installed
+
+.PHONY: install test train eval bench tiny-model experiments experiments-quick plot clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@touch $@
+
+test: $(STAMP)          ## the whole CPU test suite (a few minutes on 2 cores)
+	$(PY) -m pytest tests
+
+train: $(STAMP)         ## the bundled default: GRPO-MA on the synthetic task, a few minutes on a CPU
+	$(PY) train.py $(ARGS)
+
+eval: $(STAMP)          ## evaluate the bundled model (or MODEL=path) on held-out prompts
+	$(PY) eval.py --model $(or $(MODEL),assets/tiny-model) $(ARGS)
+
+bench: $(STAMP)         ## speed comparisons, printed as ratios
+	$(PY) bench/bench_sampler.py
+	$(PY) bench/bench_tree.py
+	$(PY) bench/bench_trl.py
+
+tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervised warm start)
+	$(PY) sft.py
+
+plot: $(STAMP)          ## plot every run under runs/ into runs/plot.png
+	$(PY) eval.py --plot runs/*
+
+clean:
+	rm -rf .pytest_cache __pycache__ tests/__pycache__ bench/__pycache__

@@ -1,0 +1,395 @@
+"""Every RL formula of the project, as pure functions over tensors: no classes, no state, no I/O.
+
+Conventions (design.md, "Algorithms (exact)"):
+- rewards are [P, G]: P prompts x G completions. Token tensors are [B, T] with B = P*G rows in
+  prompt-major order (prompt p's completions are rows p*G .. p*G+G-1).
+- std is torch.std (unbiased, as TRL and verl); eps = 1e-6 is added to it.
+- A degenerate group (all rewards equal, which includes G == 1) gets advantage exactly 0, set by an
+  explicit mask, never by trusting 0 / (0 + eps).
+
+How the trainer uses this file, one step:
+  rewards -> group advantages (section 1; DAPO keep/overlong in 2; GTPO controls in 3)
+  -> per-token adv [B, T] and weight [B, T] for the WHOLE step (section 4)
+  -> micro-batches: policy_loss(logp, old_logp, adv, weight) (section 5), gradients summed
+  -> diagnostics (section 6).
+Because the weight carries the loss normaliser, summing micro-batch losses gives the full-batch
+loss whatever the micro-batch split or world size.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+# ----------------------------------------------------------------------------------------------
+# 1. Group advantages: GRPO / Dr. GRPO, GRPO-MA, 2-GRPO, A-GRAE, noise-corrected rewards
+
+
+def _degenerate(rewards: Tensor) -> Tensor:
+    """[..., G] -> [..., 1] bool: True where every reward of the group is equal (or G == 1)."""
+    return rewards.amax(-1, keepdim=True) == rewards.amin(-1, keepdim=True)
+
+
+def group_advantages(rewards: Tensor, *, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO advantage A = (r - mean_g r) / (std_g r + eps) over the last dim; Dr. GRPO: r - mean_g r.
+
+    rewards: [P, G] (any leading dims) -> [P, G]. GRPO eq.: A_i = (r_i - mean(r)) / std(r).
+    Unbiased std; degenerate groups and G == 1 give exactly 0.
+    """
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    adv = r - r.mean(-1, keepdim=True)
+    if std_normalize and r.shape[-1] > 1:  # torch.std of one sample is nan (and warns)
+        adv = adv / (r.std(-1, keepdim=True) + eps)
+    return adv.masked_fill(_degenerate(r), 0.0)
+
+
+def grpo_ma_advantages(rewards: Tensor, *, std_normalize: bool = True,
+                       eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """GRPO-MA (arXiv 2509.24494): K thoughts per prompt, M answers per thought.
+
+    rewards: [P, K, M] -> (thought_adv [P, K], answer_adv [P, K, M]).
+    Thought value V[p,i] = mean_j R[p,i,j]; thought adv = group normalisation of V over the K
+    thoughts; answer adv = group normalisation of R over all K*M answers of the prompt (not within
+    one thought, so the answers of a good thought mostly get positive advantages).
+    M = 1 gives GRPO's advantages bit for bit (V = R and both normalise over the same K values).
+    """
+    if rewards.dim() != 3:
+        raise ValueError(f"grpo_ma_advantages: rewards must be [P, K, M], got shape {tuple(rewards.shape)}.")
+    P, K, M = rewards.shape
+    thought = group_advantages(rewards.mean(-1), std_normalize=std_normalize, eps=eps)
+    answer = group_advantages(rewards.reshape(P, K * M), std_normalize=std_normalize, eps=eps)
+    return thought, answer.reshape(P, K, M)
+
+
+def two_grpo_advantages(rewards: Tensor) -> Tensor:
+    """2-GRPO (arXiv 2510.00977 §5.1): [P, 2] -> [P, 2], +1 for the better, -1 for the worse, 0 on ties.
+
+    This is the paper's population-std normalisation of a pair: (r - mean) / std_pop = sign(r1 - r2)
+    for any two distinct rewards (the gap's size is discarded). torch.std would give +-0.707.
+    """
+    if rewards.dim() != 2 or rewards.shape[-1] != 2:
+        raise ValueError(f"two_grpo_advantages: rewards must be [P, 2], got shape {tuple(rewards.shape)}.")
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    s = torch.sign(r[:, 0] - r[:, 1])  # 0 on ties, so tied pairs carry no gradient
+    return torch.stack([s, -s], dim=-1)
+
+
+def agrae_advantages(rewards: Tensor, *, correct: Tensor | None = None, alpha: float = 1.0,
+                     batch_accuracy: float | Tensor | None = None, std_normalize: bool = True,
+                     eps: float = 1e-6) -> Tensor:
+    """A-GRAE (arXiv 2602.05548; released code's compute_grpo_outcome_advantage): [P, G] -> [P, G].
+
+    p = group accuracy (from the 0/1 `correct` if given, else rewards, which must then be in [0, 1]);
+    P = batch mean accuracy, or `batch_accuracy` (e.g. measured before dynamic sampling drops groups).
+    A = GRPO (or Dr. GRPO) advantage
+        * w(p, P),  w = (1-P) * 0.5/(1 - sqrt(p) + eps) + P * 0.5/(sqrt(p) + eps)
+        * min(1, P/alpha) on positive entries only.
+    Low P favours easy groups (p -> 1) and damps correct answers (explore); high P favours hard ones.
+    Degenerate groups stay 0.
+    """
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    acc = r if correct is None else correct.to(r.dtype)
+    p = acc.mean(-1, keepdim=True).clamp(0.0, 1.0)  # (P, 1)
+    P_bar = p.mean() if batch_accuracy is None else torch.as_tensor(batch_accuracy, dtype=r.dtype, device=r.device)
+    adv = group_advantages(r, std_normalize=std_normalize, eps=eps)
+    sp = p.sqrt()
+    w = (1 - P_bar) * 0.5 / (1 - sp + eps) + P_bar * 0.5 / (sp + eps)  # (P, 1)
+    # Departure (not in the paper or code): with `correct` given, a group can be all correct (or all
+    # wrong) while its rewards still differ (format, overlong penalty). w would be ~5e5 there; we
+    # keep the plain advantage (w = 1) instead, as the difficulty weight is undefined at p in {0, 1}.
+    w = torch.where((p > 0) & (p < 1), w, torch.ones_like(w))
+    adv = adv * w  # degenerate groups are already exactly 0 and w is finite, so they stay 0
+    return torch.where(adv > 0, adv * torch.clamp(P_bar / alpha, max=1.0), adv)
+
+
+def noise_corrected_rewards(rewards: Tensor, rho_plus: float | Tensor, rho_minus: float | Tensor) -> Tensor:
+    """Noise-corrected GRPO (arXiv 2510.18924): r_hat = (r - rho_plus) / (1 - rho_plus - rho_minus).
+
+    rewards: observed 0/1 rewards, any shape; rho_plus = P(r=1 | truly wrong), rho_minus =
+    P(r=0 | truly right), scalars or broadcastable tensors. E[r_hat] is the clean reward. Centre the
+    result with group_advantages(..., std_normalize=False) (Dr. GRPO): a std normalisation would
+    cancel the correction. Equal rewards stay equal, so degenerate groups stay 0.
+    """
+    rho_p, rho_m = torch.as_tensor(rho_plus), torch.as_tensor(rho_minus)
+    if bool((rho_p < 0).any() | (rho_m < 0).any() | (rho_p + rho_m >= 1).any()):
+        raise ValueError("noise_corrected_rewards: need rho_plus, rho_minus >= 0 and rho_plus + rho_minus < 1.")
+    return (rewards - rho_plus) / (1 - rho_plus - rho_minus)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. DAPO (arXiv 2503.14476): dynamic sampling and soft overlong penalty
+
+
+def dynamic_sampling_keep(rewards: Tensor) -> Tensor:
+    """[P, G] -> [P] bool: keep groups with some contrast; all-equal groups have zero advantage."""
+    return rewards.amax(-1) != rewards.amin(-1)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:
+    """DAPO soft overlong punishment, added to the reward: [B] lengths -> [B] float.
+
+    0 if L <= max_len - buffer; ((max_len - buffer) - L) / buffer inside the buffer; -1 beyond max_len.
+    """
+    if not 0 <= buffer <= max_len:
+        raise ValueError(f"overlong_penalty: need 0 <= buffer <= max_len, got buffer={buffer}, max_len={max_len}.")
+    L = lengths.float()
+    soft = max_len - buffer
+    inside = (soft - L) / max(buffer, 1)  # buffer == 0 never selects this branch
+    return torch.where(L <= soft, torch.zeros_like(L), torch.where(L <= max_len, inside, -torch.ones_like(L)))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. GTPO (Simoni et al., arXiv 2508.03772): conflict-token weights and entropy control
+
+
+def gtpo_conflict_weights(token_ids: Tensor, mask: Tensor, seq_adv: Tensor, group_size: int, *,
+                          w_pos: float = 2.0, w_neg: float = 0.0) -> Tensor:
+    """Per-token weights that protect tokens shared by good and bad completions: [B, T] -> [B, T].
+
+    token_ids, mask: [B, T] (mask 1 on completion tokens); seq_adv: [B] raw sequence advantage;
+    rows prompt-major in groups of `group_size`. A token of completion i at completion position t
+    is raw-conflicting if the same token at the same position occurs in at least one positive and one
+    negative completion of the group (i counts for its own sign) and A_i != 0. Only the unbroken run
+    from the completion's first token, and the unbroken run back from its last token (positions
+    counted from the end, i.e. right-aligned), are conflict tokens. Weight w_pos on the conflict
+    tokens of positive rows, w_neg on those of negative rows, 1 elsewhere, 0 off the mask.
+
+    Follows the released code (gtpo_training.py build_conflict_mask: set membership per position,
+    cumulative run from each end). Departure: a token in both runs gets w_pos once (design.md);
+    the released code multiplies the two factors (w_pos**2 = 4), which only happens when the runs
+    overlap. Positions are counted over masked tokens, so rows may also carry a prompt or left padding.
+    """
+    B, T = token_ids.shape
+    if B % group_size != 0:
+        raise ValueError(f"gtpo_conflict_weights: {B} rows do not split into groups of {group_size}.")
+    valid = mask.bool()
+    pos = (seq_adv > 0)[:, None] & valid  # (B, T) tokens of positive completions
+    neg = (seq_adv < 0)[:, None] & valid
+    ids = torch.where(valid, token_ids, torch.zeros_like(token_ids)).long()
+    vocab = int(ids.max()) + 1
+    group = (torch.arange(B, device=ids.device) // group_size)[:, None]  # (B, 1)
+    idx = valid.long().cumsum(-1) - 1  # (B, T) index of the token inside its completion
+    from_end = valid.sum(-1, keepdim=True) - 1 - idx  # (B, T) distance from the completion's last token
+
+    def conflict_run(position: Tensor, from_start: bool) -> Tensor:
+        # One integer key per (group, position, token): "same token at the same position of the same
+        # group" becomes key equality, so one isin per sign replaces a G x G comparison.
+        key = (group * T + position) * vocab + ids
+        raw = torch.isin(key, key[pos]) & torch.isin(key, key[neg]) & (pos | neg)
+        broken = ~raw & valid  # masked-out positions (padding, prompt) neither extend nor break the run
+        if not from_start:
+            broken = broken.flip(-1)
+        run = broken.long().cumsum(-1) == 0  # True until the first non-conflict token
+        return (run if from_start else run.flip(-1)) & valid
+
+    conflict = conflict_run(idx, True) | conflict_run(from_end, False)
+    w = torch.ones(B, T, dtype=torch.float32, device=ids.device)
+    w = torch.where(conflict & pos, torch.full_like(w, w_pos), w)
+    w = torch.where(conflict & neg, torch.full_like(w, w_neg), w)
+    return w * valid
+
+
+def gtpo_entropy_gate(token_entropy: Tensor, mask: Tensor, *, threshold: float = math.log(2),
+                      enabled: bool = True) -> tuple[Tensor, Tensor]:
+    """GTPO entropy gate: drop completions whose mean token entropy exceeds the threshold.
+
+    token_entropy, mask: [B, T] -> (keep [B] bool, mean_entropy [B]). delta_i = 1[<H>_i <= ln 2].
+    The trainer passes enabled=False when the starting policy's mean entropy is already above the
+    threshold (README rule; then the gate would drop almost everything). The trainer applies it as
+    adv = where(keep, gtpo_entropy_shift(adv, mean_entropy), 0).
+    """
+    m = mask.float()
+    mean_entropy = (token_entropy.float() * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    keep = mean_entropy <= threshold if enabled else torch.ones_like(mean_entropy, dtype=torch.bool)
+    return keep, mean_entropy
+
+
+def gtpo_entropy_shift(adv: Tensor, mean_entropy: Tensor, gamma: float = 0.1) -> Tensor:
+    """GTPO advantage shift A - gamma * <H>: [B], [B] -> [B]. Entropy is detached, so this penalises
+    high-entropy completions through the advantage (it is not a differentiable regulariser). Note it
+    also gives all-equal groups a small negative signal, as in the released code."""
+    return adv - gamma * mean_entropy.detach()
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Token weights: the loss normaliser of the whole step, computed before micro-batching
+
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+
+
+def token_weights(mask: Tensor, aggregation: str, *, max_len: int | None = None,
+                  num_seqs: int | float | None = None, num_tokens: int | float | None = None) -> Tensor:
+    """Per-token loss weight for one step: mask [B, T] -> weight [B, T]; loss = -sum(weight * obj).
+
+    "seq_mean_token_mean"     GRPO: mean over sequences of per-sequence token means, 1/(n_seqs*len_row)
+    "token_mean"              DAPO: every token of the step weighs the same, 1/n_tokens
+    "seq_mean_token_sum_norm" Dr. GRPO: per-sequence token sums over a constant, 1/(n_seqs*max_len)
+    num_seqs (non-empty rows) and num_tokens default to this mask's counts. Pass the global counts
+    when the step is spread over ranks (all-reduced) or over dynamic-sampling top-ups, so the
+    gradient equals the single-process full-batch gradient.
+    """
+    m = mask.float()
+    lengths = m.sum(-1, keepdim=True)  # (B, 1)
+    n_seqs = float((lengths > 0).sum()) if num_seqs is None else float(num_seqs)
+    if aggregation == "seq_mean_token_mean":
+        return m / (lengths.clamp(min=1.0) * max(n_seqs, 1.0))
+    if aggregation == "token_mean":
+        n_tokens = float(m.sum()) if num_tokens is None else float(num_tokens)
+        return m / max(n_tokens, 1.0)
+    if aggregation == "seq_mean_token_sum_norm":
+        if max_len is None:
+            raise ValueError("token_weights: aggregation 'seq_mean_token_sum_norm' needs max_len "
+                             "(the maximum completion length).")
+        return m / (max(n_seqs, 1.0) * max_len)
+    raise ValueError(f"token_weights: unknown aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}.")
+
+
+def grpo_ma_token_weights(thought_mask: Tensor, answer_id: Tensor, *, thought_weight: float = 1.0,
+                          answer_weight: float = 1.0, num_thoughts: int | float | None = None,
+                          num_answers: int | float | None = None) -> Tensor:
+    """GRPO-MA segment weights for the packed layout: each row is one thought then its M answers.
+
+    thought_mask: [B, T] 1 on the thought's tokens (B = P*K rows, one per thought).
+    answer_id:    [B, T] long, j in 0..M-1 on the tokens of answer j, -1 elsewhere.
+    Returns weight [B, T] such that -sum(weight * obj) =
+      -(thought_weight * mean over thoughts of per-thought token means
+        + answer_weight * mean over answers of per-answer token means).
+    Thought tokens are counted once, not M times. num_thoughts / num_answers (non-empty segments)
+    default to this step's counts; pass global counts under DDP. An empty thought (no
+    end-of-thought marker) drops out, so with M = 1 and empty thoughts this is GRPO's
+    seq_mean_token_mean. With non-empty thoughts and M = 1 it is (thought mean + answer mean), not
+    GRPO's length-weighted mean; for token-level aggregation use token_weights on the union mask.
+    """
+    is_answer = answer_id >= 0
+    if bool((thought_mask.bool() & is_answer).any()):
+        raise ValueError("grpo_ma_token_weights: a token is marked both as thought and as answer.")
+    thought = thought_mask.float()
+    thought_len = thought.sum(-1, keepdim=True)  # (B, 1)
+    n_th = float((thought_len > 0).sum()) if num_thoughts is None else float(num_thoughts)
+    B = answer_id.shape[0]
+    M = int(answer_id.max()) + 1 if bool(is_answer.any()) else 1
+    slot = answer_id.clamp(min=0).long()
+    answer_len = torch.zeros(B, M, device=answer_id.device).scatter_add_(1, slot, is_answer.float())  # (B, M)
+    n_ans = float((answer_len > 0).sum()) if num_answers is None else float(num_answers)
+    w_thought = thought_weight * thought / (thought_len.clamp(min=1.0) * max(n_th, 1.0))
+    w_answer = answer_weight * is_answer.float() / (answer_len.gather(1, slot).clamp(min=1.0) * max(n_ans, 1.0))
+    return w_thought + w_answer
+
+
+def grpo_ma_token_advantages(thought_adv: Tensor, answer_adv: Tensor, thought_mask: Tensor,
+                             answer_id: Tensor) -> Tensor:
+    """Per-token advantage for the packed GRPO-MA layout (see grpo_ma_token_weights).
+
+    thought_adv [P, K], answer_adv [P, K, M], thought_mask / answer_id [P*K, T] -> adv [P*K, T]:
+    thought tokens get their thought's advantage, answer j's tokens get A_ans[p, i, j].
+    """
+    P, K, M = answer_adv.shape
+    if bool((answer_id >= M).any()):
+        raise ValueError(f"grpo_ma_token_advantages: answer_id holds ids >= M = {M}.")
+    th = thought_adv.reshape(P * K, 1) * thought_mask.float()
+    ans = answer_adv.reshape(P * K, M).gather(1, answer_id.clamp(min=0).long()) * (answer_id >= 0)
+    return th + ans
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The policy loss: clipped surrogate (PPO/GRPO, DAPO clip-higher, GSPO) minus beta * KL3
+
+
+def kl3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per token: exp(d) - d - 1 with d = ref_logp - logp.
+    Always >= 0 and 0 where logp == ref_logp; unbiased for the KL under samples from pi."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, weight: Tensor, *, clip_low: float = 0.2,
+                clip_high: float = 0.2, ref_logp: Tensor | None = None, beta: float = 0.0,
+                sequence_ratio: bool = False, mask: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """loss = -sum(weight * (min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A) - beta*KL3)).
+
+    logp, old_logp, adv, weight (and ref_logp, mask): [B, T]. The weight carries the aggregation
+    normaliser (section 4), so the loss is a plain sum and micro-batch losses add up.
+    rho = exp(logp - old_logp) per token, or with sequence_ratio GSPO's (arXiv 2507.18071)
+    s_i = exp(mean over row i's tokens of (logp - old_logp)), used in the GSPO-token form
+    sg[s_i] * exp(logp_t - sg[logp_t]): the value is s_i on every token, the gradient s_i * grad logp_t,
+    which is GSPO's gradient for uniform row weights and stays right for per-token advantages.
+    mask: tokens that exist (default weight != 0); used for the GSPO mean and the metrics, and must
+    cover every token with non-zero weight. For packed GRPO-MA rows the GSPO mean spans the whole row.
+    Metrics (floats, no grad) are means over this call's masked tokens, i.e. partial for one
+    micro-batch: the trainer averages them weighted by metrics["num_tokens"].
+    """
+    if beta != 0.0 and ref_logp is None:
+        raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
+    mask = weight != 0 if mask is None else mask.bool()
+    # Zero the differences off the mask before exp: padded log-probs may be -inf or garbage, and
+    # exp(inf) * 0 would put nan into the loss and its gradient.
+    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+    if sequence_ratio:
+        n = mask.sum(-1, keepdim=True).clamp(min=1)
+        log_s = log_ratio.detach().sum(-1, keepdim=True) / n  # (B, 1) log of the geometric mean ratio
+        ratio = torch.exp(log_s + log_ratio - log_ratio.detach())
+    else:
+        ratio = torch.exp(log_ratio)
+    obj = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    kl = None
+    if ref_logp is not None:
+        zero = torch.zeros_like(logp)
+        kl = kl3(torch.where(mask, logp, zero), torch.where(mask, ref_logp.detach(), zero))
+        obj = obj - beta * kl
+    loss = -(weight * torch.where(mask, obj, torch.zeros_like(obj))).sum()
+
+    with torch.no_grad():
+        n_tok = mask.sum().clamp(min=1)
+        r = ratio.detach()
+        low = mask & (r < 1 - clip_low) & (adv < 0)  # clipped where the clip binds (zero gradient)
+        high = mask & (r > 1 + clip_high) & (adv > 0)
+        names = ["clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "num_tokens"]
+        vals = [low.sum() / n_tok, high.sum() / n_tok, (low | high).sum() / n_tok,
+                (r * mask).sum() / n_tok, mask.sum().float()]
+        if kl is not None:
+            names.append("kl")
+            vals.append((kl.detach() * mask).sum() / n_tok)
+        metrics = dict(zip(names, torch.stack([v.float() for v in vals]).tolist()))  # one device sync
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Diagnostics: gradient spikes, GRPO-MA's variance claim, hard-example selection
+
+
+def gradient_spike_score(grad_norms: list[float] | Tensor, tau: float = 10.0) -> tuple[Tensor, float]:
+    """Gradient spike score (SPAM; GRPO-MA reports GSS@10): gss_t = ||g_t|| / mean_{s<=t} ||g_s||.
+
+    grad_norms: [N] global grad norms before clipping -> (gss [N] float64, fraction of steps with
+    gss > tau). Steps where every norm so far is 0 get gss 0.
+    """
+    g = torch.as_tensor(grad_norms, dtype=torch.float64).flatten()
+    running_mean = g.cumsum(0) / torch.arange(1, g.numel() + 1, dtype=torch.float64)
+    gss = torch.where(running_mean > 0, g / running_mean, torch.zeros_like(g))
+    return gss, float((gss > tau).double().mean()) if g.numel() else 0.0
+
+
+def thought_advantage_variance(k: int, m: int, *, n_trials: int = 1000, q_low: float = 0.1,
+                               q_high: float = 0.9, seed: int = 0) -> float:
+    """Monte-Carlo check of GRPO-MA's variance claim (reference doc §1.6): E[(A_hat_i - z_i)^2].
+
+    Per trial: K thoughts with true success probability q_i ~ U(q_low, q_high), M answers per
+    thought with reward ~ Bernoulli(q_i). A_hat = grpo_ma_advantages' thought advantage; z = the
+    same normalisation applied to the true q (noise-free). Returns the mean squared error over trials
+    and thoughts. Claim: flat in K (a floor), falling ~1/M (limit E[q(1-q)] / (M Var q) as K, M grow).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q = q_low + (q_high - q_low) * torch.rand(n_trials, k, generator=gen, dtype=torch.float64)  # (N, K)
+    rewards = (torch.rand(n_trials, k, m, generator=gen, dtype=torch.float64) < q[..., None]).double()
+    a_hat, _ = grpo_ma_advantages(rewards)  # (N, K): trials play the role of prompts
+    z = group_advantages(q)
+    return float(((a_hat - z) ** 2).mean())
+
+
+def select_hard_examples(pass_rates: Tensor, fraction: float) -> Tensor:
+    """Hard-example selection (Pikus et al., arXiv 2508.14094): [N] pass rates (estimated with K base
+    model samples) -> indices of the hardest floor(N * fraction), hardest first, ties in data order."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"select_hard_examples: fraction must be in [0, 1], got {fraction}.")
+    n = math.floor(pass_rates.numel() * fraction + 1e-9)  # 100 * 0.29 is 28.999..., still 29
+    return torch.argsort(pass_rates, stable=True)[:n]

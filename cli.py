@@ -1,0 +1,65 @@
+"""cli.py: turn a config dataclass into a command line, so every default lives in one place.
+
+Each dataclass field becomes `--kebab-case` with its type taken from the default, booleans get
+`--flag/--no-flag`, and the help text is the field's trailing comment in the source. Unknown flags
+are an error. `parse_config` also reports which flags the user typed, so presets can fill only the
+rest (style: "presets fill defaults the user did not set").
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from typing import Any, Sequence
+
+
+def _field_help(cls: type) -> dict[str, str]:
+    """Trailing `# comment` of each `name: type = default  # comment` line of the class body."""
+    helps = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+)\s*:[^=]*=.*?#\s*(.*)$", line)
+        if m:
+            helps[m.group(1)] = m.group(2).strip()
+    return helps
+
+
+def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    helps = _field_help(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = type(f.default)
+        # SUPPRESS: a flag the user did not type is absent from the namespace (see parse_config).
+        kw: dict[str, Any] = dict(default=argparse.SUPPRESS, help=helps.get(f.name, "") + f" (default: {f.default!r})")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), **kw)
+    return parser
+
+
+def parse_config(cls: type, argv: Sequence[str] | None = None, description: str = "",
+                 presets: dict[str, dict[str, Any]] | None = None, preset_field: str = "") -> tuple[Any, set[str]]:
+    """Parse argv into `cls`. Returns (config, names the user set explicitly).
+
+    With `presets`, the value of `preset_field` picks a dict of overrides that applies to every
+    field the user did not set on the command line.
+    """
+    parser = build_parser(cls, description)
+    ns = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
+    explicit = set(ns)
+    values: dict[str, Any] = {}
+    if presets is not None:
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        name = ns.get(preset_field, defaults[preset_field])
+        if name not in presets:
+            parser.error(f"--{preset_field.replace('_', '-')} must be one of {', '.join(presets)}, got {name!r}")
+        values.update(presets[name])
+    values.update(ns)
+    try:
+        return cls(**values), explicit
+    except ValueError as e:  # __post_init__ validation: one sentence, no traceback
+        parser.error(str(e))

@@ -1,0 +1,383 @@
+"""Sampling from the policy: the KV cache, prefill/decode, temperature / top-k / top-p / greedy
+sampling with per-prompt seeds, prefix-shared tree sampling (K thoughts x M answers) and the
+per-token log-probs of every returned token. Knows nothing about tasks or rewards.
+
+One mechanism handles padding, finished rows and forks (reference/model-compat.md §3.2):
+* every row writes its next token into the same cache slot ("lockstep"); RoPE positions are
+  explicit per row and `key_valid` (B, S) says which slots hold real tokens. Prompts of different
+  lengths are left-padded (pad slots invalid), and a finished row's slots are invalid from then
+  on. Attention only sees valid keys and RoPE only relative positions, so holes are harmless.
+* each distinct prompt is prefilled once; its cache rows are then copied n ways (`fork`).
+* finished rows stop costing compute: once half of the active rows are done, the rows are
+  reordered live-first and the forward runs on that prefix only (`KVCache.compact`). Finished
+  rows keep their cache after the active ones, which tree sampling needs for the answers.
+
+Decisions (deliberate simplifications):
+* Seeds: prompt p's random draws come only from a CPU torch.Generator seeded with seed[p]: one
+  uniform per row and step, drawn up front, turned into a token by inverse-CDF sampling. So a
+  prompt's samples do not depend on which prompts share its batch (up to float rounding of
+  batch-shape-dependent kernels). A single int seed draws the per-prompt seeds from Generator(seed).
+* Thought stop rule: only the end-of-thought marker and max_thought_tokens end a thought; stop ids
+  are not checked in the thought phase. A thought cut off at the limit gets the whole marker
+  appended (even if it ended in part of it); the forced tokens' log-probs are the model's, under
+  temperature but without top-k/top-p truncation, so every token has a finite log-prob.
+* No marker (end_of_thought=()) or max_thought_tokens=0 is plain group sampling: empty thoughts,
+  each answer a whole completion of at most max_answer_tokens.
+* Greedy (temperature 0) reports temperature-1 log-probs (the point mass it samples from has 0).
+* compile=True (CUDA): static-shape decode step (in-place cache writes at a tensor slot,
+  attention over all max_len slots) under torch.compile "reduce-overhead" (CUDA graphs); rows are
+  then never compacted. The static path is tested on CPU without compile; the compiled CUDA-graph
+  run itself is untested here (no GPU).
+"""
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from model import Transformer, token_logprobs
+
+COMPACT_WHEN_DONE = 0.5  # compact the batch once this fraction of the active rows has finished
+SYNC_EVERY = 8           # on GPU, look at the done flags (a host sync) only every this many steps
+
+
+class KVCache:
+    """Preallocated keys/values (L, B, Hkv, max_len, hd) for every layer, plus per-row state."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros: never NaN garbage behind a mask
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # slot holds a real token
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # RoPE position of the next token
+        self.rows = torch.arange(batch, device=device)  # caller's row id held by each cache row
+        self.length = 0     # slots written so far, the same for every row
+        self.batch = batch  # forwards run on the active cache rows [:batch]
+        self.slot: Tensor | None = None  # static mode: write at this (1,) slot, return all slots
+
+    @classmethod
+    def for_model(cls, model: Transformer, batch: int, max_len: int) -> "KVCache":
+        c, dev = model.config, model.lm_head.weight.device
+        # under autocast the keys/values arrive in the autocast dtype: store them in it
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.lm_head.weight.dtype
+        return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, dtype=dtype, device=dev)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size() + self.key_valid.numel()
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new k, v (b, Hkv, T, hd) of one layer; return all keys/values (b, Hkv, S, hd)."""
+        b, T = k.shape[0], k.shape[2]
+        if self.slot is not None:  # static shapes (compiled decode): in-place write, full width
+            self.k[layer_idx, :b].index_copy_(2, self.slot, k)
+            self.v[layer_idx, :b].index_copy_(2, self.slot, v)
+            return self.k[layer_idx, :b], self.v[layer_idx, :b]
+        s = self.length
+        self.k[layer_idx, :b, :, s:s + T] = k
+        self.v[layer_idx, :b, :, s:s + T] = v
+        return self.k[layer_idx, :b, :, :s + T], self.v[layer_idx, :b, :, :s + T]
+
+    def reorder(self, perm: Tensor) -> None:
+        """Permute the first len(perm) cache rows: new row i = old row perm[i]."""
+        b, s = len(perm), self.length
+        self.k[:, :b, :, :s] = self.k[:, perm, :, :s]
+        self.v[:, :b, :, :s] = self.v[:, perm, :, :s]
+        for name in ("key_valid", "next_pos", "rows"):
+            getattr(self, name)[:b] = getattr(self, name)[perm]
+
+    def compact(self, alive: Tensor) -> Tensor:
+        """Move the live active rows first and make only them active; returns the permutation."""
+        perm = torch.cat([alive.nonzero()[:, 0], (~alive).nonzero()[:, 0]])
+        self.reorder(perm)
+        self.batch = int(alive.sum())
+        return perm
+
+    def restore_order(self) -> None:
+        """Make every row active again, in the caller's row order (undoes compactions)."""
+        self.batch = len(self.rows)
+        if not torch.equal(self.rows, torch.arange(len(self.rows), device=self.rows.device)):
+            self.reorder(torch.argsort(self.rows))
+
+    def fork(self, rows: Tensor, max_len: int) -> "KVCache":
+        """A new cache of len(rows) rows; row i copies the caller's row rows[i] (prefix sharing)."""
+        src, s = torch.argsort(self.rows)[rows], self.length
+        new = KVCache(self.k.shape[0], len(rows), self.k.shape[2], max_len, self.k.shape[4],
+                      dtype=self.k.dtype, device=self.k.device)
+        new.k[:, :, :, :s] = self.k[:, src, :, :s]
+        new.v[:, :, :, :s] = self.v[:, src, :, :s]
+        new.key_valid[:, :s] = self.key_valid[src, :s]
+        new.next_pos[:] = self.next_pos[src]
+        new.length = s
+        return new
+
+    def make_static(self) -> None:
+        """Static shapes for a compiled decode step: writes go to the tensor slot `self.slot`,
+        attention covers all max_len slots, and the buffers keep fixed addresses (CUDA graphs)."""
+        self.slot = torch.tensor([self.length], device=self.k.device)
+        for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
+            torch._dynamo.mark_static_address(t)
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]      # prompt-major: prompt i's samples at i*n .. i*n+n-1; stop token included when hit
+    logprobs: list[list[float]]  # per sampled token, under the distribution sampled from
+    finish: list[str]            # "stop" | "length"
+
+
+@dataclass
+class Tree:
+    thoughts: list[list[int]]           # P*K, prompt p's thought i at p*K+i; ends with the marker ids
+    thought_logprobs: list[list[float]]  # forced (appended) marker tokens: the model's log-prob of them
+    thought_truncated: list[bool]       # True when the marker was appended by the sampler
+    answers: list[list[int]]            # P*K*M, (p, i, j) at (p*K+i)*M+j; stop id included when hit
+    answer_logprobs: list[list[float]]
+    answer_finish: list[str]            # "stop" | "length"
+
+
+# ----------------------------------------------------------------------------- model steps
+
+def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logits_to_keep: int = 1) -> Tensor:
+    """Append a chunk ids (b, T) to the active cache rows; valid (b, T) is False for left padding
+    and for finished rows. Returns logits (b, logits_to_keep, V) in the model dtype."""
+    b, T = ids.shape
+    s = cache.length
+    cache.key_valid[:b, s:s + T] = valid
+    positions = cache.next_pos[:b, None] + (valid.cumsum(1) - 1).clamp(min=0)  # (b, T); pads: junk
+    mask = cache.key_valid[:b, None, :s + T]                                  # (b, 1, S)
+    if T > 1:  # bottom-right causal; a padding query sees only itself, so no row is fully masked
+        q = torch.arange(s, s + T, device=ids.device)[:, None]
+        kpos = torch.arange(s + T, device=ids.device)[None, :]
+        mask = (mask | (kpos == q)) & (kpos <= q)                              # (b, T, S)
+    logits = model(ids, positions=positions, cache=cache, attn_mask=mask[:, None], logits_to_keep=logits_to_keep)
+    cache.length += T
+    cache.next_pos[:b] += valid.sum(1)
+    return logits
+
+
+def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, Tensor]:
+    """Run the left-padded prompts through the model once; returns their cache and the logits
+    (P, V) of each prompt's next token."""
+    P, T = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(P, T, dtype=torch.long)
+    valid = torch.zeros(P, T, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = torch.tensor(p)
+        valid[i, T - len(p):] = True
+    cache = KVCache.for_model(model, P, T)
+    dev = cache.k.device
+    return cache, extend(model, cache, ids.to(dev), valid.to(dev))[:, -1]
+
+
+def decode_step(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
+    """Feed one token (b,) per active row; returns the logits (b, V) of each row's next token."""
+    return extend(model, cache, tok[:, None], alive[:, None])[:, -1]
+
+
+def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
+    """decode_step with static shapes (for torch.compile / CUDA graphs): the slot is a tensor and
+    attention spans all max_len slots; unwritten slots are invalid. All rows are active."""
+    cache.key_valid.index_copy_(1, cache.slot, alive[:, None])
+    logits = model(tok[:, None], positions=cache.next_pos[:, None], cache=cache,
+                   attn_mask=cache.key_valid[:, None, None, :])
+    cache.next_pos += alive
+    return logits[:, -1]
+
+
+@functools.cache
+def compiled_decode_step():
+    return torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def truncate(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """float logits (b, V) with -inf outside the top-k set, then outside the top-p nucleus of
+    softmax(logits / temperature): the smallest set of most likely tokens with mass >= top_p."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits / temperature, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens; the first is always kept
+        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(probs.cumsum(-1) >= top_p, float("-inf")))
+    return logits
+
+
+def sample_next(logits: Tensor, u: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    """logits (b, V), u (b,) uniforms in [0, 1) -> tokens (b,) and their float32 log-probs under the
+    distribution sampled from (temperature -> top-k -> top-p), by inverse-CDF sampling."""
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, token_logprobs(logits, tok)
+    logits = logits.float()
+    if top_k > 0 or top_p < 1.0:
+        logits = truncate(logits, temperature, top_k, top_p)
+    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)  # (b, V)
+    total = cdf[:, -1:]
+    # first token whose cdf exceeds u * total; x < total strictly, so zero-probability tokens never win
+    x = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    tok = torch.searchsorted(cdf, x, right=True)[:, 0]
+    return tok, token_logprobs(logits, tok, temperature)
+
+
+def decode(model: Transformer, cache: KVCache, logits: Tensor, uniforms: Tensor, max_steps: int, *,
+           temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int] = (),
+           marker: Sequence[int] = (), compile: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sample up to max_steps tokens for every cache row, starting from `logits` (B, V) of each row's
+    next token; a row ends on a stop id or once its tokens end with `marker`. The last sampled token
+    is not fed to the cache. Returns, in the caller's row order: tokens (B, max_steps), logp
+    (B, max_steps), n_tokens (B,) and stopped (B,) (ended by a stop id or the marker)."""
+    B, dev = cache.batch, logits.device
+    tokens = torch.zeros(B, max_steps, dtype=torch.long, device=dev)
+    logp = torch.zeros(B, max_steps, device=dev)
+    n_tokens = torch.full((B,), max_steps, device=dev)
+    stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)  # per active cache row
+    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
+    mark = torch.tensor(list(marker), dtype=torch.long, device=dev)
+    sync_every = 1 if dev.type == "cpu" else SYNC_EVERY  # a host sync costs nothing on CPU
+    if compile:
+        cache.make_static()
+    for t in range(max_steps):
+        rows = cache.rows[:cache.batch]  # caller's row ids of the active rows
+        tok, lp = sample_next(logits, uniforms[rows, t], temperature, top_k, top_p)
+        tokens[rows, t], logp[rows, t] = tok, lp
+        hit = torch.isin(tok, stop)
+        if len(mark) and t + 1 >= len(mark):
+            hit |= (tokens[rows, t + 1 - len(mark):t + 1] == mark).all(-1)
+        ended = alive & hit
+        n_tokens[rows] = torch.where(ended, t + 1, n_tokens[rows])
+        stopped[rows] = stopped[rows] | ended
+        alive = alive & ~hit
+        if t + 1 == max_steps:
+            break
+        if (t + 1) % sync_every == 0:
+            live = int(alive.sum())
+            if live == 0:
+                break
+            if not compile and live <= (1 - COMPACT_WHEN_DONE) * cache.batch:
+                perm = cache.compact(alive)[:live]
+                tok, alive = tok[perm], alive[perm]
+        if compile:
+            torch.compiler.cudagraph_mark_step_begin()
+            logits = compiled_decode_step()(model, cache, tok, alive)
+            cache.slot += 1
+            cache.length += 1
+        else:
+            logits = decode_step(model, cache, tok, alive)
+    cache.slot = None
+    return tokens, logp, n_tokens, stopped
+
+
+# ----------------------------------------------------------------------------- public API
+
+def _check(model: Transformer, prompts: list[list[int]], new_tokens: int, temperature: float,
+           top_k: int, top_p: float, seed: int | Sequence[int] | None, fn: str) -> list[int]:
+    """Validate the arguments a user controls; returns one seed per prompt."""
+    if not prompts:
+        raise ValueError(f"{fn}: prompts is empty; pass at least one prompt (a list of token ids).")
+    ctx, V = model.config.max_position_embeddings, model.config.vocab_size
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"{fn}: prompt {i} has no tokens; every prompt needs at least one token.")
+        if len(p) + new_tokens > ctx:
+            raise ValueError(f"{fn}: prompt {i} ({len(p)} tokens) plus {new_tokens} new tokens exceeds the "
+                             f"model's context of {ctx} (config max_position_embeddings).")
+        if min(p) < 0 or max(p) >= V:
+            raise ValueError(f"{fn}: prompt {i} has a token id outside the vocabulary [0, {V}).")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"{fn}: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, "
+                         f"got {temperature}, {top_k}, {top_p}.")
+    if seed is None:  # fresh randomness from torch's global generator (so torch.manual_seed applies)
+        return torch.randint(2**62, (len(prompts),)).tolist()
+    if isinstance(seed, int):
+        return torch.randint(2**62, (len(prompts),), generator=torch.Generator().manual_seed(seed)).tolist()
+    if len(seed) != len(prompts):
+        raise ValueError(f"{fn}: got {len(seed)} seeds for {len(prompts)} prompts; pass one int or one per prompt.")
+    return [int(s) for s in seed]
+
+
+def _finish(tokens: Tensor, logp: Tensor, n_tokens: Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    tokens, logp, n_tokens = tokens.tolist(), logp.tolist(), n_tokens.tolist()
+    return [t[:n] for t, n in zip(tokens, n_tokens)], [lp[:n] for lp, n in zip(logp, n_tokens)]
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompts: list[list[int]], *, max_new_tokens: int, n: int = 1,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
+             seed: int | Sequence[int] | None = None, compile: bool = False) -> Generation:
+    """n samples of at most max_new_tokens for each prompt (token ids), prompt-major."""
+    if max_new_tokens < 1 or n < 1:
+        raise ValueError(f"generate: max_new_tokens and n must be >= 1, got {max_new_tokens} and {n}.")
+    seeds = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, "generate")
+    cache, logits = prefill(model, prompts)
+    rows = torch.arange(len(prompts), device=logits.device).repeat_interleave(n)
+    cache, logits = cache.fork(rows, cache.length + max_new_tokens), logits[rows]
+    u = torch.cat([torch.rand(n, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    tokens, logp, n_tokens, stopped = decode(
+        model, cache, logits, u.to(logits.device), max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, stop_ids=stop_ids, compile=compile)
+    tokens, logprobs = _finish(tokens, logp, n_tokens)
+    return Generation(tokens, logprobs, ["stop" if s else "length" for s in stopped.tolist()])
+
+
+@torch.inference_mode()
+def sample_tree(model: Transformer, prompts: list[list[int]], *, k: int, m: int, max_thought_tokens: int,
+                max_answer_tokens: int, end_of_thought: Sequence[int] = (), temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
+                seed: int | Sequence[int] | None = None, compile: bool = False) -> Tree:
+    """K thoughts per prompt, each ended by the end_of_thought marker (appended if cut off), then M
+    answers from each thought; the prompt and each thought are computed once and shared."""
+    P, K, M = len(prompts), k, m
+    if K < 1 or M < 1 or max_answer_tokens < 1 or max_thought_tokens < 0:
+        raise ValueError(f"sample_tree: need k, m, max_answer_tokens >= 1 and max_thought_tokens >= 0, "
+                         f"got {k}, {m}, {max_answer_tokens}, {max_thought_tokens}.")
+    marker = list(end_of_thought)
+    if not marker or max_thought_tokens == 0:  # no thought phase: plain group sampling, G = K*M
+        g = generate(model, prompts, max_new_tokens=max_answer_tokens, n=K * M, temperature=temperature,
+                     top_k=top_k, top_p=top_p, stop_ids=stop_ids, seed=seed, compile=compile)
+        return Tree([[] for _ in range(P * K)], [[] for _ in range(P * K)], [False] * (P * K),
+                    g.tokens, g.logprobs, g.finish)
+    Lm, Tt, Ta = len(marker), max_thought_tokens, max_answer_tokens
+    seeds = _check(model, prompts, Tt + Lm + Ta, temperature, top_k, top_p, seed, "sample_tree")
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    u_thought = torch.cat([torch.rand(K, Tt, generator=g) for g in gens])  # per prompt: thoughts first,
+    u_answer = torch.cat([torch.rand(K * M, Ta, generator=g) for g in gens])  # then answers
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, compile=compile)
+
+    # 1. prefill each prompt once, fork it K ways, decode the thoughts (marker or length ends them)
+    cache, logits = prefill(model, prompts)
+    rows = torch.arange(P, device=logits.device).repeat_interleave(K)
+    cache, logits = cache.fork(rows, cache.length + Tt + Lm), logits[rows]
+    tok, lp, n_tok, ended = decode(model, cache, logits, u_thought.to(logits.device), Tt, marker=marker, **sampling)
+
+    # 2. one chunk per thought: its last token, preceded by the forced marker if it was cut off
+    # (left-padded to Lm + 1 where the thought ended on its own); logits give the marker log-probs
+    cache.restore_order()
+    last = tok.gather(1, (n_tok - 1)[:, None])                             # (PK, 1)
+    mark = torch.tensor(marker, device=tok.device).expand(P * K, Lm)
+    chunk = torch.where(ended[:, None], torch.cat([mark, last], 1), torch.cat([last, mark], 1))
+    valid = torch.ones_like(chunk, dtype=torch.bool)
+    valid[:, :Lm] = ~ended[:, None]
+    logits = extend(model, cache, chunk, valid, logits_to_keep=Lm + 1)    # (PK, Lm + 1, V)
+    forced_lp = token_logprobs(logits[:, :Lm], mark, temperature or 1.0)  # (PK, Lm)
+
+    # 3. fork each thought M ways and decode the answers
+    rows = torch.arange(P * K, device=tok.device).repeat_interleave(M)
+    cache, logits = cache.fork(rows, cache.length + Ta), logits[rows, -1]
+    a_tok, a_lp, a_n, a_stopped = decode(model, cache, logits, u_answer.to(logits.device), Ta,
+                                         stop_ids=stop_ids, **sampling)
+
+    thoughts, thought_lp = _finish(tok, lp, n_tok)
+    for i, cut in enumerate((~ended).tolist()):
+        if cut:
+            thoughts[i] += marker
+            thought_lp[i] += forced_lp[i].tolist()
+    answers, answer_lp = _finish(a_tok, a_lp, a_n)
+    return Tree(thoughts, thought_lp, (~ended).tolist(), answers, answer_lp,
+                ["stop" if s else "length" for s in a_stopped.tolist()])

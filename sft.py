@@ -1,0 +1,135 @@
+"""sft.py: supervised warm start, and the recipe that builds the bundled tiny model.
+
+    python sft.py                      # rebuild assets/tiny-model from scratch (make tiny-model)
+    python sft.py --steps 2000 --out /tmp/better-tiny
+
+RL needs a policy that is sometimes right: a random model never earns a reward. This script
+builds a character-level tokenizer for the synthetic task, a small Qwen2-architecture model, and
+trains it on the task's reference completions (`<think>` scratchpad, then the answer) with plain
+next-token cross-entropy on the completion tokens. It stops early on purpose, at a moderate
+held-out accuracy, so that RL has room to improve it. Fixed seed and step count: rerunning it on
+the same machine gives the same weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from cli import parse_config
+from model import ModelConfig, Transformer, load_tokenizer, save_model, token_logprobs
+from tasks import SYNTHETIC_CHARS, get_task, render_prompt, sft_completion
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as Qwen
+THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode keeps them)
+
+
+@dataclass
+class SFTConfig:
+    out: str = "assets/tiny-model"  # where the checkpoint (HF layout + tokenizer) is written
+    task: str = "synthetic"  # task whose reference completions are the training data
+    steps: int = 500  # optimizer steps (fixed, not time-based, so the result is reproducible)
+    batch_size: int = 64  # examples per step
+    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay)
+    warmup: int = 50  # warm-up steps
+    seed: int = 0  # initialisation and data seed
+    hidden_size: int = 128  # model width
+    layers: int = 4  # transformer blocks
+    heads: int = 4  # attention heads (head_dim = hidden / heads)
+    kv_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate_size: int = 352  # SwiGLU hidden size
+    eval_examples: int = 200  # held-out prompts for the final greedy accuracy
+
+
+def build_char_tokenizer(chars: str) -> Tokenizer:
+    """One token per character, plus ChatML specials and the think markers as atomic tokens."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + THINK + sorted(set(chars)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK])
+    return tok
+
+
+def write_tokenizer(tok: Tokenizer, path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+                   "pad_token": "<|endoftext|>", "add_bos_token": False}, f, indent=2)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+                   "pad_token_id": tok.token_to_id("<|endoftext|>")}, f, indent=2)
+
+
+def make_batch(tokenizer, examples: list[dict], system_prompt: str | None, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompt + completion ids (B, T) and a mask (B, T) of the completion tokens."""
+    end = tokenizer.token_to_id("<|im_end|>")
+    rows = []
+    for ex in examples:
+        prompt = render_prompt(tokenizer, ex, system_prompt)
+        completion = tokenizer.encode(sft_completion(ex)) + [end]
+        rows.append((prompt + completion, len(prompt)))
+    T = max(len(r) for r, _ in rows)
+    ids = torch.full((len(rows), T), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), T)
+    for b, (r, n_prompt) in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r)
+        mask[b, n_prompt:len(r)] = 1.0
+    return ids.to(device), mask.to(device)
+
+
+def main(cfg: SFTConfig) -> float:
+    from eval import evaluate  # the same held-out evaluation the trainer reports
+    torch.manual_seed(cfg.seed)
+    task = get_task(cfg.task)
+    tok_dir = cfg.out + ".tokenizer.tmp"
+    write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
+    tokenizer = load_tokenizer(tok_dir)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                         head_dim=cfg.hidden_size // cfg.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         tie_word_embeddings=True, attention_bias=True, model_type="qwen2", max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=tokenizer.token_to_id("<|im_end|>"))
+    model = Transformer(config)
+    for name, p in model.named_parameters():  # GPT-2 style init; norms start at 1, biases at 0
+        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.zeros_(p) if "bias" in name else torch.nn.init.ones_(p)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup, 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
+    pool = task.train()
+    g = torch.Generator().manual_seed(cfg.seed)
+    print(f"sft: {n_params / 1e6:.2f}M parameters, vocab {config.vocab_size}, {cfg.steps} steps of {cfg.batch_size}")
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        idx = torch.randint(len(pool), (cfg.batch_size,), generator=g).tolist()
+        ids, mask = make_batch(tokenizer, [pool[i] for i in idx], task.system_prompt, "cpu")
+        logits = model(ids)  # (B, T, V)
+        logp = token_logprobs(logits[:, :-1], ids[:, 1:])  # (B, T-1)
+        loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == cfg.steps - 1:
+            print(f"step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - t0:.0f}s")
+    model.eval()
+    res = evaluate(model, tokenizer, task, task.test(cfg.eval_examples, cfg.seed), n=4, seed=cfg.seed)
+    print("held-out: " + "  ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
+    save_model(model, cfg.out, tokenizer_dir=tok_dir)
+    for f in os.listdir(tok_dir):
+        os.remove(os.path.join(tok_dir, f))
+    os.rmdir(tok_dir)
+    print(f"wrote {cfg.out} ({time.perf_counter() - t0:.0f}s)")
+    return res["greedy_accuracy"]
+
+
+if __name__ == "__main__":
+    main(parse_config(SFTConfig, description=__doc__.split("\n\n")[0])[0])

@@ -1,0 +1,379 @@
+"""Tests of sampler.py: greedy generation equals transformers.generate, the KV cache (decode,
+forks, holes, chunks, compaction, the static path) equals a clean full forward, tree sampling
+shares its prefixes and reports the trainer's log-probs, sampling matches its target
+distribution, seeds are per prompt, and misuse is a clear error. Tiny random models, CPU."""
+from collections import Counter
+
+import pytest
+import torch
+
+import sampler
+from helpers import make_hf_checkpoint
+from model import load_model, token_logprobs
+from sampler import KVCache, decode_step, extend, generate, prefill, sample_next, sample_tree
+
+PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]  # different lengths
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """One tiny random checkpoint per family, loaded with model.load_model (float32)."""
+    d = tmp_path_factory.mktemp("ckpt")
+    return {f: load_model(make_hf_checkpoint(d, f, tied=f == "qwen3")) for f in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def peaky(tmp_path_factory):
+    """A qwen2 model whose lm_head is scaled x4: peaked next-token distributions, so frequent tokens
+    repeat (natural stops) and wrong sampling temperatures are detectable."""
+    m = load_model(make_hf_checkpoint(tmp_path_factory.mktemp("peaky"), "qwen2"))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4)
+    return m
+
+
+def full_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's view: log-probs of `completion` from one plain causal forward of prompt + completion."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1:-1]
+    return token_logprobs(logits, torch.tensor(completion), temperature)
+
+
+def record_forwards(model, monkeypatch) -> list[tuple[int, int]]:
+    """Wrap model.forward to log the (B, T) shape of every call."""
+    shapes, forward = [], model.forward
+    def wrapped(input_ids, *args, **kw):
+        shapes.append(tuple(input_ids.shape))
+        return forward(input_ids, *args, **kw)
+    monkeypatch.setattr(model, "forward", wrapped)
+    return shapes
+
+
+# ----------------------------------------------------------------------------- greedy vs transformers
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers_generate(models, tmp_path, family):
+    """Guards against any cache / position / padding / RoPE bug in batched decoding (left padding
+    with per-row positions, a key mask), and against stop ids that end the wrong row or drop the
+    stop token: token-for-token equality with HF generate on a left-padded batch."""
+    import transformers
+    ours = models[family]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(make_hf_checkpoint(tmp_path, family, tied=family == "qwen3"),
+                                                           dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    T = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in PROMPTS])
+    am = torch.arange(T) >= torch.tensor([T - len(p) for p in PROMPTS])[:, None]  # left padding
+
+    def hf_new(**kw) -> list[list[int]]:
+        out = hf.generate(ids, attention_mask=am.long(), max_new_tokens=16, do_sample=False,
+                          repetition_penalty=1.0, pad_token_id=0, **kw)[:, T:].tolist()
+        stop = kw.get("eos_token_id")
+        return [r[:r.index(stop) + 1] if stop in r else r for r in out]  # up to and including the stop
+
+    g = generate(ours, PROMPTS, max_new_tokens=16, temperature=0)
+    assert g.tokens == hf_new()
+    assert g.finish == ["length"] * 3
+    # a token row 0 emits at step ~3 that rows 1 and 2 never emit: row 0 must stop there, the others go on
+    stop = next(t for t in g.tokens[0][3:] if t not in g.tokens[1] + g.tokens[2])
+    s = generate(ours, PROMPTS, max_new_tokens=16, temperature=0, stop_ids=[stop])
+    assert s.tokens == hf_new(eos_token_id=stop)
+    assert s.tokens[0] == g.tokens[0][:g.tokens[0].index(stop) + 1] and s.tokens[1:] == g.tokens[1:]
+    assert s.finish == ["stop", "length", "length"]
+
+
+# ----------------------------------------------------------------------------- the cache
+
+def test_cached_decode_matches_full_forward(models):
+    """Guards against wrong positions, masks or cache slots in prefill + decode: every decode
+    step's logits equal a plain full forward of the row's own (unpadded) tokens."""
+    model = models["llama"]
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    cache, logits = prefill(model, prompts)
+    cache = cache.fork(torch.arange(2), cache.length + 5)
+    feed = torch.tensor([[7, 8, 9, 10, 11], [20, 21, 22, 23, 24]])
+    steps = [logits]
+    with torch.no_grad():
+        for t in range(5):
+            steps.append(decode_step(model, cache, feed[:, t], torch.ones(2, dtype=torch.bool)))
+        for i, p in enumerate(prompts):
+            ref = model(torch.tensor([p + feed[i].tolist()]))[0, len(p) - 1:]  # (6, V)
+            torch.testing.assert_close(torch.stack([s[i] for s in steps]), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_forked_cache_with_holes_and_chunk_matches_clean_forward(models):
+    """Guards against holes (slots of a row that had finished) leaking into attention, fork copying
+    the wrong rows, and a chunk appended to a non-empty cache using a top-left (is_causal) mask:
+    logits of the chunk equal a clean forward of the row's real tokens."""
+    model = models["qwen3"]
+    cache, _ = prefill(model, [PROMPTS[2], PROMPTS[1]])
+    cache = cache.fork(torch.arange(2), cache.length + 10)
+    real = [list(PROMPTS[2]), list(PROMPTS[1])]
+    alive = [[True, True], [True, False], [True, False], [True, True]]  # row 1 has 2 holes
+    with torch.no_grad():
+        for t, a in enumerate(alive):
+            tok = torch.tensor([30 + t, 40 + t])
+            decode_step(model, cache, tok, torch.tensor(a))
+            for i in range(2):
+                real[i] += [tok[i].item()] if a[i] else []
+        forked = cache.fork(torch.tensor([1, 1, 0]), cache.length + 3)
+        chunk = torch.tensor([[50, 51, 52]] * 3)
+        logits = extend(model, forked, chunk, torch.ones(3, 3, dtype=torch.bool), logits_to_keep=3)
+        for row, src in enumerate([1, 1, 0]):
+            ref = model(torch.tensor([real[src] + [50, 51, 52]]))[0, -3:]
+            torch.testing.assert_close(logits[row], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_compact_restore_fork_keep_rows_aligned():
+    """Guards against compaction losing track of which cache row holds which sequence: compact,
+    restore_order and fork (which takes the caller's row ids) must move keys, values, key_valid,
+    positions and row ids together."""
+    c = KVCache(2, 4, 1, 6, 2, dtype=torch.float32, device=torch.device("cpu"))
+    c.length = 3
+    c.k[:, :, :, :3] = torch.arange(4.0)[None, :, None, None, None]  # row r's keys are all r
+    c.v[:, :, :, :3] = -torch.arange(4.0)[None, :, None, None, None]
+    c.key_valid[:, :3] = True
+    c.key_valid[2, 1] = False
+    c.next_pos[:] = torch.tensor([3, 3, 2, 3])
+    perm = c.compact(torch.tensor([False, True, False, True]))
+    assert perm.tolist() == [1, 3, 0, 2] and c.batch == 2 and c.rows.tolist() == [1, 3, 0, 2]
+    assert c.k[0, :, 0, 0, 0].tolist() == [1, 3, 0, 2] and c.next_pos.tolist() == [3, 3, 3, 2]
+    f = c.fork(torch.tensor([2, 2, 1]), 8)  # caller's rows, whatever the cache order
+    assert f.k[1, :, 0, 2, 0].tolist() == [2, 2, 1] and f.v[1, :, 0, 0, 0].tolist() == [-2, -2, -1]
+    assert f.key_valid[:, :3].tolist() == [[True, False, True]] * 2 + [[True] * 3] and f.length == 3
+    c.restore_order()
+    assert c.batch == 4 and c.rows.tolist() == [0, 1, 2, 3] and c.k[1, :, 0, 1, 1].tolist() == [0, 1, 2, 3]
+    assert c.key_valid[2].tolist()[:3] == [True, False, True] and c.next_pos.tolist() == [3, 3, 2, 3]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_compaction_changes_no_output(peaky, monkeypatch, fraction):
+    """Guards against compaction (dropping finished rows from the forward) corrupting the live rows
+    or the parked caches tree answers are decoded from: compacting at every step (0.0) and never
+    (1.0) give the same tokens as the default."""
+    args = dict(k=4, m=2, max_thought_tokens=12, max_answer_tokens=8, seed=[1, 2])
+    probe = sample_tree(peaky, PROMPTS[:2], end_of_thought=[0, 0, 0], **args)
+    counts = Counter(t for th in probe.thoughts for t in set(th[:-3]))
+    marker = counts.most_common(1)[0][0]  # ends several thoughts early
+    args |= dict(end_of_thought=[marker], stop_ids=[t for t, _ in counts.most_common(4)[1:]])
+    ref = sample_tree(peaky, PROMPTS[:2], **args)
+    assert sum(not t for t in ref.thought_truncated) >= 2 and "stop" in ref.answer_finish
+    monkeypatch.setattr(sampler, "COMPACT_WHEN_DONE", fraction)
+    out = sample_tree(peaky, PROMPTS[:2], **args)
+    assert out.thoughts == ref.thoughts and out.answers == ref.answers and out.answer_finish == ref.answer_finish
+    for a, b in zip(out.answer_logprobs + out.thought_logprobs, ref.answer_logprobs + ref.thought_logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_static_decode_path_matches_dynamic(models, monkeypatch):
+    """Guards against the static-shape (compile=True) decode step diverging from the default one:
+    in-place writes at a tensor slot and attention over all slots give the same samples. Run
+    eagerly (torch.compile itself and CUDA graphs are not exercised on CPU)."""
+    model = models["qwen2"]
+    args = dict(max_new_tokens=10, n=2, temperature=1.0, stop_ids=[3, 17, 50], seed=[4, 5, 6])
+    ref = generate(model, PROMPTS, **args)
+    monkeypatch.setattr(sampler, "compiled_decode_step", lambda: sampler.decode_step_static)
+    out = generate(model, PROMPTS, compile=True, **args)
+    assert out.tokens == ref.tokens and out.finish == ref.finish
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- log-probs and trees
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (0.7, 5)])
+def test_logprobs_match_trainer_forward(models, temperature, top_k):
+    """Guards against sampler log-probs that are not those of the distribution sampled from (wrong
+    temperature, a missing renormalisation after top-k) or that drift from the trainer's full
+    forward (one log-prob function): equal to token_logprobs of a full forward within 1e-5."""
+    model = models["qwen3"]
+    g = generate(model, PROMPTS, max_new_tokens=12, n=2, temperature=temperature, top_k=top_k,
+                 stop_ids=[3, 40], seed=0)
+    for i, (toks, lps) in enumerate(zip(g.tokens, g.logprobs)):
+        prompt = PROMPTS[i // 2]
+        ids = torch.tensor([prompt + toks])
+        with torch.no_grad():
+            logits = model(ids)[0, len(prompt) - 1:-1]
+        if top_k:
+            logits = logits.masked_fill(logits < logits.topk(top_k).values[:, -1:], float("-inf"))
+        ref = token_logprobs(logits, torch.tensor(toks), temperature)
+        torch.testing.assert_close(torch.tensor(lps), ref, atol=1e-5, rtol=0)
+
+
+def test_tree_logprobs_match_full_forward_and_prefix_is_computed_once(peaky, monkeypatch):
+    """Guards against tree sampling answering from the wrong thought or cache row, a forced marker
+    without its true log-prob, and recomputing shared prefixes: thought and answer log-probs equal
+    a full forward of prompt + thought + answer, and only the prompt (batch P) and one marker chunk
+    (batch P*K) are ever fed more than one token at a time."""
+    P, K, M, Tt, Ta = 2, 4, 3, 12, 6
+    probe = sample_tree(peaky, PROMPTS[:P], k=K, m=M, max_thought_tokens=Tt, max_answer_tokens=Ta,
+                        end_of_thought=[0, 0, 0], seed=[1, 2])
+    assert probe.thought_truncated == [True] * (P * K)
+    # a two-token marker that thought 1 emits: it ends there, the others are (mostly) cut off
+    marker = probe.thoughts[1][2:4]
+    shapes = record_forwards(peaky, monkeypatch)
+    tree = sample_tree(peaky, PROMPTS[:P], k=K, m=M, max_thought_tokens=Tt, max_answer_tokens=Ta,
+                       end_of_thought=marker, stop_ids=[91], seed=[1, 2])
+    shapes = list(shapes)  # the sampler's forwards only
+    assert tree.thoughts[1] == probe.thoughts[1][:4] and not tree.thought_truncated[1]
+    assert any(tree.thought_truncated) and "stop" in tree.answer_finish
+    for i, (th, lp) in enumerate(zip(tree.thoughts, tree.thought_logprobs)):
+        assert th[-2:] == marker and len(lp) == len(th) and len(th) <= Tt + (2 if tree.thought_truncated[i] else 0)
+        torch.testing.assert_close(torch.tensor(lp), full_logprobs(peaky, PROMPTS[i // K], th), atol=1e-5, rtol=0)
+    assert len(tree.answers) == P * K * M
+    for a, (ans, lp) in enumerate(zip(tree.answers, tree.answer_logprobs)):
+        full = full_logprobs(peaky, PROMPTS[a // (K * M)], tree.thoughts[a // M] + ans)
+        torch.testing.assert_close(torch.tensor(lp), full[-len(ans):], atol=1e-5, rtol=0)
+    multi = [s for s in shapes if s[1] > 1]
+    assert multi == [(P, len(PROMPTS[0])), (P * K, len(marker) + 1)]
+    assert all(T == 1 for B, T in shapes if B > P * K)
+    total = sum(B * T for B, T in shapes)
+    assert total <= P * 8 + P * K * (Tt - 1) + P * K * 3 + P * K * M * (Ta - 1)  # < P*K*M*(prompt+thought)
+
+
+def test_tree_without_thought_phase_is_group_sampling(models):
+    """Guards against the M = 1 / no-marker path differing from plain group sampling with G = K*M
+    (the trainer's GRPO path): identical to generate(n=K*M) with the same seeds."""
+    model = models["llama"]
+    ref = generate(model, PROMPTS, max_new_tokens=7, n=6, stop_ids=[9], seed=[3, 4, 5])
+    for tree in (sample_tree(model, PROMPTS, k=3, m=2, max_thought_tokens=5, max_answer_tokens=7,
+                             stop_ids=[9], seed=[3, 4, 5]),
+                 sample_tree(model, PROMPTS, k=3, m=2, max_thought_tokens=0, max_answer_tokens=7,
+                             end_of_thought=[1], stop_ids=[9], seed=[3, 4, 5])):
+        assert tree.answers == ref.tokens and tree.answer_logprobs == ref.logprobs and tree.answer_finish == ref.finish
+        assert tree.thoughts == [[]] * 9 and tree.thought_truncated == [False] * 9
+
+
+# ----------------------------------------------------------------------------- sampling statistics
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic of integer samples against probs (V,); bins with expected count < 5 merged."""
+    n = len(samples)
+    counts = torch.bincount(samples, minlength=len(probs)).double()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    return stat, int(keep.sum()) - 1
+
+
+def threshold(df: int) -> float:
+    """Far in the chi-square tail (mean df, sd sqrt(2 df)): a correct sampler exceeds it with
+    probability < 1e-6, while every wrong distribution below lands orders of magnitude above it."""
+    return df + 8 * (2 * df) ** 0.5 + 10
+
+
+def target(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The intended distribution, written independently of sampler.truncate."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    order = p.argsort(descending=True)
+    if top_k:
+        order = order[:top_k]
+    q = p[order] / p[order].sum()
+    n = int((q.cumsum(0) < top_p - 1e-12).sum()) + 1 if top_p < 1 else len(order)  # smallest set with mass >= p
+    keep[order[:n]] = True
+    return torch.where(keep, p, 0) / p[keep].sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,wrong", [
+    (1.0, 0, 1.0, (0.8, 0, 1.0)), (0.6, 0, 1.0, (1.0, 0, 1.0)), (1.3, 6, 1.0, (1.3, 0, 1.0)),
+    (1.0, 0, 0.7, (1.0, 0, 1.0)), (0.8, 8, 0.8, (0.8, 8, 1.0))])
+def test_sample_next_matches_target_distribution(temperature, top_k, top_p, wrong):
+    """Guards against a biased sampler (wrong temperature, top-k / top-p applied in the wrong order
+    or not renormalised, inverse-CDF off by one, zero-probability tokens drawn): 40k draws pass a
+    chi-square test that the `wrong` distribution fails, never leave the support, and report
+    log-probs of the target distribution."""
+    logits = torch.linspace(2.0, -2.0, 24)[torch.randperm(24, generator=torch.Generator().manual_seed(0))]
+    u = torch.rand(40_000, generator=torch.Generator().manual_seed(1))
+    tok, lp = sample_next(logits.expand(len(u), -1), u, temperature, top_k, top_p)
+    p = target(logits, temperature, top_k, top_p)
+    assert (p[tok] > 0).all()
+    stat, df = chi_square(tok, p)
+    assert stat < threshold(df)
+    stat_wrong, df_wrong = chi_square(tok, target(logits, *wrong))
+    assert stat_wrong > 5 * threshold(df_wrong)
+    torch.testing.assert_close(lp, p.log()[tok].float(), atol=1e-5, rtol=0)
+
+
+def test_generate_samples_first_token_from_softmax_over_temperature(peaky):
+    """Guards against generate sampling from something other than softmax(logits / T) end to end
+    (e.g. the fork replicating the wrong logits, uniforms shared across rows): 4000 first tokens of
+    one prompt pass a chi-square test that the temperature-1 distribution fails."""
+    g = generate(peaky, [PROMPTS[0]], max_new_tokens=1, n=4000, temperature=0.6, seed=0)
+    tok = torch.tensor([t[0] for t in g.tokens])
+    with torch.no_grad():
+        logits = peaky(torch.tensor([PROMPTS[0]]))[0, -1]
+    stat, df = chi_square(tok, torch.softmax(logits.double() / 0.6, -1))
+    assert stat < threshold(df)
+    stat_wrong, df_wrong = chi_square(tok, torch.softmax(logits.double(), -1))
+    assert stat_wrong > 2 * threshold(df_wrong)
+
+
+def test_greedy_is_argmax(models):
+    """Guards against temperature 0 sampling instead of taking the argmax, and against greedy
+    log-probs other than the documented temperature-1 ones."""
+    tok, lp = sample_next(torch.tensor([[0.1, 3.0, -1.0], [2.0, 1.0, 0.0]]), torch.tensor([0.999, 0.999]), 0.0)
+    assert tok.tolist() == [1, 0]
+    torch.testing.assert_close(lp, torch.log_softmax(torch.tensor([[0.1, 3.0, -1.0], [2.0, 1.0, 0.0]]), -1)[[0, 1], [1, 0]])
+
+
+# ----------------------------------------------------------------------------- seeds
+
+def test_same_seed_same_samples_and_per_prompt_seeds_ignore_the_batch(models):
+    """Guards against shared or global random state: the same seed gives the same samples, another
+    seed different ones, and a prompt's samples with its seed are the same alone or batched with
+    other prompts (what makes DDP rollouts equal single-process rollouts)."""
+    model = models["qwen2"]
+    a = generate(model, PROMPTS, max_new_tokens=10, n=3, seed=7)
+    assert generate(model, PROMPTS, max_new_tokens=10, n=3, seed=7).tokens == a.tokens
+    assert generate(model, PROMPTS, max_new_tokens=10, n=3, seed=8).tokens != a.tokens
+    alone = generate(model, [PROMPTS[1]], max_new_tokens=10, n=3, stop_ids=[5, 6, 7], seed=[42])
+    batched = generate(model, [PROMPTS[0], PROMPTS[1]], max_new_tokens=10, n=3, stop_ids=[5, 6, 7], seed=[1, 42])
+    assert batched.tokens[3:] == alone.tokens and batched.finish[3:] == alone.finish
+    torch.testing.assert_close(torch.tensor(sum(batched.logprobs[3:], [])), torch.tensor(sum(alone.logprobs, [])),
+                               atol=1e-5, rtol=0)
+    kw = dict(k=2, m=2, max_thought_tokens=6, max_answer_tokens=4, end_of_thought=[3])
+    t_alone = sample_tree(model, [PROMPTS[1]], seed=[42], **kw)
+    t_batched = sample_tree(model, [PROMPTS[2], PROMPTS[1]], seed=[9, 42], **kw)
+    assert t_batched.thoughts[2:] == t_alone.thoughts and t_batched.answers[4:] == t_alone.answers
+
+
+# ----------------------------------------------------------------------------- stops, limits, errors
+
+def test_stop_ids_and_length_limit(models):
+    """Guards against tokens after a stop id, a dropped stop token, wrong finish reasons, and
+    rows running past max_new_tokens."""
+    model = models["qwen3"]
+    stops = [10, 20, 30, 40, 50, 60, 70, 80]
+    g = generate(model, PROMPTS, max_new_tokens=9, n=4, stop_ids=stops, seed=3)
+    assert {"stop", "length"} == set(g.finish)
+    for toks, lps, fin in zip(g.tokens, g.logprobs, g.finish):
+        assert 1 <= len(toks) <= 9 and len(lps) == len(toks)
+        assert not set(toks[:-1]) & set(stops)
+        assert fin == ("stop" if toks[-1] in stops else "length")
+        assert fin == "stop" or len(toks) == 9
+
+
+def test_misuse_is_a_clear_error(models):
+    """Guards against silent nonsense on bad input: an empty prompt list, an empty prompt, a prompt
+    that with its new tokens exceeds the model's context, bad seeds or sampling settings."""
+    model = models["llama"]  # max_position_embeddings = 256
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate(model, [], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1 has no tokens"):
+        generate(model, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        generate(model, [[1] * 200], max_new_tokens=57)
+    generate(model, [[1] * 200], max_new_tokens=56, temperature=0)  # exactly fits
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        sample_tree(model, [[1] * 200], k=2, m=2, max_thought_tokens=40, max_answer_tokens=15, end_of_thought=[5, 6])
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        generate(model, PROMPTS, max_new_tokens=4, seed=[1, 2])
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, PROMPTS, max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, [[1, 128]], max_new_tokens=4)

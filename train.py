@@ -1,0 +1,591 @@
+"""train.py: RL for LLM reasoning, one readable loop.
+
+    python train.py                                   # bundled default: GRPO-MA, synthetic task, CPU
+    python train.py --algo grpo --model PATH --task gsm8k --data gsm8k.jsonl --device cuda
+    torchrun --nproc_per_node 8 train.py --algo dapo ...   # DDP over 8 GPUs (gloo on CPU)
+
+One step, in the order of the code below (the README's numbered algorithm):
+  1. sample      K thoughts per prompt, then M answers from each thought (sampler.sample_tree)
+  2. score       rewards [P, K, M] from the completion text (the task's reward function)
+  3. pack        one row per thought: prompt | thought | answer_1 .. answer_M (thought tokens once)
+  4. score pass  no-grad forward: old log-probs (mu > 1), reference log-probs (beta > 0), entropy
+  5. advantages  thought [P, K] and answer [P, K, M] advantages, then per-token adv and weight
+  6. update      mu epochs over micro-batches of policy_loss, grad clip, AdamW step
+  7. log, eval, save
+
+Every algorithm is a preset (--algo) of the same building blocks, and every block is a flag.
+Deliberate simplifications: one optimizer step per epoch over the whole batch (mu = 1 is fully
+on-policy); rows of a step are padded to the longest row; evaluation runs on rank 0 only.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from advantage import (agrae_advantages, dynamic_sampling_keep, gradient_spike_score,
+                       grpo_ma_advantages, grpo_ma_token_advantages, grpo_ma_token_weights, gtpo_conflict_weights,
+                       gtpo_entropy_gate, gtpo_entropy_shift, overlong_penalty, policy_loss,
+                       token_weights, two_grpo_advantages)
+from cli import parse_config
+from eval import decode_completion, evaluate
+from model import load_model, load_tokenizer, save_model, token_entropy, token_logprobs
+from sampler import sample_tree
+from tasks import get_task, render_prompt
+
+# -----------------------------------------------------------------------------
+# Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
+
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+
+
+@dataclass
+class TrainConfig:
+    algo: str = "grpo_ma"  # preset: grpo | dr_grpo | dapo | gspo | grpo_ma | two_grpo | agrae | gtpo
+    model: str = "assets/tiny-model"  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
+    task: str = "synthetic"  # synthetic | synthetic-hard | countdown | gsm8k | math | code | jsonl
+    data: str = ""  # JSONL file for file-based tasks
+    out: str = "runs/default"  # output directory: metrics.jsonl, samples.jsonl, step-N/, final/
+    resume: str = ""  # run directory or step-N checkpoint to continue from exactly
+    seed: int = 0  # seeds every rollout (with step and prompt index) and the data order
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 (bf16 = fp32 weights with bf16 autocast)
+    max_steps: int = 60  # RL steps (one batch of prompts each)
+    # -- rollouts
+    prompts_per_step: int = 8  # P, global over all ranks
+    thoughts: int = 16  # K, thoughts per prompt (the GRPO group size G when answers = 1)
+    answers: int = 1  # M, answers sampled from each thought (1 = plain GRPO)
+    end_of_thought: str = "</think>"  # text marker that ends a thought (used when answers > 1)
+    max_thought_tokens: int = 64  # thought length limit; a cut-off thought gets the marker appended
+    max_answer_tokens: int = 16  # answer length limit (answers = 1: the completion gets both limits)
+    temperature: float = 1.0  # rollout temperature (the trainer divides logits by the same value)
+    top_k: int = 0  # rollout top-k (0 = off); truncation makes rollouts slightly off-policy
+    top_p: float = 1.0  # rollout nucleus (1 = off)
+    # -- rewards and prompts
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the limit (0 = off)
+    dynamic_sampling: bool = False  # DAPO: replace prompts whose rewards are all equal
+    max_resample_rounds: int = 3  # dynamic sampling: top-up rounds before keeping a flat group
+    # -- advantages
+    advantage: str = "grpo"  # grpo (group normalisation; GRPO-MA when answers > 1) | two_grpo | agrae
+    std_normalize: bool = True  # divide by the group std (off = Dr. GRPO / GTPO centring)
+    agrae_alpha: float = 1.0  # A-GRAE: positive advantages times min(1, batch accuracy / alpha)
+    gtpo_conflict: bool = False  # GTPO: reweight tokens shared by positive and negative completions
+    gtpo_w_pos: float = 2.0  # GTPO weight on conflict tokens of positive completions
+    gtpo_w_neg: float = 0.0  # GTPO weight on conflict tokens of negative completions
+    entropy_gate: bool = False  # GTPO: drop completions whose mean entropy exceeds the threshold
+    entropy_threshold: float = 0.6931471805599453  # GTPO gate threshold in nats (ln 2)
+    entropy_gamma: float = 0.0  # GTPO: advantage minus gamma * mean token entropy (0 = off)
+    # -- loss
+    aggregation: str = "seq_mean_token_mean"  # seq_mean_token_mean (GRPO) | token_mean (DAPO) | seq_mean_token_sum_norm (Dr. GRPO)
+    thought_weight: float = 1.0  # GRPO-MA: weight of the mean thought loss
+    answer_weight: float = 1.0  # GRPO-MA: weight of the mean answer loss
+    clip_low: float = 0.2  # ratio clip below 1 - clip_low
+    clip_high: float = 0.2  # ratio clip above 1 + clip_high (DAPO clip-higher: 0.28)
+    sequence_ratio: bool = False  # GSPO: one length-normalised ratio per sequence
+    beta: float = 0.0  # KL penalty to the starting model (k3 estimator); > 0 loads a reference copy
+    mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
+    # -- optimisation
+    lr: float = 3e-4  # AdamW learning rate (tiny model; about 1e-6 for 0.5B-7B models)
+    warmup_steps: int = 5  # linear learning-rate warm-up, in optimizer steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this value
+    micro_batch_rows: int = 64  # rows (thoughts) per forward/backward; changes memory, not the gradient
+    gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
+    fsdp: bool = False  # shard parameters with FSDP2 (fully_shard) under torchrun
+    max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
+    # -- logging, evaluation, checkpoints
+    eval_every: int = 10  # evaluate held-out accuracy every N steps (0 = only at the start and end)
+    eval_examples: int = 200  # held-out prompts per evaluation
+    eval_samples: int = 4  # samples per held-out prompt for mean@n and pass@k
+    save_every: int = 0  # write OUT/step-N every N steps (0 = never; OUT/final is always written)
+    samples_every: int = 10  # append decoded rollouts to OUT/samples.jsonl every N steps
+    wandb: str = ""  # wandb project name (empty = off; needs the wandb package)
+
+    def __post_init__(self) -> None:
+        """Validate, never rewrite: an impossible combination is one clear sentence."""
+        checks = [
+            (self.algo in PRESETS, f"--algo must be one of {', '.join(PRESETS)}"),
+            (self.aggregation in AGGREGATIONS, f"--aggregation must be one of {', '.join(AGGREGATIONS)}"),
+            (self.advantage in ("grpo", "two_grpo", "agrae"), "--advantage must be grpo, two_grpo or agrae"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "--device must be auto, cpu or cuda"),
+            (self.dtype in ("auto", "float32", "bfloat16"), "--dtype must be auto, float32 or bfloat16"),
+            (self.prompts_per_step >= 1 and self.thoughts >= 1 and self.answers >= 1, "--prompts-per-step, --thoughts and --answers must be >= 1"),
+            (self.thoughts * self.answers >= 2, "a group needs at least 2 samples: raise --thoughts or --answers"),
+            (self.temperature > 0, "--temperature must be > 0 for training (0 would make every group identical)"),
+            (self.answers == 1 or self.end_of_thought, "--answers > 1 needs an --end-of-thought marker"),
+            (self.advantage != "two_grpo" or (self.thoughts == 2 and self.answers == 1), "--advantage two_grpo needs --thoughts 2 --answers 1"),
+            (not self.sequence_ratio or self.answers == 1, "--sequence-ratio (GSPO) needs --answers 1"),
+            (not (self.gtpo_conflict or self.entropy_gate or self.entropy_gamma) or self.answers == 1, "GTPO controls need --answers 1"),
+            (self.advantage != "agrae" or self.answers == 1, "--advantage agrae needs --answers 1"),
+            (self.answers == 1 or self.aggregation != "seq_mean_token_sum_norm", "--aggregation seq_mean_token_sum_norm needs --answers 1"),
+            (self.clip_low > 0 and self.clip_high > 0, "--clip-low and --clip-high must be > 0"),
+            (self.mu >= 1 and self.micro_batch_rows >= 1 and self.max_steps >= 0, "--mu and --micro-batch-rows must be >= 1"),
+            (self.lr > 0 and self.beta >= 0 and self.grad_clip > 0, "--lr and --grad-clip must be > 0 and --beta >= 0"),
+            (self.overlong_buffer < self.max_thought_tokens + self.max_answer_tokens, "--overlong-buffer must be shorter than the completion limit"),
+            (not (self.resume and os.path.abspath(self.resume) == os.path.abspath(self.model)), "--resume and --model name the same directory"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+BASE_LR = TrainConfig.lr
+PRESETS: dict[str, dict] = {
+    "grpo": {},
+    "dr_grpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm"),
+    "dapo": dict(clip_high=0.28, aggregation="token_mean", dynamic_sampling=True, overlong_buffer=16),
+    "gspo": dict(sequence_ratio=True, clip_low=3e-4, clip_high=4e-4, mu=2),
+    "grpo_ma": dict(thoughts=4, answers=4),
+    # 2-GRPO's recipe against 16-GRPO: same rollouts per step (prompts x8) and learning rate x8.
+    "two_grpo": dict(thoughts=2, advantage="two_grpo", prompts_per_step=8 * 8, lr=8 * BASE_LR, clip_high=0.28),
+    "agrae": dict(advantage="agrae"),
+    "gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1),
+}
+
+# -----------------------------------------------------------------------------
+# Small helpers: seeds, data order, distributed setup
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed from (seed, step, global prompt index, ...): the same global batch gives the same
+    rollouts whatever the world size or batch composition."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def example_index(seed: int, global_index: int, n: int) -> int:
+    """Position `global_index` of an endless stream of epochs, each a seeded permutation of n."""
+    epoch, i = divmod(global_index, n)
+    g = torch.Generator().manual_seed(derive_seed(seed, epoch))
+    return int(torch.randperm(n, generator=g)[i])
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for, but torch sees no CUDA device")
+    device = torch.device("cpu")
+    if want_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if want_cuda else "gloo")
+        if cfg.prompts_per_step % world:
+            raise SystemExit(f"--prompts-per-step {cfg.prompts_per_step} must divide evenly over {world} ranks")
+    return rank, world, device
+
+
+def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:
+    """Sum over ranks (a no-op in one process); used for every global normaliser."""
+    t = torch.as_tensor(x, dtype=torch.float64).clone()
+    if world > 1:
+        t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t)
+    return t.cpu()
+
+# -----------------------------------------------------------------------------
+# Step 3: pack a tree of rollouts into training rows
+
+
+@dataclass
+class Batch:
+    """One row per thought: prompt | thought | answer_1 .. answer_M, right-padded to T."""
+    ids: torch.Tensor  # (B, T) token ids
+    pos: torch.Tensor  # (B, T) RoPE positions; each answer restarts right after its thought
+    attn: torch.Tensor | None  # (B, 1, T, T) bool: answers see the prefix and themselves only
+    jumps: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, token, source) of answer starts
+    thought: torch.Tensor  # (B, T) bool: thought tokens (trained once, with the thought advantage)
+    answer_id: torch.Tensor  # (B, T) long: j for tokens of answer j, -1 elsewhere
+    sampler_logp: torch.Tensor  # (B, T) float32: log-probs reported by the sampler
+
+
+def pack(prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: torch.device) -> Batch:
+    rows = []
+    for r, thought in enumerate(tree.thoughts):
+        prompt = prompts[r // k]
+        ids, pos, seg = prompt + thought, list(range(len(prompt) + len(thought))), [-1] * (len(prompt) + len(thought))
+        lp = [0.0] * len(prompt) + list(tree.thought_logprobs[r])
+        starts = []
+        for j in range(m):
+            ans = tree.answers[r * m + j]
+            starts.append(len(ids))
+            ids, seg, lp = ids + ans, seg + [j] * len(ans), lp + list(tree.answer_logprobs[r * m + j])
+            pos = pos + list(range(len(prompt) + len(thought), len(prompt) + len(thought) + len(ans)))
+        rows.append((ids, pos, seg, lp, len(prompt), len(prompt) + len(thought), starts))
+    B, T = len(rows), max(len(r[0]) for r in rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    seg = torch.full((B, T), -2, dtype=torch.long)  # -2 = padding, -1 = prompt/thought, j = answer j
+    thought = torch.zeros(B, T, dtype=torch.bool)
+    sampler_logp = torch.zeros(B, T)
+    jb, jt, js = [], [], []
+    for b, (r_ids, r_pos, r_seg, r_lp, n_prompt, n_prefix, starts) in enumerate(rows):
+        n = len(r_ids)
+        ids[b, :n], pos[b, :n], seg[b, :n] = torch.tensor(r_ids), torch.tensor(r_pos), torch.tensor(r_seg)
+        sampler_logp[b, :n] = torch.tensor(r_lp)
+        thought[b, n_prompt:n_prefix] = True
+        for j, s in enumerate(starts):  # answer j's first token is predicted from the thought's end
+            if j > 0 and s < n and r_seg[s] == j:  # (answer 0 follows the prefix directly: no jump)
+                jb.append(b), jt.append(s), js.append(n_prefix - 1)
+    attn = None
+    if m > 1:  # tree attention: causal, and an answer sees the shared prefix and itself only
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        same = (seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None])
+        attn = (causal & same)[:, None].to(device)
+    answer_id = torch.where(seg >= 0, seg, -1)
+    jumps = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (jb, jt, js))
+    return Batch(ids.to(device), pos.to(device), attn, jumps, thought.to(device), answer_id.to(device), sampler_logp.to(device))
+
+
+def splice_tree(tree, i: int, new, j: int, k: int, m: int) -> None:
+    """Put prompt j's rollouts of `new` in place of prompt i's rollouts of `tree` (dynamic sampling)."""
+    for name, per_prompt in (("thoughts", k), ("thought_logprobs", k), ("thought_truncated", k),
+                             ("answers", k * m), ("answer_logprobs", k * m), ("answer_finish", k * m)):
+        getattr(tree, name)[i * per_prompt:(i + 1) * per_prompt] = getattr(new, name)[j * per_prompt:(j + 1) * per_prompt]
+
+
+def completion_view(x: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows of x (B, T) shifted left so that each row's completion starts at column 0 -> (B, width)."""
+    idx = start[:, None] + torch.arange(width, device=x.device)
+    return torch.where(idx < x.shape[1], x.gather(1, idx.clamp(max=x.shape[1] - 1)), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def row_view(y: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:
+    """Inverse of completion_view: (B, width) back to (B, T), zeros outside the completion."""
+    idx = start[:, None] + torch.arange(y.shape[1], device=y.device)
+    return torch.zeros(y.shape[0], T + y.shape[1], dtype=y.dtype, device=y.device).scatter(1, idx, y)[:, :T]
+
+
+def select_rows(batch: Batch, rows: slice) -> Batch:
+    """A micro-batch: the same rows of every field (answer-start jumps re-indexed)."""
+    jb, jt, js = batch.jumps
+    keep = (jb >= rows.start) & (jb < rows.stop)
+    return Batch(batch.ids[rows], batch.pos[rows], None if batch.attn is None else batch.attn[rows],
+                 (jb[keep] - rows.start, jt[keep], js[keep]), batch.thought[rows], batch.answer_id[rows],
+                 batch.sampler_logp[rows])
+
+
+def token_stats(model, batch: Batch, temperature: float, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob (and optionally entropy) of every token under `model`, (B, T) float32.
+
+    Token t is predicted by the logits at t - 1, except the first token of answer j > 0, which is
+    predicted by the thought's last position (the `jumps`)."""
+    logits = model(batch.ids, positions=batch.pos, attn_mask=batch.attn)  # (B, T, V)
+    logp = F.pad(token_logprobs(logits[:, :-1], batch.ids[:, 1:], temperature), (1, 0))
+    jb, jt, js = batch.jumps
+    if len(jb):
+        logp = logp.index_put((jb, jt), token_logprobs(logits[jb, js], batch.ids[jb, jt], temperature))
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = F.pad(token_entropy(logits[:, :-1].detach(), temperature), (1, 0))
+            if len(jb):
+                ent[jb, jt] = token_entropy(logits[jb, js].detach(), temperature)
+    return logp, ent
+
+# -----------------------------------------------------------------------------
+# Checkpoints: HF layout (loadable by load_model and transformers) + trainer state, written atomically
+
+
+def save_checkpoint(path: str, model, tokenizer_dir: str, state: dict) -> None:
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp, tokenizer_dir=tokenizer_dir)
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)  # a run killed before this line leaves the previous checkpoint intact
+
+
+def find_checkpoint(path: str) -> str:
+    """`path` itself if it is a complete checkpoint, else its newest complete step-N."""
+    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        return path
+    steps = [d for d in os.listdir(path) if d.startswith("step-") and not d.endswith(".tmp")] if os.path.isdir(path) else []
+    steps = [d for d in steps if os.path.isfile(os.path.join(path, d, "trainer_state.pt"))]
+    if not steps:
+        raise SystemExit(f"--resume {path}: no complete checkpoint (a directory with trainer_state.pt) found")
+    return os.path.join(path, max(steps, key=lambda d: int(d.split("-")[1])))
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def main(cfg: TrainConfig) -> dict:
+    rank, world, device = setup_distributed(cfg)
+    main_proc = rank == 0
+    torch.manual_seed(cfg.seed)
+    autocast_dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")) else None
+
+    resume_dir = find_checkpoint(cfg.resume) if cfg.resume else ""
+    policy = load_model(resume_dir or cfg.model, dtype=torch.float32, device=device)
+    policy.gradient_checkpointing = cfg.gradient_checkpointing
+    tokenizer = load_tokenizer(cfg.model)
+    reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta > 0 else None
+    task = get_task(cfg.task, cfg.data or None)
+    pool = task.train()
+    heldout = task.test(cfg.eval_examples, cfg.seed)
+    marker = tokenizer.encode(cfg.end_of_thought) if cfg.answers > 1 else []
+
+    model = policy
+    if world > 1 and cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in policy.model.layers:
+            fully_shard(layer)
+        fully_shard(policy)
+    elif world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    # Trainer state beyond weights and optimizer: everything the next step depends on.
+    state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
+    if resume_dir:
+        saved = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        state = saved["trainer"]
+    if main_proc:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=2)
+    wandb_run = None
+    if cfg.wandb and main_proc:
+        import wandb  # optional extra
+        wandb_run = wandb.init(project=cfg.wandb, config=asdict(cfg))
+
+    def log(row: dict, file: str = "metrics.jsonl") -> None:
+        """One logging call: metrics.jsonl (+ wandb) on rank 0."""
+        if main_proc:
+            with open(os.path.join(cfg.out, file), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if wandb_run is not None and file == "metrics.jsonl":
+                wandb_run.log(row, step=row["step"])
+
+    def run_eval(step: int) -> dict:
+        if not main_proc:
+            return {}
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            res = evaluate(policy, tokenizer, task, heldout, n=cfg.eval_samples,
+                           max_new_tokens=cfg.max_thought_tokens + cfg.max_answer_tokens,
+                           temperature=cfg.temperature, seed=derive_seed(cfg.seed, 10**9))
+        row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
+        log(row)
+        return row
+
+    def checkpoint(path: str) -> None:
+        if main_proc:
+            save_checkpoint(path, policy, cfg.model, dict(
+                optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                trainer=state, config=asdict(cfg)))
+        if world > 1:
+            dist.barrier()
+
+    P_local, K, M = cfg.prompts_per_step // world, cfg.thoughts, cfg.answers
+    first_eval = run_eval(state["step"]) if state["step"] == 0 else {}
+    bar = tqdm(range(state["step"], cfg.max_steps), disable=not main_proc, desc="train", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        # ---- 1. sample: K thoughts x M answers for this rank's share of the global batch
+        slots = [rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
+        examples = [pool[example_index(cfg.seed, step * cfg.prompts_per_step + s, len(pool))] for s in slots]
+
+        def rollout(exs: list[dict], seeds: list[int]):
+            prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in exs]
+            with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                tree = sample_tree(policy, prompts, k=K, m=M, max_thought_tokens=cfg.max_thought_tokens if M > 1 else 0,
+                                   max_answer_tokens=cfg.max_answer_tokens + (0 if M > 1 else cfg.max_thought_tokens),
+                                   end_of_thought=marker, temperature=cfg.temperature, top_k=cfg.top_k,
+                                   top_p=cfg.top_p, stop_ids=tokenizer.stop_ids, seed=seeds)
+            return prompts, tree
+
+        # ---- 2. score: rewards [P, K, M] from the text of thought + answer
+        def score(exs: list[dict], tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            texts, lengths, exs_flat = [], [], []
+            for a, ans in enumerate(tree.answers):
+                thought = tree.thoughts[a // M]
+                texts.append(decode_completion(tokenizer, thought + ans))
+                lengths.append(len(thought) + len(ans))
+                exs_flat.append(exs[a // (K * M)])
+            reward = torch.tensor(task.score(texts, exs_flat), dtype=torch.float32)
+            correct = torch.tensor([task.correct(t, e) for t, e in zip(texts, exs_flat)], dtype=torch.float32)
+            lengths = torch.tensor(lengths)
+            if cfg.overlong_buffer:
+                reward = reward + overlong_penalty(lengths, cfg.max_thought_tokens + cfg.max_answer_tokens, cfg.overlong_buffer)
+            return reward.view(-1, K, M), correct.view(-1, K, M), lengths.view(-1, K, M)
+
+        seeds = [derive_seed(cfg.seed, step, s) for s in slots]
+        prompts, tree = rollout(examples, seeds)
+        t_sample = time.perf_counter() - t0
+        reward, correct, lengths = score(examples, tree)
+        batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), world) / cfg.prompts_per_step).item()  # before any top-up
+        n_resampled = 0
+        if cfg.dynamic_sampling:  # DAPO: replace prompts whose K*M rewards are all equal, slot by slot
+            for rnd in range(1, cfg.max_resample_rounds + 1):
+                flat = ~dynamic_sampling_keep(reward.view(P_local, -1))
+                if not flat.any():
+                    break
+                redo = flat.nonzero().flatten().tolist()
+                new_ex = [pool[derive_seed(cfg.seed, step, slots[i], rnd) % len(pool)] for i in redo]
+                new_prompts, new_tree = rollout(new_ex, [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo])
+                new_r, new_c, new_l = score(new_ex, new_tree)
+                for j, i in enumerate(redo):
+                    examples[i], prompts[i] = new_ex[j], new_prompts[j]
+                    reward[i], correct[i], lengths[i] = new_r[j], new_c[j], new_l[j]
+                    splice_tree(tree, i, new_tree, j, K, M)
+                n_resampled += len(redo)
+        t_score = time.perf_counter() - t0 - t_sample
+
+        # ---- 3. pack one row per thought; thought tokens appear once
+        batch = pack(prompts, tree, K, M, tokenizer.pad_id, device)
+        completion = batch.thought | (batch.answer_id >= 0)
+        n_rows = batch.ids.shape[0]
+        micro = [slice(i, min(i + cfg.micro_batch_rows, n_rows)) for i in range(0, n_rows, cfg.micro_batch_rows)]
+
+        # ---- 4. score pass (no grad): old log-probs, reference log-probs, entropy
+        need_old, need_ent = cfg.mu > 1, cfg.entropy_gate or cfg.entropy_gamma > 0
+        old_logp = torch.zeros(batch.ids.shape, device=device)
+        ref_logp = torch.zeros(batch.ids.shape, device=device) if reference is not None else None
+        entropy = torch.zeros(batch.ids.shape, device=device)
+        with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            for rows in micro:
+                mb = select_rows(batch, rows)
+                if need_old or need_ent:
+                    old_logp[rows], entropy[rows] = token_stats(policy, mb, cfg.temperature, entropy=True)
+                if reference is not None:
+                    ref_logp[rows] = token_stats(reference, mb, cfg.temperature)[0]
+
+        # ---- 5. advantages: per sequence, then per token adv and weight for the whole step
+        group = reward.view(P_local, K * M)
+        adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=cfg.std_normalize)  # = GRPO when M == 1
+        if cfg.advantage == "two_grpo":
+            adv_answer = two_grpo_advantages(group).view(P_local, K, M)
+        elif cfg.advantage == "agrae":
+            adv_answer = agrae_advantages(group, correct=correct.view(P_local, -1), alpha=cfg.agrae_alpha,
+                                          batch_accuracy=batch_accuracy, std_normalize=cfg.std_normalize).view(P_local, K, M)
+        seq_adv = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1
+        seq_mask = completion.float()
+        if need_ent:  # GTPO entropy control (rows are completions: M == 1)
+            if state["gate_on"] is None:  # decided once, from the starting policy's mean entropy
+                mean_ent = (entropy * seq_mask).sum(1) / seq_mask.sum(1).clamp(min=1)
+                start_ent = all_sum(mean_ent.sum(), world) / all_sum(len(mean_ent), world)
+                state["gate_on"] = bool(start_ent <= cfg.entropy_threshold)
+            keep, mean_ent = gtpo_entropy_gate(entropy, seq_mask, threshold=cfg.entropy_threshold,
+                                               enabled=cfg.entropy_gate and state["gate_on"])
+            seq_adv = torch.where(keep.cpu(), gtpo_entropy_shift(seq_adv, mean_ent.cpu(), gamma=cfg.entropy_gamma), 0.0)
+        if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
+            kept_rows = dynamic_sampling_keep(group).repeat_interleave(K).to(device)
+            completion = completion & kept_rows[:, None]
+        # Thought tokens carry their thought's advantage, answer tokens their own answer's.
+        adv = grpo_ma_token_advantages(adv_thought.to(device), seq_adv.view(P_local, K, M).to(device), batch.thought, batch.answer_id)
+        # The loss normaliser covers the WHOLE global step, so micro-batches and ranks cannot change it.
+        comp = completion.float()
+        if M > 1 and cfg.aggregation == "seq_mean_token_mean":
+            weight = grpo_ma_token_weights(batch.thought & completion, torch.where(completion, batch.answer_id, -1),
+                                           thought_weight=cfg.thought_weight, answer_weight=cfg.answer_weight,
+                                           num_thoughts=all_sum(n_rows, world).item(), num_answers=all_sum(n_rows * M, world).item())
+        else:
+            weight = token_weights(comp, cfg.aggregation, max_len=cfg.max_thought_tokens + cfg.max_answer_tokens,
+                                   num_seqs=all_sum(n_rows, world).item(), num_tokens=all_sum(comp.sum(), world).item())
+        if cfg.gtpo_conflict:  # compare completions position by position, so align them at column 0
+            start, width = comp.argmax(1), int(comp.sum(1).max())
+            conflict = gtpo_conflict_weights(completion_view(batch.ids, start, width), completion_view(comp, start, width),
+                                             seq_adv.to(device), K, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg)
+            weight = weight * row_view(conflict, start, weight.shape[1])
+
+        # ---- 6. update: mu epochs, each one optimizer step over all micro-batches
+        t1 = time.perf_counter()
+        sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0)
+        grad_norm = torch.tensor(0.0)
+        for epoch in range(cfg.mu):
+            for i, rows in enumerate(micro):
+                mb = select_rows(batch, rows)
+                sync = i == len(micro) - 1
+                ctx = model.no_sync() if (world > 1 and not cfg.fsdp and not sync) else contextlib.nullcontext()
+                if world > 1 and cfg.fsdp:
+                    policy.set_requires_gradient_sync(sync)
+                with ctx, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    logp, ent = token_stats(model, mb, cfg.temperature, entropy=(epoch == 0 and not (need_old or need_ent)))
+                    old = old_logp[rows] if need_old else logp.detach()
+                    loss, metrics = policy_loss(logp, old, adv[rows], weight[rows], clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                                ref_logp=None if ref_logp is None else ref_logp[rows], beta=cfg.beta,
+                                                sequence_ratio=cfg.sequence_ratio)
+                    (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
+                if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
+                    mask = completion[rows].float()
+                    sums["loss"] += loss.item()
+                    sums["clip_frac"] += metrics["clip_frac"] * mask.sum().item()
+                    sums["kl"] += metrics.get("kl", 0.0) * mask.sum().item()
+                    sums["logp_gap"] += ((logp.detach() - mb.sampler_logp).abs() * mask).sum().item()
+                    sums["entropy"] += ((ent if ent is not None else entropy[rows]) * mask).sum().item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            if torch.isfinite(grad_norm) and math.isfinite(sums["loss"]):
+                optimizer.step()
+                scheduler.step()
+                state["bad_steps"] = 0
+            else:  # never apply a non-finite update; several in a row end the run
+                state["bad_steps"] += 1
+                state["skipped_steps"] += 1
+                warnings.warn(f"step {step}: non-finite loss or gradient, update skipped")
+                if state["bad_steps"] >= cfg.max_bad_steps:
+                    raise SystemExit(f"{cfg.max_bad_steps} consecutive non-finite steps at step {step}: lower --lr or check the rewards")
+            optimizer.zero_grad(set_to_none=True)
+        t_update = time.perf_counter() - t1
+
+        # ---- 7. log, eval, save
+        state["step"] = step + 1
+        state["grad_norms"].append(grad_norm.item())
+        gss, gss10 = gradient_spike_score(state["grad_norms"])
+        n_tok = all_sum(completion.sum(), world).item()
+        gen_tokens = all_sum(sum(map(len, tree.thoughts)) + sum(map(len, tree.answers)), world).item()
+        row = {
+            "step": step + 1,
+            "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
+            "accuracy": correct.mean().item(), "batch_accuracy": batch_accuracy,
+            "frac_zero_std_groups": (~dynamic_sampling_keep(group)).float().mean().item(),
+            "loss": all_sum(sums["loss"], world).item(), "grad_norm": grad_norm.item(),
+            "gss": gss[-1].item(), "gss10_frac": gss10,
+            "clip_frac": all_sum(sums["clip_frac"], world).item() / max(n_tok, 1),
+            "kl": all_sum(sums["kl"], world).item() / max(n_tok, 1) if reference is not None else None,
+            "entropy": all_sum(sums["entropy"], world).item() / max(n_tok, 1),
+            "len/completion_mean": lengths.float().mean().item(),
+            "truncated_frac": sum(f == "length" for f in tree.answer_finish) / len(tree.answer_finish),
+            "thought_truncated_frac": sum(tree.thought_truncated) / max(len(tree.thought_truncated), 1) if M > 1 else 0.0,
+            "logp_gap": all_sum(sums["logp_gap"], world).item() / max(n_tok, 1),
+            "resampled": n_resampled, "skipped_steps": state["skipped_steps"], "lr": scheduler.get_last_lr()[0],
+            "time/sample_s": t_sample, "time/score_s": t_score, "time/update_s": t_update,
+            "tokens_per_s": gen_tokens / max(t_sample, 1e-9),
+        }
+        log(row)
+        bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
+        if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
+            for a in range(min(4, len(tree.answers))):
+                log({"step": step + 1, "prompt": examples[a // (K * M)]["prompt"],
+                     "completion": decode_completion(tokenizer, tree.thoughts[a // M] + tree.answers[a]),
+                     "reward": reward.flatten()[a].item()}, file="samples.jsonl")
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
+            run_eval(step + 1)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            checkpoint(os.path.join(cfg.out, f"step-{step + 1}"))
+    last_eval = run_eval(cfg.max_steps)
+    checkpoint(os.path.join(cfg.out, "final"))
+    if world > 1:
+        dist.destroy_process_group()
+    return {"first_eval": first_eval, "last_eval": last_eval}
+
+
+if __name__ == "__main__":
+    config, _ = parse_config(TrainConfig, description=__doc__.split("\n\n")[0], presets=PRESETS, preset_field="algo")
+    main(config)
