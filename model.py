@@ -429,7 +429,7 @@ def save_model(model: Transformer, path: str | os.PathLike, tokenizer_dir: str |
             gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         old = None
-        if path.exists():  # move the old copy aside first, so a crash never leaves no checkpoint
+        if path.exists():  # move the old copy aside first: a crash leaves the old or the new one
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.replace(path, old / path.name)
         os.replace(tmp, path)

@@ -14,9 +14,12 @@ fork bombs. Every reward returns in bounded time and never raises on any complet
 - Regexes have no nested quantifiers (no catastrophic backtracking); numbers longer than
   `MAX_NUMBER_CHARS` are not parsed (Python refuses or crawls on huge int strings); Countdown has no
   `**` and bounds expression length and parenthesis depth.
-- Parsing errors are caught by class where they can happen and nowhere else: ValueError (bad
-  syntax), ZeroDivisionError (x/0 in Countdown). A reward raises only for a malformed *example*
-  (a missing "answer"), which is a bug in the task, not model output.
+- Failures are caught by class, only where they can happen: ValueError (a malformed Countdown
+  equation, or nesting past MAX_EXPR_DEPTH: that explicit counter is why RecursionError cannot
+  occur), ZeroDivisionError (x/0 in Countdown), OSError (a sandbox process that cannot start).
+  Floats and powers are never evaluated, so OverflowError cannot occur; math-verify catches its
+  own errors. A reward raises only for a malformed *example* (a missing "answer"), which is a bug
+  in the task, not model output.
 
 The code sandbox is described at `run_sandboxed`.
 """
@@ -276,16 +279,24 @@ CODE_MEMORY_MB = 512     # address-space limit of each process (MiB); worst case
 CODE_NPROC = 16          # processes (and threads) the code may have at once
 CODE_FILE_MB = 16        # largest file (and total output) the code may write (MiB)
 CODE_TMPFS_MB = 64       # size of each private tmpfs (/tmp, /dev/shm, the work dir) (MiB)
-CODE_OUTPUT_CHARS = 4000  # tail of stdout+stderr kept in the run's report
+CODE_OUTPUT_BYTES = 4000  # tail of stdout+stderr kept in the run's report (bytes)
 
-_CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
 _HARNESS_FLAG = "--sandbox-harness"
 
 
 def extract_code(completion: str) -> str | None:
-    """The last ```python (or bare ```) block after the last `</think>`, or None."""
-    blocks = _CODE_BLOCK.findall(answer_text(completion, MAX_CODE_CHARS))
-    return blocks[-1] if blocks else None
+    """The last ```python (or ```py, or bare ```) block after the last `</think>`, or None. Fences are
+    paired left to right by plain string search (a lazy regex would be quadratic on many fences)."""
+    text = answer_text(completion, MAX_CODE_CHARS)
+    fences, i = [], text.find("```")
+    while i >= 0:
+        fences.append(i)
+        i = text.find("```", i + 3)
+    for start, end in reversed(list(zip(fences[::2], fences[1::2]))):
+        info, _, body = text[start + 3:end].partition("\n")
+        if info.strip().lower() in ("", "python", "python3", "py"):
+            return body
+    return None
 
 
 def code_reward(completion: str, example: dict) -> float:
@@ -322,7 +333,7 @@ def run_sandboxed(code: str, tests: str, *, entry_point: str | None = None,
     - network namespace: only a loopback device, which is down: no network at all.
     - mount namespace: mounts made private, fresh tmpfs on /tmp, /dev/shm and the work dir
       (CODE_TMPFS_MB each), fresh /proc, EVERY other mount remounted read-only.
-    - root: the child switches to a uid no one else uses (1,000,000 + harness pid) and no groups,
+    - root: the child switches to a uid no one else uses (2,000,000,000 + harness pid), no groups,
       so RLIMIT_NPROC (which root ignores) applies to it alone, files not world-readable are
       unreadable and root-owned files unwritable. Without root, a user namespace gives RLIMIT_NPROC
       its own count, but the code keeps the user's file permissions (read-only by the remount).
@@ -332,13 +343,16 @@ def run_sandboxed(code: str, tests: str, *, entry_point: str | None = None,
       size (CODE_FILE_MB, also caps the output), processes (nproc), open files, no core dumps;
       no_new_privs (setuid binaries do not elevate), parent-death SIGKILL; cwd = a fresh temp dir;
       environment = PATH, HOME and LANG only; stdin /dev/null; stdout+stderr to an unlinked file.
-    Afterwards the harness kills the child (with it the namespace), then kills its process group
-    and every process still carrying this run's marker in /proc/*/environ (the check that matters
-    where there is no PID namespace).
+    Afterwards the harness kills the child, and with it the namespace. Without a PID namespace it
+    also kills the child's process group and every process still carrying this run's marker in
+    /proc/*/environ.
     NOT contained: world-readable files can be read; without a mount namespace, world-writable
-    dirs (/tmp, /dev/shm) are writable; without a PID namespace a process that calls setsid() and
-    then exec()s with a fresh environment escapes the cleanup, and `kill(-1)` reaches every process
-    of the user; total memory is bounded only by nproc x memory_mb (no cgroup); CPU contention.
+    dirs (/tmp, /dev/shm) are writable (and a privately installed Python cannot import after the
+    uid switch); without a PID namespace a process that calls setsid() and then exec()s with a
+    fresh environment escapes the cleanup, `kill(-1)` reaches every process of the user, and
+    without a uid switch either, /proc/<pid>/environ of the user's processes is readable; total
+    memory is bounded only by nproc x memory_mb (no cgroup); CPU time is shared with the trainer.
+    Linux only (namespaces, prctl, pidfd: kernel 5.3+).
 
     PASSING means the tests ran to the end, not merely exit code 0: this process draws a random
     nonce per run; the child writes it to a file descriptor only after the last assert (and after
@@ -378,7 +392,7 @@ def run_sandboxed(code: str, tests: str, *, entry_point: str | None = None,
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         report.seek(0)
-        output.seek(max(0, os.fstat(output.fileno()).st_size - CODE_OUTPUT_CHARS))
+        output.seek(max(0, os.fstat(output.fileno()).st_size - CODE_OUTPUT_BYTES))
         result.seek(0)
         try:
             info = json.loads(report.read() or b"{}")
@@ -405,10 +419,14 @@ def _harness_main(run_id: str) -> None:
     request = json.loads(sys.stdin.buffer.readline())
     libc = ctypes.CDLL(None, use_errno=True)
     isolation = _isolate(libc, request["workdir"])
-    uid = 1_000_000 + os.getpid() if os.geteuid() == 0 else None  # unique among running harnesses
+    # A uid unique among running harnesses, above the ranges container hosts usually map.
+    uid = 2_000_000_000 + os.getpid() if os.geteuid() == 0 else None
     pid = os.fork()
     if pid == 0:
-        _child_main(libc, request, isolation, uid)  # never returns
+        try:
+            _child_main(libc, request, isolation, uid)
+        finally:  # the child must never fall back into the harness's code
+            os._exit(3)
     del request["nonce"]
     pidfd = os.pidfd_open(pid)
     ready, _, _ = select.select([pidfd, 0], [], [], request["timeout_s"])  # 0: stdin, EOF = trainer gone
@@ -493,8 +511,9 @@ def _child_main(libc: ctypes.CDLL, request: dict, isolation: dict, uid: int | No
             os.setuid(uid)
         # Drop every capability (in a user namespace we hold all of them there, enough to undo the
         # read-only remounts), and make sure no setuid binary can give any back.
-        libc.capset((ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)())
-        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        if (libc.capset((ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()) != 0
+                or libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0):
+            raise OSError(ctypes.get_errno(), "could not drop capabilities")
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
         os.chdir(workdir)
         os.umask(0o077)

@@ -24,14 +24,15 @@ Decisions (deliberate simplifications):
 * No marker (end_of_thought=()) or max_thought_tokens=0 is plain group sampling: empty thoughts,
   each answer a whole completion of at most max_answer_tokens.
 * Greedy (temperature 0) reports temperature-1 log-probs (the point mass it samples from has 0).
-* compile=True (CUDA): static-shape decode step (in-place cache writes at a tensor slot,
-  attention over all max_len slots) under torch.compile "reduce-overhead" (CUDA graphs); rows are
-  then never compacted. The static path is tested on CPU without compile; the compiled CUDA-graph
-  run itself is untested here (no GPU).
+* compile=True (meant for CUDA): a static-shape decode step (in-place cache writes at a tensor
+  slot, attention over all max_len slots) under torch.compile "reduce-overhead" (CUDA graphs);
+  rows are then never compacted. The static path is tested eagerly on CPU, and compiling it on CPU
+  traces without graph breaks and matches eager up to float rounding (slower than eager there);
+  the CUDA-graph run itself is untested here (no GPU was available).
 """
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -117,8 +118,9 @@ class KVCache:
         """Static shapes for a compiled decode step: writes go to the tensor slot `self.slot`,
         attention covers all max_len slots, and the buffers keep fixed addresses (CUDA graphs)."""
         self.slot = torch.tensor([self.length], device=self.k.device)
-        for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
-            torch._dynamo.mark_static_address(t)
+        if self.k.is_cuda:  # only CUDA graphs care (and it costs a dynamo import)
+            for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
+                torch._dynamo.mark_static_address(t)
 
 
 @dataclass
@@ -147,11 +149,11 @@ def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logit
     s = cache.length
     cache.key_valid[:b, s:s + T] = valid
     positions = cache.next_pos[:b, None] + (valid.cumsum(1) - 1).clamp(min=0)  # (b, T); pads: junk
-    mask = cache.key_valid[:b, None, :s + T]                                  # (b, 1, S)
-    if T > 1:  # bottom-right causal; a padding query sees only itself, so no row is fully masked
-        q = torch.arange(s, s + T, device=ids.device)[:, None]
-        kpos = torch.arange(s + T, device=ids.device)[None, :]
-        mask = (mask | (kpos == q)) & (kpos <= q)                              # (b, T, S)
+    # bottom-right causal over valid keys (never is_causal: the cache may already hold keys);
+    # a padding query sees only itself, so no row is fully masked
+    q = torch.arange(s, s + T, device=ids.device)[:, None]
+    kpos = torch.arange(s + T, device=ids.device)[None, :]
+    mask = (cache.key_valid[:b, None, :s + T] | (kpos == q)) & (kpos <= q)    # (b, T, S)
     logits = model(ids, positions=positions, cache=cache, attn_mask=mask[:, None], logits_to_keep=logits_to_keep)
     cache.length += T
     cache.next_pos[:b] += valid.sum(1)
@@ -159,8 +161,8 @@ def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logit
 
 
 def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, Tensor]:
-    """Run the left-padded prompts through the model once; returns their cache and the logits
-    (P, V) of each prompt's next token."""
+    """Run the left-padded prompts through the model once (one batch: padding costs compute when
+    lengths differ a lot); returns their cache and the logits (P, V) of each prompt's next token."""
     P, T = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(P, T, dtype=torch.long)
     valid = torch.zeros(P, T, dtype=torch.bool)
@@ -173,8 +175,15 @@ def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, Tens
 
 
 def decode_step(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
-    """Feed one token (b,) per active row; returns the logits (b, V) of each row's next token."""
-    return extend(model, cache, tok[:, None], alive[:, None])[:, -1]
+    """Feed one token (b,) per active row; returns the logits (b, V) of each row's next token.
+    extend() for T = 1, minus the ops a single query does not need (the hot path)."""
+    b, s = len(tok), cache.length
+    cache.key_valid[:b, s] = alive                    # a finished row's slot is a hole
+    mask = cache.key_valid[:b, None, None, :s + 1]    # (b, 1, 1, S): one query needs no causal part
+    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask)
+    cache.length += 1
+    cache.next_pos[:b] += alive
+    return logits[:, -1]
 
 
 def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
@@ -188,7 +197,8 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
 
 
 @functools.cache
-def compiled_decode_step():
+def compiled_decode_step() -> Callable[[Transformer, KVCache, Tensor, Tensor], Tensor]:
+    """decode_step_static compiled once per process; "reduce-overhead" replays it as a CUDA graph."""
     return torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
 
 
@@ -204,7 +214,7 @@ def truncate(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Te
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         probs = torch.softmax(sorted_logits / temperature, dim=-1)
         before = probs.cumsum(-1) - probs  # mass of the more likely tokens; the first is always kept
-        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(probs.cumsum(-1) >= top_p, float("-inf")))
+        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(before >= top_p, float("-inf")))
     return logits
 
 
@@ -217,10 +227,10 @@ def sample_next(logits: Tensor, u: Tensor, temperature: float, top_k: int = 0, t
     logits = logits.float()
     if top_k > 0 or top_p < 1.0:
         logits = truncate(logits, temperature, top_k, top_p)
-    cdf = torch.softmax(logits / temperature, dim=-1).cumsum(-1)  # (b, V)
+    cdf = torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1).cumsum(-1)  # (b, V)
     total = cdf[:, -1:]
     # first token whose cdf exceeds u * total; x < total strictly, so zero-probability tokens never win
-    x = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     tok = torch.searchsorted(cdf, x, right=True)[:, 0]
     return tok, token_logprobs(logits, tok, temperature)
 
@@ -264,7 +274,8 @@ def decode(model: Transformer, cache: KVCache, logits: Tensor, uniforms: Tensor,
                 perm = cache.compact(alive)[:live]
                 tok, alive = tok[perm], alive[perm]
         if compile:
-            torch.compiler.cudagraph_mark_step_begin()
+            if logits.is_cuda:
+                torch.compiler.cudagraph_mark_step_begin()  # outputs of the last replay are consumed
             logits = compiled_decode_step()(model, cache, tok, alive)
             cache.slot += 1
             cache.length += 1

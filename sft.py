@@ -13,7 +13,6 @@ the same machine gives the same weights.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -33,9 +32,9 @@ THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode ke
 class SFTConfig:
     out: str = "assets/tiny-model"  # where the checkpoint (HF layout + tokenizer) is written
     task: str = "synthetic"  # task whose reference completions are the training data
-    steps: int = 500  # optimizer steps (fixed, not time-based, so the result is reproducible)
+    steps: int = 200  # optimizer steps (fixed, not time-based, so the result is reproducible)
     batch_size: int = 64  # examples per step
-    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay)
+    lr: float = 3e-3  # AdamW learning rate (linear warm-up, then constant)
     warmup: int = 50  # warm-up steps
     seed: int = 0  # initialisation and data seed
     hidden_size: int = 128  # model width
@@ -47,8 +46,9 @@ class SFTConfig:
 
 
 def build_char_tokenizer(chars: str) -> Tokenizer:
-    """One token per character, plus ChatML specials and the think markers as atomic tokens."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + THINK + sorted(set(chars)))}
+    """One token per character (the task's and the chat template's role names), plus ChatML
+    specials and the think markers as atomic tokens."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + THINK + sorted(set(chars + "system\nuser\nassistant\n")))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()  # join characters back without spaces
@@ -96,14 +96,16 @@ def main(cfg: SFTConfig) -> float:
                          num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                          head_dim=cfg.hidden_size // cfg.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
                          tie_word_embeddings=True, attention_bias=True, model_type="qwen2", max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=tokenizer.token_to_id("<|im_end|>"))
+                         bos_token_id=None, eos_token_id=[tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")])
     model = Transformer(config)
     for name, p in model.named_parameters():  # GPT-2 style init; norms start at 1, biases at 0
         torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.zeros_(p) if "bias" in name else torch.nn.init.ones_(p)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup, 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
-    pool = task.train()
+    # Warm-up, then constant: ending at a full learning rate (no decay to 0) leaves a model that RL
+    # can still move without first undoing a sharp, fully annealed fit.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
+    pool = task.train(20000, cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     print(f"sft: {n_params / 1e6:.2f}M parameters, vocab {config.vocab_size}, {cfg.steps} steps of {cfg.batch_size}")
     t0 = time.perf_counter()

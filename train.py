@@ -42,6 +42,7 @@ from cli import parse_config
 from eval import decode_completion, evaluate
 from model import load_model, load_tokenizer, save_model, token_entropy, token_logprobs
 from sampler import sample_tree
+from rewards import score_batch
 from tasks import get_task, render_prompt
 
 # -----------------------------------------------------------------------------
@@ -76,6 +77,7 @@ class TrainConfig:
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the limit (0 = off)
     dynamic_sampling: bool = False  # DAPO: replace prompts whose rewards are all equal
     max_resample_rounds: int = 3  # dynamic sampling: top-up rounds before keeping a flat group
+    reward_workers: int = 1  # threads scoring rewards in parallel (raise for --task code: sandboxed runs)
     # -- advantages
     advantage: str = "grpo"  # grpo (group normalisation; GRPO-MA when answers > 1) | two_grpo | agrae
     std_normalize: bool = True  # divide by the group std (off = Dr. GRPO / GTPO centring)
@@ -162,13 +164,6 @@ def derive_seed(*parts: int) -> int:
     rollouts whatever the world size or batch composition."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def example_index(seed: int, global_index: int, n: int) -> int:
-    """Position `global_index` of an endless stream of epochs, each a seeded permutation of n."""
-    epoch, i = divmod(global_index, n)
-    g = torch.Generator().manual_seed(derive_seed(seed, epoch))
-    return int(torch.randperm(n, generator=g)[i])
 
 
 def setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
@@ -336,7 +331,10 @@ def main(cfg: TrainConfig) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta > 0 else None
     task = get_task(cfg.task, cfg.data or None)
-    pool = task.train()
+    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
+    # and a second one for dynamic-sampling top-ups.
+    pool = task.train(cfg.max_steps * cfg.prompts_per_step, cfg.seed)
+    topups = task.train(cfg.max_steps * cfg.prompts_per_step * cfg.max_resample_rounds, derive_seed(cfg.seed, 1)) if cfg.dynamic_sampling else []
     heldout = task.test(cfg.eval_examples, cfg.seed)
     marker = tokenizer.encode(cfg.end_of_thought) if cfg.answers > 1 else []
 
@@ -400,7 +398,7 @@ def main(cfg: TrainConfig) -> dict:
         t0 = time.perf_counter()
         # ---- 1. sample: K thoughts x M answers for this rank's share of the global batch
         slots = [rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
-        examples = [pool[example_index(cfg.seed, step * cfg.prompts_per_step + s, len(pool))] for s in slots]
+        examples = [pool[step * cfg.prompts_per_step + s] for s in slots]
 
         def rollout(exs: list[dict], seeds: list[int]):
             prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in exs]
@@ -419,7 +417,7 @@ def main(cfg: TrainConfig) -> dict:
                 texts.append(decode_completion(tokenizer, thought + ans))
                 lengths.append(len(thought) + len(ans))
                 exs_flat.append(exs[a // (K * M)])
-            reward = torch.tensor(task.score(texts, exs_flat), dtype=torch.float32)
+            reward = torch.tensor(score_batch(task.reward, texts, exs_flat, max_workers=cfg.reward_workers), dtype=torch.float32)
             correct = torch.tensor([task.correct(t, e) for t, e in zip(texts, exs_flat)], dtype=torch.float32)
             lengths = torch.tensor(lengths)
             if cfg.overlong_buffer:
@@ -438,7 +436,7 @@ def main(cfg: TrainConfig) -> dict:
                 if not flat.any():
                     break
                 redo = flat.nonzero().flatten().tolist()
-                new_ex = [pool[derive_seed(cfg.seed, step, slots[i], rnd) % len(pool)] for i in redo]
+                new_ex = [topups[(step * cfg.prompts_per_step + slots[i]) * cfg.max_resample_rounds + rnd - 1] for i in redo]
                 new_prompts, new_tree = rollout(new_ex, [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo])
                 new_r, new_c, new_l = score(new_ex, new_tree)
                 for j, i in enumerate(redo):

@@ -1,14 +1,16 @@
 """bench_trl.py: one GRPO step of train.py against TRL's GRPOTrainer, side by side on the CPU.
 
-    python bench/bench_trl.py                  # about 2 minutes on 2 CPU cores (make bench)
-    python bench/bench_trl.py --steps 5 --threads 4
+    python bench/bench_trl.py                  # about a minute on 2 CPU cores (make bench)
+    python bench/bench_trl.py --threads 1      # steadier when other processes share the cores
 
 Both trainers get the same tiny model (assets/tiny-model, or a random model of the same shape
 when it has not been built), the same prompt tokens (the synthetic task's prompts rendered with
 our chat template, given to TRL as text, in the same order), group size, completion limit,
-sampling settings (temperature 1, no top-k/top-p), reward function (the task's `score`), loss
+sampling settings (temperature 1, no top-k/top-p), reward function (the task's `reward`), loss
 (per-sequence token mean, clip 0.2, beta 0, one update per batch), optimizer, float32 and thread
-count. Each side runs one warm-up step, then `--steps` timed steps.
+count. Each side runs one warm-up step, then `--steps` timed steps; the table shows the median.
+The two trainers take turns step by step in one process (TRL in a second thread, one running
+while the other waits), so a change in machine load during the run slows both alike.
 
 Time per step is split into sample (prompt tokens -> completion tokens), score (rewards from
 text), update (log-probs, loss, backward, optimizer step) and other (the rest of the loop body:
@@ -22,12 +24,16 @@ This is a comparison to read, not a test: nothing asserts on a time.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,9 +52,15 @@ class BenchConfig:
     threads: int = 2  # torch.set_num_threads for both sides
     seed: int = 0  # seed of both trainers and of the prompt order
 
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.group_size < 2 or self.max_completion_tokens < 1 or self.threads < 1:
+            raise ValueError("--steps, --max-completion-tokens and --threads must be >= 1 and --group-size >= 2")
+        if (self.prompts_per_step * self.group_size) % self.micro_batch_rows:
+            raise ValueError("--micro-batch-rows must divide prompts-per-step x group-size (TRL accumulates whole micro-batches)")
+
 
 # -----------------------------------------------------------------------------
-# Shared inputs: the model directory and the prompts of every step
+# The model both sides train
 
 
 def random_model(path: str) -> str:
@@ -66,7 +78,7 @@ def random_model(path: str) -> str:
                          num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.hidden_size // s.heads,
                          rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, attention_bias=True,
                          model_type="qwen2", max_position_embeddings=256, bos_token_id=None,
-                         eos_token_id=tok.token_to_id("<|im_end|>"))
+                         eos_token_id=[tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")])
     torch.manual_seed(0)
     model = Transformer(config)
     for name, p in model.named_parameters():
@@ -75,64 +87,103 @@ def random_model(path: str) -> str:
     return path
 
 
-def step_examples(cfg: BenchConfig, n_steps: int) -> list[dict]:
-    """The examples train.py draws for steps 0 .. n_steps-1, in its order (prompt-major per step)."""
-    from tasks import get_task
-    from train import example_index
-    pool = get_task("synthetic").train()
-    return [pool[example_index(cfg.seed, step * cfg.prompts_per_step + s, len(pool))]
-            for step in range(n_steps) for s in range(cfg.prompts_per_step)]
+# -----------------------------------------------------------------------------
+# Taking turns: the two trainers run in one process and alternate step by step
+
+
+class Baton:
+    """Lets exactly one of the two trainers run at a time. train.py (main thread) runs a step and
+    hands over; TRL (a second thread) runs a step and hands back. Alternating steps means a
+    change in machine load during the run slows both sides alike."""
+
+    def __init__(self) -> None:
+        self.turn = "ours"
+        self.closed = False  # TRL has finished (or failed): train.py no longer waits for it
+        self.cond = threading.Condition()
+
+    def give(self, who: str) -> None:
+        with self.cond:
+            self.turn = who
+            self.cond.notify_all()
+
+    def wait(self, who: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == who or self.closed)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def hand_over(self, me: str, other: str) -> None:
+        self.give(other)
+        self.wait(me)
 
 
 # -----------------------------------------------------------------------------
 # Ours: train.main, timed from its metrics and the loop's progress-bar iterator
 
 
-def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> list[dict]:
+def run_ours(cfg: BenchConfig, model_dir: str, work: str, baton: Baton) -> tuple[list[dict], list[dict]]:
+    """Per-step timings and the examples train.py rendered, in its order. Between two steps, TRL runs one."""
     import train
     from tqdm import tqdm
 
-    ticks: list[float] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    examples: list[dict] = []
+
+    def recording_render_prompt(tokenizer, example: dict, system_prompt):
+        examples.append(example)  # the loop renders each step's prompts once (no dynamic sampling here)
+        return render_prompt(tokenizer, example, system_prompt)
 
     class ClockedTqdm(tqdm):
-        """The loop's progress bar, silent, recording the time each step starts (and the loop ends)."""
+        """The loop's progress bar, silent: times each pass of the loop body and lets TRL run
+        one step between two passes (and after the last)."""
         def __init__(self, *args, **kwargs):
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
         def __iter__(self):
-            for x in super().__iter__():
-                ticks.append(time.perf_counter())
+            for i, x in enumerate(super().__iter__()):
+                if i:
+                    ends.append(time.perf_counter())
+                    baton.hand_over("ours", "trl")
+                starts.append(time.perf_counter())
                 yield x
-            ticks.append(time.perf_counter())
+            ends.append(time.perf_counter())
+            baton.hand_over("ours", "trl")
 
     n = cfg.steps + 1
+    answer_tokens = min(16, cfg.max_completion_tokens)  # with answers = 1 only the sum of the two limits matters
     tc = train.TrainConfig(algo="grpo", model=model_dir, task="synthetic", out=os.path.join(work, "ours"), seed=cfg.seed,
                            device="cpu", dtype="float32", max_steps=n, prompts_per_step=cfg.prompts_per_step,
-                           thoughts=cfg.group_size, answers=1, max_thought_tokens=cfg.max_completion_tokens - 16,
-                           max_answer_tokens=16, temperature=1.0, top_k=0, top_p=1.0, lr=cfg.lr,
+                           thoughts=cfg.group_size, answers=1, max_thought_tokens=cfg.max_completion_tokens - answer_tokens,
+                           max_answer_tokens=answer_tokens, temperature=1.0, top_k=0, top_p=1.0, lr=cfg.lr,
                            micro_batch_rows=cfg.micro_batch_rows, eval_every=0, eval_examples=4, eval_samples=0,
                            samples_every=0, save_every=0)
-    saved_tqdm, train.tqdm = train.tqdm, ClockedTqdm
+    render_prompt, saved_tqdm = train.render_prompt, train.tqdm
+    train.render_prompt, train.tqdm = recording_render_prompt, ClockedTqdm
     try:
         train.main(tc)
     finally:
-        train.tqdm = saved_tqdm
+        train.render_prompt, train.tqdm = render_prompt, saved_tqdm
     with open(os.path.join(tc.out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "time/sample_s" in r]
     steps = []
-    for i, r in enumerate(rows):
-        total = ticks[i + 1] - ticks[i]
+    for r, t0, t1 in zip(rows, starts, ends):
         parts = dict(sample=r["time/sample_s"], score=r["time/score_s"], update=r["time/update_s"])
-        steps.append(dict(parts, other=total - sum(parts.values()), total=total, length=r["len/completion_mean"]))
-    return steps[1:]  # drop the warm-up step
+        steps.append(dict(parts, other=t1 - t0 - sum(parts.values()), total=t1 - t0, length=r["len/completion_mean"]))
+    return steps, examples
 
 
 # -----------------------------------------------------------------------------
 # TRL: GRPOTrainer with the same settings, timed by a callback and wrapped methods
 
 
-def run_trl(cfg: BenchConfig, model_dir: str, work: str) -> list[dict]:
+def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict], baton: Baton):
+    """A GRPOTrainer on the same model, prompts and reward; returns (trainer, function that
+    turns its recorded timings into per-step rows once it has trained)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
@@ -143,8 +194,6 @@ def run_trl(cfg: BenchConfig, model_dir: str, work: str) -> list[dict]:
     from tasks import get_task, render_prompt
 
     task, ours_tok = get_task("synthetic"), load_tokenizer(model_dir)
-    n = cfg.steps + 1
-    examples = step_examples(cfg, n)
     prompt_ids = [render_prompt(ours_tok, ex, task.system_prompt) for ex in examples]
     # TRL takes prompt text; our char-level tokenizer round-trips it to the same ids (checked below).
     prompts = [ours_tok.decode(ids) for ids in prompt_ids]
@@ -156,11 +205,11 @@ def run_trl(cfg: BenchConfig, model_dir: str, work: str) -> list[dict]:
     def reward(prompts, completions, completion_ids, idx, **kwargs) -> list[float]:
         """The task's training reward on the completion text, as train.py scores it."""
         texts = [decode_completion(ours_tok, ids) for ids in completion_ids]  # same text as train.py sees
-        return task.score(texts, [examples[i] for i in idx])
+        return [task.reward(text, examples[i]) for text, i in zip(texts, idx)]
 
     args = GRPOConfig(
         output_dir=os.path.join(work, "trl"), seed=cfg.seed, use_cpu=True, bf16=False, fp16=False,
-        max_steps=n, learning_rate=cfg.lr, lr_scheduler_type="constant", weight_decay=0.0, adam_beta2=0.99,
+        max_steps=cfg.steps + 1, learning_rate=cfg.lr, lr_scheduler_type="constant", weight_decay=0.0, adam_beta2=0.99,
         max_grad_norm=1.0, gradient_checkpointing=False, per_device_train_batch_size=cfg.micro_batch_rows,
         gradient_accumulation_steps=cfg.prompts_per_step * cfg.group_size // cfg.micro_batch_rows,
         num_generations=cfg.group_size, max_completion_length=cfg.max_completion_tokens, temperature=1.0,
@@ -191,20 +240,66 @@ def run_trl(cfg: BenchConfig, model_dir: str, work: str) -> list[dict]:
     timed("_generate_and_score_completions", "gen_and_score")
 
     class StepClock(TrainerCallback):
+        """Times each optimizer step; before each, waits for train.py to finish its own step."""
         def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step:
+                baton.hand_over("trl", "ours")
+            else:
+                baton.wait("trl")
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             timings["step"].append(time.perf_counter() - self.t0)
 
     trainer.add_callback(StepClock())
-    trainer.train()
-    steps = []
-    for i in range(n):
-        sample, score, gs, total = (timings[k][i] for k in ("sample", "score", "gen_and_score", "step"))
-        steps.append(dict(sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total,
-                          length=lengths[i]))
-    return steps[1:]
+
+    def results() -> list[dict]:
+        steps = []
+        for sample, score, gs, total, length in zip(timings["sample"], timings["score"], timings["gen_and_score"],
+                                                    timings["step"], lengths):
+            steps.append(dict(sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total,
+                              length=length))
+        return steps
+    return trainer, results
+
+
+def run_both(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], list[dict]]:
+    """Per-step rows of train.py and TRL, warm-up step dropped, the two trainers taking turns."""
+    import torch
+    from tasks import get_task
+    n = cfg.steps + 1
+    # train.py's prompts: the first n * P training examples, in order (checked against what it rendered below).
+    examples = get_task("synthetic").train(n * cfg.prompts_per_step, cfg.seed)
+    baton = Baton()
+    with warnings.catch_warnings():  # transformers' deprecation notices about TRL's own arguments
+        warnings.simplefilter("ignore", FutureWarning)
+        trainer, trl_results = make_trl(cfg, model_dir, work, examples, baton)
+    failure: list[BaseException] = []
+
+    def train_trl() -> None:
+        torch.set_num_threads(cfg.threads)  # OpenMP keeps the count per thread in some builds: set it here too
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # TRL prints a summary
+                warnings.simplefilter("ignore", FutureWarning)
+                trainer.train()
+        except BaseException as e:  # reported by the main thread, which must not wait forever
+            failure.append(e)
+        finally:
+            baton.close()
+
+    worker = threading.Thread(target=train_trl, name="trl", daemon=True)
+    worker.start()
+    ours, rendered = run_ours(cfg, model_dir, work, baton)
+    worker.join()
+    if failure:
+        raise failure[0]
+    if rendered != examples:
+        raise SystemExit("bench_trl: train.py trained on other prompts than TRL was given; update run_both to match "
+                         "how train.py draws its examples")
+    trl = trl_results()
+    if len(ours) != n or len(trl) != n:
+        raise SystemExit(f"bench_trl: timed {len(ours)} steps of train.py and {len(trl)} of TRL, expected {n} each")
+    return ours[1:], trl[1:]
 
 
 # -----------------------------------------------------------------------------
@@ -215,16 +310,23 @@ def mean_of(steps: list[dict], key: str) -> float:
     return statistics.mean(s[key] for s in steps)
 
 
+def median_of(steps: list[dict], key: str) -> float:
+    """Median over the timed steps: one step slowed by another process does not move it."""
+    return statistics.median(s[key] for s in steps)
+
+
 def report(cfg: BenchConfig, ours: list[dict], trl: list[dict], model_note: str) -> None:
     keys = ("sample", "score", "update", "other", "total")
     print(f"\none GRPO step: {cfg.prompts_per_step} prompts x {cfg.group_size} completions, <= {cfg.max_completion_tokens} "
-          f"tokens, {model_note}, float32 CPU, {cfg.threads} threads; mean of {cfg.steps} steps after 1 warm-up")
-    print(f"{'seconds/step':<16}" + "".join(f"{k:>9}" for k in keys) + f"{'mean len':>10}")
+          f"tokens, {model_note}, float32 CPU, {cfg.threads} threads; median of {cfg.steps} steps after 1 warm-up")
+    n_seqs = cfg.prompts_per_step * cfg.group_size
+    print(f"{'seconds/step':<16}" + "".join(f"{k:>9}" for k in keys) + f"{'mean len':>10}{'tok/step':>10}")
     for name, steps in (("train.py", ours), ("TRL", trl)):
-        print(f"{name:<16}" + "".join(f"{mean_of(steps, k):9.3f}" for k in keys) + f"{mean_of(steps, 'length'):10.1f}")
-    print(f"{'TRL / train.py':<16}" + "".join(f"{mean_of(trl, k) / max(mean_of(ours, k), 1e-9):8.1f}x" for k in keys))
+        length = mean_of(steps, "length")
+        print(f"{name:<16}" + "".join(f"{median_of(steps, k):9.3f}" for k in keys) + f"{length:10.1f}{length * n_seqs:10.0f}")
+    print(f"{'TRL / train.py':<16}" + "".join(f"{median_of(trl, k) / max(median_of(ours, k), 1e-9):8.1f}x" for k in keys))
     # Time per generated token, so a side whose policy stops earlier does not look faster for it.
-    per_tok = (mean_of(trl, "total") / mean_of(trl, "length")) / (mean_of(ours, "total") / mean_of(ours, "length"))
+    per_tok = (median_of(trl, "total") / mean_of(trl, "length")) / (median_of(ours, "total") / mean_of(ours, "length"))
     print(f"step time per generated token, TRL / train.py: {per_tok:.1f}x")
     print("(train.py 'other' = pack + advantages + logging inside its loop; TRL 'other' = padding, advantages and "
           "metrics inside _generate_and_score_completions)")
@@ -238,26 +340,31 @@ def main(cfg: BenchConfig) -> None:
         return
     import torch
     torch.set_num_threads(cfg.threads)
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:  # other processes compete for the cores: both sides slow down, not always equally
+        print(f"note: load average {load:.1f} on {cores} cores: other processes share them, so times are inflated and "
+              f"noisy, more so with --threads > 1 (--threads 1 is steadier)")
     with tempfile.TemporaryDirectory(prefix="bench_trl-") as work:
-        model_dir = str(ROOT / cfg.model) if not os.path.isabs(cfg.model) else cfg.model
+        model_dir = str(ROOT / cfg.model) if cfg.model == BenchConfig.model else cfg.model  # the default: from any cwd
         model_note = f"model {cfg.model}"
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            if cfg.model != BenchConfig.model:
+                raise SystemExit(f"--model {cfg.model}: no config.json there; pass an HF checkpoint directory")
             model_dir = random_model(os.path.join(work, "random-tiny-model"))
             model_note = f"random model of the bundled shape ({cfg.model} not built)"
         t0 = time.perf_counter()
-        ours = run_ours(cfg, model_dir, work)
-        t1 = time.perf_counter()
-        trl_steps = run_trl(cfg, model_dir, work)
-        t2 = time.perf_counter()
+        ours, trl_steps = run_both(cfg, model_dir, work)
+        elapsed = time.perf_counter() - t0
         if torch.get_num_threads() != cfg.threads:
             print(f"warning: torch threads changed to {torch.get_num_threads()} during the run")
     report(cfg, ours, trl_steps, model_note)
-    print(f"(whole runs incl. start-up: train.py {t1 - t0:.0f}s, TRL {t2 - t1:.0f}s)")
+    print(f"(both runs, start-up and train.py's start/end evaluation included: {elapsed:.0f}s)")
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false")):
+    for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),
+                       ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(var, value)
     from cli import parse_config
     main(parse_config(BenchConfig, description=__doc__.split("\n\n")[0])[0])

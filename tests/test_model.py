@@ -107,7 +107,11 @@ def test_load_shares_tied_parameter_and_leaves_nothing_on_meta(hf_checkpoint, mo
     path = hf_checkpoint("qwen2", True)
     init_devices = []
     normal_ = torch.nn.init.normal_
-    monkeypatch.setattr(torch.nn.init, "normal_", lambda t, *a, **k: init_devices.append(t.device.type) or normal_(t, *a, **k))
+
+    def spy(tensor, *a, **k):
+        init_devices.append(tensor.device.type)
+        return normal_(tensor, *a, **k)
+    monkeypatch.setattr(torch.nn.init, "normal_", spy)
     m = M.load_model(path)
     assert init_devices and set(init_devices) == {"meta"}
     assert m.lm_head.weight is m.model.embed_tokens.weight

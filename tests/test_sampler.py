@@ -15,6 +15,16 @@ from sampler import KVCache, decode_step, extend, generate, prefill, sample_next
 PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]  # different lengths
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared 2-core machine OpenMP's
+    spinning threads can make runs 10x slower under load; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """One tiny random checkpoint per family, loaded with model.load_model (float32)."""
@@ -377,3 +387,18 @@ def test_misuse_is_a_clear_error(models):
         generate(model, PROMPTS, max_new_tokens=4, top_p=0.0)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         generate(model, [[1, 128]], max_new_tokens=4)
+
+
+def test_bfloat16_and_autocast(models, tmp_path):
+    """Guards against dtype mismatches on the bf16 path (cache dtype vs the keys the model writes,
+    sampling on bf16 logits): a bf16 model and a float32 model under bf16 autocast both sample
+    tree rollouts whose log-probs stay close to the float32 trainer forward."""
+    model32 = models["qwen2"]
+    model16 = load_model(make_hf_checkpoint(tmp_path, "qwen2"), dtype=torch.bfloat16)
+    kw = dict(k=2, m=2, max_thought_tokens=6, max_answer_tokens=5, end_of_thought=[3, 4], stop_ids=[7], seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = sample_tree(model32, PROMPTS, **kw)
+    for tree in (sample_tree(model16, PROMPTS, **kw), auto):
+        for a, (ans, lp) in enumerate(zip(tree.answers, tree.answer_logprobs)):
+            full = full_logprobs(model32, PROMPTS[a // 4], tree.thoughts[a // 2] + ans)[-len(ans):]
+            assert (torch.tensor(lp) - full).abs().mean() < 0.02  # measured ~3e-3

@@ -1,0 +1,138 @@
+"""Sampler speed, printed as ratios from one run (not a test): sampler.generate against
+transformers.generate on the same random ~6M-parameter Qwen2-shaped model, and against the
+GEMM-only limit (the same matmuls, timed alone). Also tokens/s at several batch sizes and the KV
+cache memory. CPU, float32, temperature 1, no stop ids (every row makes all its tokens).
+
+    python bench/bench_sampler.py [--threads N] [--repeats R] [--cpu-time]
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import ModelConfig, Transformer, load_model, save_model  # noqa: E402
+from sampler import KVCache, generate  # noqa: E402
+
+NEW_TOKENS = 96
+
+
+def build(tmp: str) -> tuple[Transformer, "transformers.PreTrainedModel"]:  # noqa: F821
+    """A random Qwen2-shaped model (hidden 256, 6 layers, 4/2 heads, vocab 8192, tied), as ours and HF's."""
+    import transformers
+    cfg = ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True,
+                      tie_word_embeddings=True, model_type="qwen2", max_position_embeddings=1024)
+    torch.manual_seed(0)
+    save_model(Transformer(cfg), Path(tmp) / "m")
+    ours = load_model(Path(tmp) / "m").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "m", dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return ours, hf
+
+
+def make_prompts(P: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(P)
+    return [torch.randint(0, 8192, (int(torch.randint(16, 49, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(P)]
+
+
+def best_time(fn, repeats: int, clock: Callable[[], float]) -> float:
+    times = []
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        times.append(clock() - t)
+    return min(times)  # the least disturbed run: the machine is shared
+
+
+def time_ours(model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
+    return best_time(lambda: generate(model, prompts, max_new_tokens=NEW_TOKENS, n=n, temperature=1.0, seed=0),
+                     repeats, clock)
+
+
+def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = (torch.arange(T) >= torch.tensor([T - len(p) for p in prompts])[:, None]).long()
+
+    def run():
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+                              pad_token_id=0)
+        assert out.shape == (len(prompts) * n, T + NEW_TOKENS)
+    return best_time(run, repeats, clock)
+
+
+def time_gemms(model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
+    """The GEMM-only limit: the prefill's and every decode step's projections + lm_head as plain
+    matmuls at the sampler's shapes, nothing else. Prefill: P x longest-prompt rows through the
+    layers, P rows through lm_head; then one step per fed token (NEW_TOKENS - 1) at P*n rows."""
+    layers = [w for layer in model.model.layers for w in (
+        layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+        layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
+        layer.mlp.down_proj.weight)]
+    head = model.lm_head.weight
+    P, B = len(prompts), len(prompts) * n
+    steps = [(P * max(map(len, prompts)), P)] + [(B, B)] * (NEW_TOKENS - 1)  # (layer rows, head rows)
+    x = {(r, w.shape[1]): torch.randn(r, w.shape[1]) for r, _ in steps for w in layers}
+    x |= {(r, head.shape[1]): torch.randn(r, head.shape[1]) for _, r in steps}
+
+    def run():
+        for rows, head_rows in steps:
+            for w in layers:
+                F.linear(x[rows, w.shape[1]], w)
+            F.linear(x[head_rows, head.shape[1]], head)
+    with torch.no_grad():
+        return best_time(run, repeats, clock)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with this process's CPU time instead of the wall clock: steadier on a "
+                             "shared machine, meaningful with --threads 1")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure; the best is kept")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, hf = build(tmp)
+    n_params = sum(p.numel() for p in ours.parameters())
+    print(f"model: {n_params / 1e6:.1f}M params (Qwen2-shaped, tied), CPU float32, {args.threads} threads "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs), {NEW_TOKENS} new tokens, "
+          f"temperature 1, no stop")
+
+    P, n = 8, 4
+    prompts = make_prompts(P)
+    generate(ours, prompts, max_new_tokens=4, n=n, seed=0)  # warm-up
+    t_ours = t_hf = t_gemm = float("inf")
+    for _ in range(args.repeats):  # interleaved rounds: a load change on a shared machine hits all three
+        t_ours = min(t_ours, time_ours(ours, prompts, n, 1, clock))
+        t_hf = min(t_hf, time_hf(hf, prompts, n, 1, clock))
+        t_gemm = min(t_gemm, time_gemms(ours, prompts, n, 1, clock))
+    tokens = P * n * NEW_TOKENS
+    print(f"\nbatch {P * n} ({P} prompts x n={n}):")
+    print(f"  sampler.generate        {tokens / t_ours:8.0f} tok/s")
+    print(f"  transformers.generate   {tokens / t_hf:8.0f} tok/s   -> sampler is {t_hf / t_ours:.2f}x HF (goal >= 2.5x)")
+    print(f"  GEMM-only limit         {tokens / t_gemm:8.0f} tok/s   -> sampler reaches {100 * t_gemm / t_ours:.0f}% "
+          f"of it (goal >= 80%), HF {100 * t_gemm / t_hf:.0f}%")
+
+    print("\nbatch   prompts x n   tok/s   KV cache (float32)")
+    for P, n in ((1, 1), (2, 4), (8, 4), (32, 4)):
+        prompts = make_prompts(P)
+        t = time_ours(ours, prompts, n, args.repeats, clock)
+        cache_bytes = KVCache.for_model(ours, P * n, max(map(len, prompts)) + NEW_TOKENS).nbytes
+        print(f"{P * n:5d}   {P:7d} x {n}   {P * n * NEW_TOKENS / t:7.0f}   {cache_bytes / 2**20:6.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

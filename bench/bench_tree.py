@@ -1,0 +1,94 @@
+"""Tree sampling vs flat sampling, printed as ratios from one run (not a test): K=4 thoughts x M=4
+answers per prompt (T4A4) against 16 independent full sequences per prompt of the same total
+lengths. Thoughts are about 4x longer than answers; lengths are forced (no stop ids, a two-token
+marker a random model practically never emits, so every thought runs to its limit and gets the
+marker appended). Counts the tokens fed to the model and the wall time. CPU, float32.
+
+    python bench/bench_tree.py [--prompts P] [--threads N] [--repeats R] [--cpu-time]
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import ModelConfig, Transformer, load_model, save_model  # noqa: E402
+from sampler import generate, sample_tree  # noqa: E402
+
+K, M, THOUGHT, ANSWER, MARKER = 4, 4, 64, 16, [8190, 8191]
+
+
+def build(tmp: str) -> Transformer:
+    """The same random Qwen2-shaped ~6M-parameter model as bench_sampler.py."""
+    cfg = ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True,
+                      tie_word_embeddings=True, model_type="qwen2", max_position_embeddings=1024)
+    torch.manual_seed(0)
+    save_model(Transformer(cfg), Path(tmp) / "m")
+    return load_model(Path(tmp) / "m").eval()
+
+
+def counted(model: Transformer, fn, clock: Callable[[], float]) -> tuple[float, int, object]:
+    """Run fn(), returning its wall time, the number of tokens fed to model.forward, and its result."""
+    fed, forward = [0], model.forward
+
+    def wrapped(input_ids, *args, **kw):
+        fed[0] += input_ids.numel()
+        return forward(input_ids, *args, **kw)
+    model.forward = wrapped
+    try:
+        t = clock()
+        out = fn()
+        return clock() - t, fed[0], out
+    finally:
+        del model.forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per call")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with this process's CPU time instead of the wall clock: steadier on a "
+                             "shared machine, meaningful with --threads 1")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the best time of each is kept")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(tmp)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 8190, (int(torch.randint(24, 41, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(args.prompts)]
+    total = THOUGHT + len(MARKER) + ANSWER
+
+    def tree():
+        return sample_tree(model, prompts, k=K, m=M, max_thought_tokens=THOUGHT, max_answer_tokens=ANSWER,
+                           end_of_thought=MARKER, seed=0)
+
+    def flat():
+        return generate(model, prompts, max_new_tokens=total, n=K * M, seed=0)
+
+    generate(model, prompts, max_new_tokens=2, n=K * M, seed=0)  # warm-up
+    t_tree = t_flat = float("inf")
+    for _ in range(args.repeats):  # interleaved, so a load change on the shared machine hits both
+        t, fed_tree, out = counted(model, tree, clock)
+        t_tree = min(t_tree, t)
+        t, fed_flat, _ = counted(model, flat, clock)
+        t_flat = min(t_flat, t)
+    assert all(out.thought_truncated) and all(len(a) == ANSWER for a in out.answers), "lengths were not forced"
+    print(f"{args.prompts} prompts, T{K}A{M}: thoughts {THOUGHT} + marker {len(MARKER)}, answers {ANSWER} "
+          f"(flat: {K * M} sequences of {total} per prompt)\n  CPU float32, {args.threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"  tokens fed to the model: tree {fed_tree}, flat {fed_flat} -> {fed_flat / fed_tree:.2f}x fewer "
+          f"(goal >= 2x)")
+    print(f"  time: tree {t_tree:.2f} s, flat {t_flat:.2f} s -> {t_flat / t_tree:.2f}x faster (goal >= 1.8x)")
+
+
+if __name__ == "__main__":
+    main()
