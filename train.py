@@ -62,9 +62,9 @@ class TrainConfig:
     seed: int = 0  # seeds every rollout (with step and prompt index) and the data order
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 (bf16 = fp32 weights with bf16 autocast)
-    max_steps: int = 60  # RL steps (one batch of prompts each)
+    max_steps: int = 200  # RL steps (one batch of prompts each)
     # -- rollouts
-    prompts_per_step: int = 8  # P, global over all ranks
+    prompts_per_step: int = 16  # P, global over all ranks
     thoughts: int = 16  # K, thoughts per prompt (the GRPO group size G when answers = 1)
     answers: int = 1  # M, answers sampled from each thought (1 = plain GRPO)
     end_of_thought: str = "</think>"  # text marker that ends a thought (used when answers > 1)
@@ -107,7 +107,7 @@ class TrainConfig:
     fsdp: bool = False  # shard parameters with FSDP2 (fully_shard) under torchrun
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
     # -- logging, evaluation, checkpoints
-    eval_every: int = 10  # evaluate held-out accuracy every N steps (0 = only at the start and end)
+    eval_every: int = 20  # evaluate held-out accuracy every N steps (0 = only at the start and end)
     eval_examples: int = 200  # held-out prompts per evaluation
     eval_samples: int = 4  # samples per held-out prompt for mean@n and pass@k
     save_every: int = 0  # write OUT/step-N every N steps (0 = never; OUT/final is always written)
