@@ -142,7 +142,6 @@ class TrainConfig:
                 raise ValueError(msg)
 
 
-BASE_LR = TrainConfig.lr
 PRESETS: dict[str, dict] = {
     "grpo": {},
     "dr_grpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm"),
@@ -150,7 +149,8 @@ PRESETS: dict[str, dict] = {
     "gspo": dict(sequence_ratio=True, clip_low=3e-4, clip_high=4e-4, mu=2),
     "grpo_ma": dict(thoughts=4, answers=4),
     # 2-GRPO's recipe against 16-GRPO: same rollouts per step (prompts x8) and learning rate x8.
-    "two_grpo": dict(thoughts=2, advantage="two_grpo", prompts_per_step=8 * 8, lr=8 * BASE_LR, clip_high=0.28),
+    "two_grpo": dict(thoughts=2, advantage="two_grpo", prompts_per_step=8 * TrainConfig.prompts_per_step,
+                     lr=8 * TrainConfig.lr, clip_high=0.28),
     "agrae": dict(advantage="agrae"),
     "gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1),
 }
