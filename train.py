@@ -3,6 +3,7 @@
     python train.py                                   # bundled default: GRPO-MA, synthetic task, CPU
     python train.py --algo grpo --model PATH --task gsm8k --data gsm8k.jsonl --device cuda
     torchrun --nproc_per_node 8 train.py --algo dapo ...   # DDP over 8 GPUs (gloo on CPU)
+    torchrun --nproc_per_node 8 train.py --fsdp ...        # FSDP2: weights, grads, optimizer state sharded
 
 One step, in the order of the code below (the README's numbered algorithm):
   1. sample      K thoughts per prompt, then M answers from each thought (sampler.sample_tree)
@@ -100,11 +101,12 @@ class TrainConfig:
     # -- optimisation
     lr: float = 3e-4  # AdamW learning rate (tiny model; about 1e-6 for 0.5B-7B models)
     warmup_steps: int = 5  # linear learning-rate warm-up, in optimizer steps
+    lr_schedule: str = "cosine"  # cosine (decay to 10% of --lr at the last step) | constant
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this value
     micro_batch_rows: int = 64  # rows (thoughts) per forward/backward; changes memory, not the gradient
     gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
-    fsdp: bool = False  # shard parameters with FSDP2 (fully_shard) under torchrun
+    fsdp: bool = False  # under torchrun: shard weights, grads, optimizer state with FSDP2 (sampling gathers whole weights)
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
     # -- logging, evaluation, checkpoints
     eval_every: int = 20  # evaluate held-out accuracy every N steps (0 = only at the start and end)
@@ -119,6 +121,7 @@ class TrainConfig:
         checks = [
             (self.algo in PRESETS, f"--algo must be one of {', '.join(PRESETS)}"),
             (self.aggregation in AGGREGATIONS, f"--aggregation must be one of {', '.join(AGGREGATIONS)}"),
+            (self.lr_schedule in ("cosine", "constant"), "--lr-schedule must be cosine or constant"),
             (self.advantage in ("grpo", "two_grpo", "agrae"), "--advantage must be grpo, two_grpo or agrae"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "--device must be auto, cpu or cuda"),
             (self.dtype in ("auto", "float32", "bfloat16"), "--dtype must be auto, float32 or bfloat16"),
@@ -166,6 +169,15 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then constant or a cosine decay to 10% at the last optimizer step."""
+    warm = min(1.0, (opt_step + 1) / max(1, cfg.warmup_steps))
+    if cfg.lr_schedule == "constant":
+        return warm
+    progress = min(1.0, opt_step / max(1, cfg.max_steps * cfg.mu - 1))
+    return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -190,6 +202,39 @@ def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:
         t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t)
     return t.cpu()
+
+
+@contextlib.contextmanager
+def full_params(policy: torch.nn.Module, fsdp: bool):
+    """FSDP: all-gather every parameter once, on every rank, and keep it whole until the block ends.
+
+    Sampling runs a number of forwards that depends on each rank's data (rows stop at different
+    steps, dynamic sampling redoes some prompts) and evaluation runs on rank 0 only, so FSDP's
+    all-gather per forward would leave the ranks out of step and hang. Inside the block a forward
+    does no collectives: FSDP2's pre-forward unshard is a no-op on an already unsharded group, and
+    reshard-after-forward is off. Every rank must enter the block (the all-gathers happen here).
+    Without FSDP it does nothing."""
+    if not fsdp:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    groups = [m for m in policy.modules() if isinstance(m, FSDPModule)]  # each layer and the root
+    for m in groups:
+        m.unshard()  # not recursive: one call per fully_shard'ed module
+    policy.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in groups:  # back to fully_shard's defaults: layers reshard after forward, the root does not
+            m.set_reshard_after_forward(m is not policy, recurse=False)
+            m.reshard()
+
+
+def gather_full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """FSDP: full (unsharded) model and optimizer state dicts, on CPU, on rank 0 (empty on the other
+    ranks); the optimizer's is keyed by parameter name. Collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 # -----------------------------------------------------------------------------
 # Step 3: pack a tree of rollouts into training rows
@@ -295,10 +340,11 @@ def token_stats(model, batch: Batch, temperature: float, entropy: bool = False) 
 # Checkpoints: HF layout (loadable by load_model and transformers) + trainer state, written atomically
 
 
-def save_checkpoint(path: str, model, tokenizer_dir: str, state: dict) -> None:
+def save_checkpoint(path: str, model, tokenizer_dir: str, state: dict, weights: dict | None = None) -> None:
+    """weights: the full state dict when the model's own parameters are sharded (FSDP)."""
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp, tokenizer_dir=tokenizer_dir)
+    save_model(model, tmp, tokenizer_dir=tokenizer_dir, state_dict=weights)
     torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(path):
         shutil.rmtree(path)
@@ -338,8 +384,8 @@ def main(cfg: TrainConfig) -> dict:
     heldout = task.test(cfg.eval_examples, cfg.seed)
     marker = tokenizer.encode(cfg.end_of_thought) if cfg.answers > 1 else []
 
-    model = policy
-    if world > 1 and cfg.fsdp:
+    model, fsdp = policy, world > 1 and cfg.fsdp
+    if fsdp:  # each layer is one all-gather unit; the root holds the rest (embedding = tied lm_head, norm)
         from torch.distributed.fsdp import fully_shard
         for layer in policy.model.layers:
             fully_shard(layer)
@@ -347,12 +393,19 @@ def main(cfg: TrainConfig) -> dict:
     elif world > 1:
         model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     # Trainer state beyond weights and optimizer: everything the next step depends on.
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
     if resume_dir:
         saved = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(saved["optimizer"])
+        if fsdp != isinstance(saved["optimizer"]["param_groups"][0]["params"][0], str):
+            raise SystemExit(f"--resume {resume_dir}: its optimizer state was saved {'without' if fsdp else 'with'} "
+                             f"--fsdp under torchrun; resume it the same way (with --fsdp any world size works)")
+        if fsdp:  # full, keyed by parameter name (gather_full_state); each rank keeps its own shard
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(policy, optimizer, saved["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         state = saved["trainer"]
     if main_proc:
@@ -373,21 +426,23 @@ def main(cfg: TrainConfig) -> dict:
                 wandb_run.log(row, step=row["step"])
 
     def run_eval(step: int) -> dict:
-        if not main_proc:
-            return {}
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            res = evaluate(policy, tokenizer, task, heldout, n=cfg.eval_samples,
-                           max_new_tokens=cfg.max_thought_tokens + cfg.max_answer_tokens,
-                           temperature=cfg.temperature, seed=derive_seed(cfg.seed, 10**9))
+        with full_params(policy, fsdp):  # FSDP: every rank gathers, then rank 0 alone runs forwards
+            if not main_proc:
+                return {}
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                res = evaluate(policy, tokenizer, task, heldout, n=cfg.eval_samples,
+                               max_new_tokens=cfg.max_thought_tokens + cfg.max_answer_tokens,
+                               temperature=cfg.temperature, seed=derive_seed(cfg.seed, 10**9))
         row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
         log(row)
         return row
 
     def checkpoint(path: str) -> None:
+        weights, optim = gather_full_state(policy, optimizer) if fsdp else (None, optimizer.state_dict())
         if main_proc:
             save_checkpoint(path, policy, cfg.model, dict(
-                optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
-                trainer=state, config=asdict(cfg)))
+                optimizer=optim, scheduler=scheduler.state_dict(),
+                trainer=state, config=asdict(cfg)), weights=weights)
         if world > 1:
             dist.barrier()
 
@@ -424,26 +479,27 @@ def main(cfg: TrainConfig) -> dict:
                 reward = reward + overlong_penalty(lengths, cfg.max_thought_tokens + cfg.max_answer_tokens, cfg.overlong_buffer)
             return reward.view(-1, K, M), correct.view(-1, K, M), lengths.view(-1, K, M)
 
-        seeds = [derive_seed(cfg.seed, step, s) for s in slots]
-        prompts, tree = rollout(examples, seeds)
-        t_sample = time.perf_counter() - t0
-        reward, correct, lengths = score(examples, tree)
-        batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), world) / cfg.prompts_per_step).item()  # before any top-up
-        n_resampled = 0
-        if cfg.dynamic_sampling:  # DAPO: replace prompts whose K*M rewards are all equal, slot by slot
-            for rnd in range(1, cfg.max_resample_rounds + 1):
-                flat = ~dynamic_sampling_keep(reward.view(P_local, -1))
-                if not flat.any():
-                    break
-                redo = flat.nonzero().flatten().tolist()
-                new_ex = [topups[(step * cfg.prompts_per_step + slots[i]) * cfg.max_resample_rounds + rnd - 1] for i in redo]
-                new_prompts, new_tree = rollout(new_ex, [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo])
-                new_r, new_c, new_l = score(new_ex, new_tree)
-                for j, i in enumerate(redo):
-                    examples[i], prompts[i] = new_ex[j], new_prompts[j]
-                    reward[i], correct[i], lengths[i] = new_r[j], new_c[j], new_l[j]
-                    splice_tree(tree, i, new_tree, j, K, M)
-                n_resampled += len(redo)
+        with full_params(policy, fsdp):  # FSDP: whole weights while ranks run different numbers of forwards
+            seeds = [derive_seed(cfg.seed, step, s) for s in slots]
+            prompts, tree = rollout(examples, seeds)
+            t_sample = time.perf_counter() - t0
+            reward, correct, lengths = score(examples, tree)
+            batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), world) / cfg.prompts_per_step).item()  # before any top-up
+            n_resampled = 0
+            if cfg.dynamic_sampling:  # DAPO: replace prompts whose K*M rewards are all equal, slot by slot
+                for rnd in range(1, cfg.max_resample_rounds + 1):
+                    flat = ~dynamic_sampling_keep(reward.view(P_local, -1))
+                    if not flat.any():
+                        break
+                    redo = flat.nonzero().flatten().tolist()
+                    new_ex = [topups[(step * cfg.prompts_per_step + slots[i]) * cfg.max_resample_rounds + rnd - 1] for i in redo]
+                    new_prompts, new_tree = rollout(new_ex, [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo])
+                    new_r, new_c, new_l = score(new_ex, new_tree)
+                    for j, i in enumerate(redo):
+                        examples[i], prompts[i] = new_ex[j], new_prompts[j]
+                        reward[i], correct[i], lengths[i] = new_r[j], new_c[j], new_l[j]
+                        splice_tree(tree, i, new_tree, j, K, M)
+                    n_resampled += len(redo)
         t_score = time.perf_counter() - t0 - t_sample
 
         # ---- 3. pack one row per thought; thought tokens appear once
@@ -512,7 +568,7 @@ def main(cfg: TrainConfig) -> dict:
                 mb = select_rows(batch, rows)
                 sync = i == len(micro) - 1
                 ctx = model.no_sync() if (world > 1 and not cfg.fsdp and not sync) else contextlib.nullcontext()
-                if world > 1 and cfg.fsdp:
+                if fsdp:
                     policy.set_requires_gradient_sync(sync)
                 with ctx, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     logp, ent = token_stats(model, mb, cfg.temperature, entropy=(epoch == 0 and not (need_old or need_ent)))

@@ -1,0 +1,94 @@
+"""FSDP2 (--fsdp) under torchrun on CPU (gloo): the update equals one process, rank 0 writes a plain
+HF checkpoint that load_model reads, and resume under FSDP continues bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUNDLED = os.path.join(ROOT, "assets", "tiny-model")  # tied embeddings: the shared Parameter sits in the root's group
+# test_train.py::test_two_processes_equal_one's flags, plus what only FSDP does differently: three micro-batches
+# per rank (gradient accumulation without reduce-scatter), mu = 2 (the no-grad scoring pass), a clip below the
+# gradient norm (the norm over sharded DTensor gradients), a checkpoint every step. eval-examples 4 makes rank 0
+# alone run greedy evaluation, which hangs unless the weights are gathered first.
+ARGS = ["--algo", "grpo", "--model", BUNDLED, "--max-steps", "2", "--prompts-per-step", "4", "--thoughts", "4",
+        "--max-thought-tokens", "40", "--max-answer-tokens", "8", "--eval-every", "0", "--eval-examples", "4",
+        "--eval-samples", "0", "--save-every", "1", "--micro-batch-rows", "3", "--mu", "2", "--grad-clip", "0.1"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+
+
+def torchrun(out: str, port: int, *extra: str) -> None:
+    """2 ranks of train.py --fsdp; a hang (ranks out of step in a collective) fails after 150 s."""
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(port),
+                          "train.py", "--fsdp", *ARGS, *extra, "--out", out], cwd=ROOT, env=ENV, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the launcher and both ranks
+        p.communicate()
+        pytest.fail("torchrun --fsdp hung: the ranks fell out of step in a collective")
+    assert p.returncode == 0, err[-3000:]
+
+
+def steps(out: str) -> list[dict]:
+    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, str]:
+    """The same 2 steps in one process and under FSDP on 2 ranks."""
+    d = tmp_path_factory.mktemp("fsdp")
+    one, fsdp = str(d / "one"), str(d / "fsdp")
+    subprocess.run([sys.executable, "train.py", *ARGS, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True)
+    torchrun(fsdp, 29534)
+    return dict(one=one, fsdp=fsdp, dir=str(d))
+
+
+def test_fsdp_equals_one_process_and_saves_plain_checkpoints(runs):
+    """Guards against FSDP changing the update (gradient averaging on top of our global-sum loss, a
+    per-shard gradient norm, lost micro-batch gradients) and against rank 0 saving its shard only: every
+    checkpoint is a full HF directory that load_model reads, equal to one process's within 1e-5."""
+    start = load_model(BUNDLED).state_dict()
+    for ckpt in ("step-1", "step-2", "final"):
+        w1, w2 = load_model(os.path.join(runs["one"], ckpt)).state_dict(), load_model(os.path.join(runs["fsdp"], ckpt)).state_dict()
+        assert w1.keys() == w2.keys()
+        assert any(not torch.equal(w1[k], start[k]) for k in w1)  # the steps did move the weights
+        for k in w1:
+            torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
+    assert sorted(os.listdir(runs["fsdp"])) == sorted(os.listdir(runs["one"]))  # no shard files, no leftover .tmp
+    one, fsdp = steps(runs["one"]), steps(runs["fsdp"])
+    assert all(r["grad_norm"] > 0.1 for r in one)  # the clip was active
+    assert [r["grad_norm"] for r in fsdp] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+
+
+def test_fsdp_resume_is_bitwise(runs):
+    """Guards against resume under FSDP losing or mis-sharding the optimizer state: 2 steps straight equal
+    resuming step-1 for 1 step, bit for bit (weights, optimizer state, metrics)."""
+    out = os.path.join(runs["dir"], "resumed")
+    torchrun(out, 29535, "--resume", os.path.join(runs["fsdp"], "step-1"))
+    wa, wb = (load_model(os.path.join(d, "final")).state_dict() for d in (runs["fsdp"], out))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa, ob = (torch.load(os.path.join(d, "final", "trainer_state.pt"), weights_only=False)["optimizer"] for d in (runs["fsdp"], out))
+    assert oa["state"].keys() == ob["state"].keys()
+    assert all(torch.equal(oa["state"][p][s], ob["state"][p][s]) for p in oa["state"] for s in oa["state"][p])
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
+    assert [drop(r) for r in steps(out)] == [drop(steps(runs["fsdp"])[1])]
+
+
+def test_fsdp_checkpoint_resumed_without_fsdp_is_one_clear_error(runs):
+    """Guards against a name-keyed (FSDP) optimizer state being fed to a plain optimizer: a clear message."""
+    r = subprocess.run([sys.executable, "train.py", *ARGS, "--resume", os.path.join(runs["fsdp"], "step-1"),
+                        "--out", os.path.join(runs["dir"], "plain")], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "saved with --fsdp" in r.stderr and "Traceback" not in r.stderr
