@@ -315,8 +315,8 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0,
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}.")
 
     def fn(x: Tensor, t: Tensor) -> Tensor:  # (n, V), (n,) -> (n,)
-        # log_softmax then gather: about 2x faster than gather - logsumexp on CPU (measured)
-        return torch.log_softmax(x.float() / temperature, dim=-1).gather(-1, t[:, None]).squeeze(-1)
+        x = x.float() / temperature
+        return x.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
     V = logits.shape[-1]
     return _chunked(fn, logits.reshape(-1, V), targets.reshape(-1), chunk_rows=chunk_rows).view(targets.shape)
