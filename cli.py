@@ -33,7 +33,8 @@ def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default)
         # SUPPRESS: a flag the user did not type is absent from the namespace (see parse_config).
-        kw: dict[str, Any] = dict(default=argparse.SUPPRESS, help=helps.get(f.name, "") + f" (default: {f.default!r})")
+        text = (helps.get(f.name, "") + f" (default: {f.default!r})").replace("%", "%%")  # argparse formats help with %
+        kw: dict[str, Any] = dict(default=argparse.SUPPRESS, help=text)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -31,11 +30,11 @@ def torchrun(out: str, port: int, *extra: str) -> None:
     """2 ranks of train.py --fsdp; a hang (ranks out of step in a collective) fails after 150 s."""
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(port),
                           "train.py", "--fsdp", *ARGS, *extra, "--out", out], cwd=ROOT, env=ENV, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _, err = p.communicate(timeout=150)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # the launcher and both ranks
+        p.terminate()  # SIGTERM: the launcher stops both ranks (each runs in its own session) before it exits
         p.communicate()
         pytest.fail("torchrun --fsdp hung: the ranks fell out of step in a collective")
     assert p.returncode == 0, err[-3000:]
