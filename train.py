@@ -606,8 +606,9 @@ def main(cfg: TrainConfig) -> dict:
         gen_tokens = all_sum(sum(map(len, tree.thoughts)) + sum(map(len, tree.answers)), world).item()
         row = {
             "step": step + 1,
-            "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
-            "accuracy": correct.mean().item(), "batch_accuracy": batch_accuracy,
+            "reward/mean": (all_sum(reward.sum(), world) / all_sum(reward.numel(), world)).item(),
+            "reward/std": reward.std().item(),  # this rank's (rank 0's) rollouts
+            "accuracy": (all_sum(correct.sum(), world) / all_sum(correct.numel(), world)).item(), "batch_accuracy": batch_accuracy,
             "frac_zero_std_groups": (~dynamic_sampling_keep(group)).float().mean().item(),
             "loss": all_sum(sums["loss"], world).item(), "grad_norm": grad_norm.item(),
             "gss": gss[-1].item(), "gss10_frac": gss10,
