@@ -532,12 +532,10 @@ def main(cfg: TrainConfig) -> dict:
         seq_adv = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1
         seq_mask = completion.float()
         if need_ent:  # GTPO entropy control (rows are completions: M == 1)
-            if state["gate_on"] is None:  # decided once, from the starting policy's mean entropy
-                mean_ent = (entropy * seq_mask).sum(1) / seq_mask.sum(1).clamp(min=1)
-                start_ent = all_sum(mean_ent.sum(), world) / all_sum(len(mean_ent), world)
-                state["gate_on"] = bool(start_ent <= cfg.entropy_threshold)
-            keep, mean_ent = gtpo_entropy_gate(entropy, seq_mask, threshold=cfg.entropy_threshold,
-                                               enabled=cfg.entropy_gate and state["gate_on"])
+            keep, mean_ent = gtpo_entropy_gate(entropy, seq_mask, threshold=cfg.entropy_threshold, enabled=cfg.entropy_gate)
+            if state["gate_on"] is None:  # decided once: off if the starting policy is already above the threshold
+                state["gate_on"] = bool(all_sum(mean_ent.sum(), world) / all_sum(len(mean_ent), world) <= cfg.entropy_threshold)
+            keep = keep | (not state["gate_on"])
             seq_adv = torch.where(keep.cpu(), gtpo_entropy_shift(seq_adv, mean_ent.cpu(), gamma=cfg.entropy_gamma), 0.0)
         if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
             kept_rows = dynamic_sampling_keep(group).repeat_interleave(K).to(device)
@@ -562,7 +560,6 @@ def main(cfg: TrainConfig) -> dict:
         # ---- 6. update: mu epochs, each one optimizer step over all micro-batches
         t1 = time.perf_counter()
         sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0)
-        grad_norm = torch.tensor(0.0)
         for epoch in range(cfg.mu):
             for i, rows in enumerate(micro):
                 mb = select_rows(batch, rows)
