@@ -3,6 +3,7 @@
     python eval.py --model assets/tiny-model --task synthetic --n 16 --k 1,4,16
     python eval.py --model runs/default/final --task gsm8k --data test.jsonl --out eval.json
     python eval.py --plot runs/grpo runs/grpo_ma      # curves of one or more runs in one PNG
+    python eval.py --plot runs/exp/t4a4-s0 runs/exp/t4a4-s1 --x time --metrics eval/accuracy,grad_norm
 
 Correctness comes from the task's own functions (tasks.py / rewards.py), the same ones the trainer
 rewards with, so the training signal and the metric cannot drift apart. Sampling goes through the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 
 import torch
@@ -89,25 +91,67 @@ def read_metrics(run: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_runs(runs: list[str], out: str) -> str:
+X_AXES = {"step": "step", "time": "training time (s, sample + update, evals excluded)", "tokens": "generated tokens"}
+
+
+def run_label(run: str) -> str:
+    """Runs named NAME-s<seed> are seeds of one configuration NAME (plotted as mean and min-max band)."""
+    return re.sub(r"-s\d+$", "", os.path.basename(run.rstrip("/")))
+
+
+def x_of_step(rows: list[dict], x: str) -> dict[int, float]:
+    """Step -> x coordinate: the step, cumulative step time or cumulative generated tokens."""
+    out, total = {0: 0.0}, 0.0
+    for r in rows:
+        if "loss" not in r:  # eval rows share the step number of the training row before them
+            continue
+        if x == "time":
+            total += r.get("time/step_s", r["time/sample_s"] + r["time/score_s"] + r["time/update_s"])
+        elif x == "tokens":
+            total += r.get("tokens/generated", r["tokens_per_s"] * r["time/sample_s"])
+        out[r["step"]] = float(r["step"]) if x == "step" else total
+    return out
+
+
+def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None = None) -> str:
+    """One panel per metric; seeds of a configuration (NAME-s0, NAME-s1, ...) become one mean curve
+    with a min-max band, at the steps every seed logged."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib")
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    if x not in X_AXES:
+        raise SystemExit(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
+    titles = dict(PLOTS)
+    panels = [(k, titles.get(k, k)) for k in keys] if keys else PLOTS
+    groups: dict[str, list[list[dict]]] = {}
     for run in runs:
-        rows = read_metrics(run)
-        for ax, (key, title) in zip(axes.flat, PLOTS):
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), label=os.path.basename(run.rstrip("/")), marker="." if key.startswith("eval") else None)
+        groups.setdefault(run_label(run), []).append(read_metrics(run))
+    cols = min(3, len(panels))
+    rows_n = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False)
+    for label, seeds in groups.items():
+        xs = [x_of_step(rows, x) for rows in seeds]
+        for ax, (key, title) in zip(axes.flat, panels):
+            series = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for rows in seeds]
+            steps = sorted(set.intersection(*(set(s) for s in series)))
+            if steps:
+                vals = [[s[t] for s in series] for t in steps]
+                xv = [sum(xm[t] for xm in xs) / len(xs) for t in steps]
+                line, = ax.plot(xv, [sum(v) / len(v) for v in vals], label=label + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else ""),
+                                marker="." if key.startswith("eval") else None)
+                if len(seeds) > 1:
+                    ax.fill_between(xv, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
             ax.set_title(title)
-            ax.set_xlabel("step")
-    axes.flat[0].legend()
+            ax.set_xlabel(X_AXES[x])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+    plt.close(fig)
     return out
 
 
@@ -152,7 +196,10 @@ if __name__ == "__main__":
         p = argparse.ArgumentParser(description="Plot the curves of one or more runs into one PNG.", allow_abbrev=False)
         p.add_argument("--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)")
         p.add_argument("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
+        p.add_argument("--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens")
+        p.add_argument("--metrics", default="", help="comma-separated metric keys, one panel each (default: the six standard curves)")
         args = p.parse_args()
-        print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png")))
+        print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x,
+                        keys=[k for k in args.metrics.split(",") if k] or None))
     else:
         main(parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0])

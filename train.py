@@ -594,6 +594,7 @@ def main(cfg: TrainConfig) -> dict:
                     raise SystemExit(f"{cfg.max_bad_steps} consecutive non-finite steps at step {step}: lower --lr or check the rewards")
             optimizer.zero_grad(set_to_none=True)
         t_update = time.perf_counter() - t1
+        t_step = time.perf_counter() - t0  # the whole step: sample .. update (eval and save excluded)
 
         # ---- 7. log, eval, save
         state["step"] = step + 1
@@ -617,8 +618,8 @@ def main(cfg: TrainConfig) -> dict:
             "thought_truncated_frac": sum(tree.thought_truncated) / max(len(tree.thought_truncated), 1) if M > 1 else 0.0,
             "logp_gap": all_sum(sums["logp_gap"], world).item() / max(n_tok, 1),
             "resampled": n_resampled, "skipped_steps": state["skipped_steps"], "lr": scheduler.get_last_lr()[0],
-            "time/sample_s": t_sample, "time/score_s": t_score, "time/update_s": t_update,
-            "tokens_per_s": gen_tokens / max(t_sample, 1e-9),
+            "time/sample_s": t_sample, "time/score_s": t_score, "time/update_s": t_update, "time/step_s": t_step,
+            "tokens/generated": gen_tokens, "tokens_per_s": gen_tokens / max(t_sample, 1e-9),
         }
         log(row)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
