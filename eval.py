@@ -103,12 +103,12 @@ def x_of_step(rows: list[dict], x: str) -> dict[int, float]:
     """Step -> x coordinate: the step, cumulative step time or cumulative generated tokens."""
     out, total = {0: 0.0}, 0.0
     for r in rows:
-        if "loss" not in r:  # eval rows share the step number of the training row before them
+        if "step" not in r or any(k.startswith("eval/") for k in r):  # eval rows reuse their step's x
             continue
         if x == "time":
-            total += r.get("time/step_s", r["time/sample_s"] + r["time/score_s"] + r["time/update_s"])
+            total += r.get("time/step_s", sum(r.get(k, 0.0) for k in ("time/sample_s", "time/score_s", "time/update_s")))
         elif x == "tokens":
-            total += r.get("tokens/generated", r["tokens_per_s"] * r["time/sample_s"])
+            total += r.get("tokens/generated", r.get("tokens_per_s", 0.0) * r.get("time/sample_s", 0.0))
         out[r["step"]] = float(r["step"]) if x == "step" else total
     return out
 
@@ -136,7 +136,7 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
         xs = [x_of_step(rows, x) for rows in seeds]
         for ax, (key, title) in zip(axes.flat, panels):
             series = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for rows in seeds]
-            steps = sorted(set.intersection(*(set(s) for s in series)))
+            steps = sorted(set.intersection(*(set(s) for s in series)).intersection(*xs))
             if steps:
                 vals = [[s[t] for s in series] for t in steps]
                 xv = [sum(xm[t] for xm in xs) / len(xs) for t in steps]

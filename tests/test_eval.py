@@ -67,6 +67,29 @@ def test_plot_writes_a_png(tmp_path):
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_groups_seeds_and_maps_steps_to_time_and_tokens(tmp_path):
+    """Guards against seed runs not being averaged, or eval points landing at the wrong time/tokens."""
+    pytest.importorskip("matplotlib")
+    from eval import run_label, x_of_step
+    assert run_label("runs/exp/grpo_t4a1-s2/") == "grpo_t4a1" and run_label("runs/my-s0x") == "my-s0x"
+    rows = [{"step": 0, "eval/accuracy": 0.1}]
+    rows += [{"step": s, "loss": 0.0, "time/step_s": 0.5 * s, "tokens/generated": 100} for s in (1, 2, 3)]
+    rows += [{"step": 3, "eval/accuracy": 0.4}]
+    assert x_of_step(rows, "time") == {0: 0.0, 1: 0.5, 2: 1.5, 3: 3.0}
+    assert x_of_step(rows, "tokens") == {0: 0.0, 1: 100.0, 2: 200.0, 3: 300.0}
+    assert x_of_step(rows, "step") == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
+    runs = []
+    for seed in (0, 1):
+        run = tmp_path / f"cfg-s{seed}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+        runs.append(str(run))
+    out = plot_runs(runs, str(tmp_path / "t.png"), x="time", keys=["eval/accuracy"])
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="--x must be one of"):
+        plot_runs(runs, str(tmp_path / "u.png"), x="wall")
+
+
 def test_cli_prints_a_table_and_writes_json(tmp_path):
     """Guards against the documented `eval.py --model ... --n --k --out` command breaking."""
     out = tmp_path / "r.json"
