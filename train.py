@@ -105,6 +105,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this value
     micro_batch_rows: int = 64  # rows (thoughts) per forward/backward; changes memory, not the gradient
+    share_prompt: bool = False  # pack a prompt's K thoughts into one row, prompt tokens once (fewer tokens; attention over K x longer rows)
     gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
     fsdp: bool = False  # under torchrun: shard weights, grads, optimizer state with FSDP2 (sampling gathers whole weights)
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
@@ -242,52 +243,92 @@ def gather_full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 @dataclass
 class Batch:
-    """One row per thought: prompt | thought | answer_1 .. answer_M, right-padded to T."""
-    ids: torch.Tensor  # (B, T) token ids
-    pos: torch.Tensor  # (B, T) RoPE positions; each answer restarts right after its thought
-    attn: torch.Tensor | None  # (B, 1, T, T) bool: answers see the prefix and themselves only
-    jumps: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, token, source) of answer starts
+    """A step's rollouts in two layouts.
+
+    Logical, one row per thought: prompt | thought | answer_1 .. answer_M, right-padded to T. The
+    advantages, weights and masks of the loss live here.
+    Packed, what the model runs on: G thoughts of one prompt per row (G = K with --share-prompt,
+    else 1), prompt | thought_1 | answers of 1 | thought_2 | ..., each prompt and thought once, with
+    tree attention (a token sees the prompt, its own thought and its own answer) and RoPE positions
+    as if each sequence stood alone. token_stats maps packed log-probs back to logical positions.
+    """
+    ids: torch.Tensor  # (B, T) token ids, logical
     thought: torch.Tensor  # (B, T) bool: thought tokens (trained once, with the thought advantage)
     answer_id: torch.Tensor  # (B, T) long: j for tokens of answer j, -1 elsewhere
     sampler_logp: torch.Tensor  # (B, T) float32: log-probs reported by the sampler
+    packed_ids: torch.Tensor  # (R, T') token ids, R = B / G
+    packed_pos: torch.Tensor  # (R, T') RoPE positions
+    packed_attn: torch.Tensor | None  # (R, 1, T', T') bool tree attention; None = plain causal
+    jumps: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, token, source) of segments not predicted by token - 1
+    to_logical: torch.Tensor  # (R, T') long: b * T + t of the logical token at this slot, -1 = none (prompt, padding)
+    group: int  # G, logical rows (thoughts) per packed row
 
 
-def pack(prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: torch.device) -> Batch:
+def pack(prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: torch.device,
+         share_prompt: bool = False) -> Batch:
+    # Logical rows: one per thought.
     rows = []
     for r, thought in enumerate(tree.thoughts):
-        prompt = prompts[r // k]
-        ids, pos, seg = prompt + thought, list(range(len(prompt) + len(thought))), [-1] * (len(prompt) + len(thought))
-        lp = [0.0] * len(prompt) + list(tree.thought_logprobs[r])
-        starts = []
-        for j in range(m):
-            ans = tree.answers[r * m + j]
-            starts.append(len(ids))
-            ids, seg, lp = ids + ans, seg + [j] * len(ans), lp + list(tree.answer_logprobs[r * m + j])
-            pos = pos + list(range(len(prompt) + len(thought), len(prompt) + len(thought) + len(ans)))
-        rows.append((ids, pos, seg, lp, len(prompt), len(prompt) + len(thought), starts))
+        prompt, ans = prompts[r // k], tree.answers[r * m:(r + 1) * m]
+        ids = prompt + thought + [t for a in ans for t in a]
+        seg = [-1] * (len(prompt) + len(thought)) + [j for j, a in enumerate(ans) for _ in a]
+        lp = [0.0] * len(prompt) + list(tree.thought_logprobs[r]) + [x for lps in tree.answer_logprobs[r * m:(r + 1) * m] for x in lps]
+        rows.append((ids, seg, lp, len(prompt), len(prompt) + len(thought)))
     B, T = len(rows), max(len(r[0]) for r in rows)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
-    pos = torch.zeros(B, T, dtype=torch.long)
     seg = torch.full((B, T), -2, dtype=torch.long)  # -2 = padding, -1 = prompt/thought, j = answer j
     thought = torch.zeros(B, T, dtype=torch.bool)
     sampler_logp = torch.zeros(B, T)
-    jb, jt, js = [], [], []
-    for b, (r_ids, r_pos, r_seg, r_lp, n_prompt, n_prefix, starts) in enumerate(rows):
-        n = len(r_ids)
-        ids[b, :n], pos[b, :n], seg[b, :n] = torch.tensor(r_ids), torch.tensor(r_pos), torch.tensor(r_seg)
-        sampler_logp[b, :n] = torch.tensor(r_lp)
+    for b, (r_ids, r_seg, r_lp, n_prompt, n_prefix) in enumerate(rows):
+        ids[b, :len(r_ids)], seg[b, :len(r_ids)], sampler_logp[b, :len(r_ids)] = torch.tensor(r_ids), torch.tensor(r_seg), torch.tensor(r_lp)
         thought[b, n_prompt:n_prefix] = True
-        for j, s in enumerate(starts):  # answer j's first token is predicted from the thought's end
-            if j > 0 and s < n and r_seg[s] == j:  # (answer 0 follows the prefix directly: no jump)
-                jb.append(b), jt.append(s), js.append(n_prefix - 1)
+
+    # Packed rows: G thoughts of one prompt each; every segment (thought, answer) records where it
+    # sits in its logical row and which position predicts its first token.
+    G = k if share_prompt else 1
+    packs = []
+    for first in range(0, B, G):
+        prompt = prompts[first // k]
+        p_ids, p_pos, p_th, p_ans, p_map, p_jump = list(prompt), list(range(len(prompt))), [-1] * len(prompt), [-1] * len(prompt), [-1] * len(prompt), []
+
+        def add(tokens: list[int], start_pos: int, th: int, ans: int, logical: int, col: int, source: int) -> None:
+            if tokens and source != len(p_ids) - 1:  # first token predicted from elsewhere than the slot before it
+                p_jump.append((len(p_ids), source))
+            p_ids.extend(tokens), p_pos.extend(range(start_pos, start_pos + len(tokens)))
+            p_th.extend([th] * len(tokens)), p_ans.extend([ans] * len(tokens))
+            p_map.extend(logical * T + col + i for i in range(len(tokens)))
+
+        for i, b in enumerate(range(first, first + G)):
+            th_tokens = tree.thoughts[b]
+            add(th_tokens, len(prompt), i, -1, b, len(prompt), len(prompt) - 1)
+            th_end = len(p_ids) - 1 if th_tokens else len(prompt) - 1  # the slot predicting each answer's first token
+            col = len(prompt) + len(th_tokens)
+            for j in range(m):
+                a = tree.answers[b * m + j]
+                add(a, len(prompt) + len(th_tokens), i, j, b, col, th_end)
+                col += len(a)
+        packs.append((p_ids, p_pos, p_th, p_ans, p_map, p_jump))
+    R, Tp = len(packs), max(len(p[0]) for p in packs)
+    packed_ids = torch.full((R, Tp), pad_id, dtype=torch.long)
+    packed_pos = torch.zeros(R, Tp, dtype=torch.long)
+    th = torch.full((R, Tp), -2, dtype=torch.long)  # -2 = padding, -1 = prompt, i = thought i of the row
+    ans = torch.full((R, Tp), -1, dtype=torch.long)
+    to_logical = torch.full((R, Tp), -1, dtype=torch.long)
+    jb, jt, js = [], [], []
+    for r, (p_ids, p_pos, p_th, p_ans, p_map, p_jump) in enumerate(packs):
+        n = len(p_ids)
+        packed_ids[r, :n], packed_pos[r, :n], th[r, :n], ans[r, :n] = map(torch.tensor, (p_ids, p_pos, p_th, p_ans))
+        to_logical[r, :n] = torch.tensor(p_map)
+        for t, src in p_jump:
+            jb.append(r), jt.append(t), js.append(src)
     attn = None
-    if m > 1:  # tree attention: causal, and an answer sees the shared prefix and itself only
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        same = (seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None])
-        attn = (causal & same)[:, None].to(device)
-    answer_id = torch.where(seg >= 0, seg, -1)
+    if G > 1 or m > 1:  # tree attention: causal, and a token sees the prompt, its thought, its answer
+        causal = torch.ones(Tp, Tp, dtype=torch.bool).tril()
+        q_th, k_th, q_ans, k_ans = th[:, :, None], th[:, None, :], ans[:, :, None], ans[:, None, :]
+        attn = (causal & ((k_th == -1) | ((k_th == q_th) & ((k_ans == -1) | (k_ans == q_ans)))))[:, None].to(device)
     jumps = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (jb, jt, js))
-    return Batch(ids.to(device), pos.to(device), attn, jumps, thought.to(device), answer_id.to(device), sampler_logp.to(device))
+    return Batch(ids.to(device), thought.to(device), torch.where(seg >= 0, seg, -1).to(device), sampler_logp.to(device),
+                 packed_ids.to(device), packed_pos.to(device), attn, jumps, to_logical.to(device), G)
 
 
 def splice_tree(tree, i: int, new, j: int, k: int, m: int) -> None:
@@ -310,31 +351,45 @@ def row_view(y: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def select_rows(batch: Batch, rows: slice) -> Batch:
-    """A micro-batch: the same rows of every field (answer-start jumps re-indexed)."""
+    """A micro-batch: logical rows `rows` (whole packs: start and stop are multiples of G) and their
+    packed rows, trimmed to their longest packed row; jumps and the logical index re-based."""
+    G, T = batch.group, batch.ids.shape[1]
+    packed = slice(rows.start // G, -(-rows.stop // G))
+    width = int((batch.to_logical[packed] >= 0).long().cumsum(1).argmax(1).max()) + 1  # last used slot + 1
     jb, jt, js = batch.jumps
-    keep = (jb >= rows.start) & (jb < rows.stop)
-    return Batch(batch.ids[rows], batch.pos[rows], None if batch.attn is None else batch.attn[rows],
-                 (jb[keep] - rows.start, jt[keep], js[keep]), batch.thought[rows], batch.answer_id[rows],
-                 batch.sampler_logp[rows])
+    keep = (jb >= packed.start) & (jb < packed.stop)
+    to_logical = batch.to_logical[packed, :width]
+    return Batch(batch.ids[rows], batch.thought[rows], batch.answer_id[rows], batch.sampler_logp[rows],
+                 batch.packed_ids[packed, :width], batch.packed_pos[packed, :width],
+                 None if batch.packed_attn is None else batch.packed_attn[packed, :, :width, :width],
+                 (jb[keep] - packed.start, jt[keep], js[keep]), torch.where(to_logical >= 0, to_logical - rows.start * T, -1), G)
 
 
 def token_stats(model, batch: Batch, temperature: float, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob (and optionally entropy) of every token under `model`, (B, T) float32.
+    """Log-prob (and optionally entropy) of every completion token under `model`, (B, T) float32 in
+    the logical layout (0 at prompt and padding positions).
 
-    Token t is predicted by the logits at t - 1, except the first token of answer j > 0, which is
-    predicted by the thought's last position (the `jumps`)."""
-    logits = model(batch.ids, positions=batch.pos, attn_mask=batch.attn)  # (B, T, V)
-    logp = F.pad(token_logprobs(logits[:, :-1], batch.ids[:, 1:], temperature), (1, 0))
+    The model runs on the packed rows. Token t is predicted by the logits at t - 1, except the first
+    token of a segment that does not follow its predecessor (the `jumps`): thought i > 0 of a shared
+    prompt is predicted from the prompt's end, answer j > 0 from its thought's end."""
+    ids = batch.packed_ids
+    logits = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn)  # (R, T', V)
+    logp = F.pad(token_logprobs(logits[:, :-1], ids[:, 1:], temperature), (1, 0))
     jb, jt, js = batch.jumps
     if len(jb):
-        logp = logp.index_put((jb, jt), token_logprobs(logits[jb, js], batch.ids[jb, jt], temperature))
+        logp = logp.index_put((jb, jt), token_logprobs(logits[jb, js], ids[jb, jt], temperature))
     ent = None
     if entropy:
         with torch.no_grad():
             ent = F.pad(token_entropy(logits[:, :-1].detach(), temperature), (1, 0))
             if len(jb):
                 ent[jb, jt] = token_entropy(logits[jb, js].detach(), temperature)
-    return logp, ent
+    used = batch.to_logical >= 0
+    index, shape = (batch.to_logical[used],), batch.ids.shape
+
+    def to_logical(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(shape.numel()).index_put(index, x[used]).view(shape)
+    return to_logical(logp), None if ent is None else to_logical(ent)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: HF layout (loadable by load_model and transformers) + trainer state, written atomically
@@ -502,11 +557,12 @@ def main(cfg: TrainConfig) -> dict:
                     n_resampled += len(redo)
         t_score = time.perf_counter() - t0 - t_sample
 
-        # ---- 3. pack one row per thought; thought tokens appear once
-        batch = pack(prompts, tree, K, M, tokenizer.pad_id, device)
+        # ---- 3. pack: one logical row per thought; the model runs on packs where prompt and thought tokens appear once
+        batch = pack(prompts, tree, K, M, tokenizer.pad_id, device, share_prompt=cfg.share_prompt)
         completion = batch.thought | (batch.answer_id >= 0)
         n_rows = batch.ids.shape[0]
-        micro = [slice(i, min(i + cfg.micro_batch_rows, n_rows)) for i in range(0, n_rows, cfg.micro_batch_rows)]
+        mb_rows = max(batch.group, cfg.micro_batch_rows // batch.group * batch.group)  # whole packs per micro-batch
+        micro = [slice(i, min(i + mb_rows, n_rows)) for i in range(0, n_rows, mb_rows)]
 
         # ---- 4. score pass (no grad): old log-probs, reference log-probs, entropy
         need_old, need_ent = cfg.mu > 1, cfg.entropy_gate or cfg.entropy_gamma > 0
