@@ -33,12 +33,19 @@ bench: $(STAMP)         ## speed comparisons, printed as ratios
 	$(PY) bench/bench_sampler.py
 	$(PY) bench/bench_tree.py
 	$(PY) bench/bench_trl.py
+	$(PY) bench/bench_trl.py --share-prompt
+
+experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 80 minutes on 2 cores
+	$(PY) experiments/run.py
+
+experiments-quick: $(STAMP)  ## the same suite, 1 seed x 20 steps: a few minutes
+	$(PY) experiments/run.py --quick
 
 tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervised warm start)
 	$(PY) sft.py
 
 plot: $(STAMP)          ## plot every run under runs/ into runs/plot.png
-	$(PY) eval.py --plot runs/*
+	$(PY) eval.py --plot $(filter-out runs/exp runs/exp-quick,$(wildcard runs/*/))
 
 clean:
 	rm -rf .pytest_cache __pycache__ tests/__pycache__ bench/__pycache__

@@ -2,6 +2,7 @@
 
     python bench/bench_trl.py                  # about a minute on 2 CPU cores (make bench)
     python bench/bench_trl.py --threads 1      # steadier when other processes share the cores
+    python bench/bench_trl.py --share-prompt   # train.py packs each prompt's completions in one row
 
 Both trainers get the same tiny model (assets/tiny-model, or a random model of the same shape
 when it has not been built), the same prompt tokens (the synthetic task's prompts rendered with
@@ -48,6 +49,7 @@ class BenchConfig:
     group_size: int = 16  # completions per prompt (our --thoughts, TRL's num_generations)
     max_completion_tokens: int = 80  # completion limit (our 64 thought + 16 answer tokens, answers = 1)
     micro_batch_rows: int = 64  # completions per forward/backward (TRL: per_device_train_batch_size)
+    share_prompt: bool = False  # train.py --share-prompt: a prompt's completions in one row, prompt tokens once
     lr: float = 3e-4  # learning rate (both sides)
     threads: int = 2  # torch.set_num_threads for both sides
     seed: int = 0  # seed of both trainers and of the prompt order
@@ -160,7 +162,7 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str, baton: Baton) -> tuple
                            device="cpu", dtype="float32", max_steps=n, prompts_per_step=cfg.prompts_per_step,
                            thoughts=cfg.group_size, answers=1, max_thought_tokens=cfg.max_completion_tokens - answer_tokens,
                            max_answer_tokens=answer_tokens, temperature=1.0, top_k=0, top_p=1.0, lr=cfg.lr,
-                           micro_batch_rows=cfg.micro_batch_rows, eval_every=0, eval_examples=4, eval_samples=0,
+                           micro_batch_rows=cfg.micro_batch_rows, share_prompt=cfg.share_prompt, eval_every=0, eval_examples=4, eval_samples=0,
                            samples_every=0, save_every=0)
     render_prompt, saved_tqdm = train.render_prompt, train.tqdm
     train.render_prompt, train.tqdm = recording_render_prompt, ClockedTqdm

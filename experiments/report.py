@@ -44,7 +44,8 @@ def summarise(run: str) -> dict:
 
 
 def seeds_of(runs_dir: str, name: str) -> list[str]:
-    return sorted(d for d in glob.glob(os.path.join(runs_dir, f"{name}-s*")) if os.path.isfile(os.path.join(d, "metrics.jsonl")))
+    """Finished seed runs of one configuration (runs still in progress have no final/ yet)."""
+    return sorted(d for d in glob.glob(os.path.join(runs_dir, f"{name}-s*")) if os.path.isfile(os.path.join(d, "final", "trainer_state.pt")))
 
 
 def ms(values: list[float], fmt: str = "{:.1f}", scale: float = 1.0) -> str:
