@@ -102,7 +102,7 @@ def main() -> None:
         rrows = []
         for r in var["rollouts"]:
             err = r["adv_error_vs_all_answers"]
-            rrows.append([r["model"].replace(os.path.abspath(args.runs) + "/", ""), f"{100 * r['reward_mean']:.1f}",
+            rrows.append([os.path.relpath(r["model"], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), f"{100 * r['reward_mean']:.1f}",
                           f"{r['between_raw']:.4f}", f"{r['between']:.4f}", f"{r['within']:.4f}", f"{r['within_over_between']:.1f}",
                           f"{100 * r['frac_prompts_with_signal']:.0f}"] + [f"{err[k]:.3f}" for k in err])
         r0 = var["rollouts"][0]
