@@ -35,10 +35,10 @@ bench: $(STAMP)         ## speed comparisons, printed as ratios
 	$(PY) bench/bench_trl.py
 	$(PY) bench/bench_trl.py --share-prompt
 
-experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 80 minutes on 2 cores
+experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 50 minutes on 2 cores
 	$(PY) experiments/run.py
 
-experiments-quick: $(STAMP)  ## the same suite, 1 seed x 20 steps: a few minutes
+experiments-quick: $(STAMP)  ## the same suite, 1 seed x 20 steps: under 4 minutes
 	$(PY) experiments/run.py --quick
 
 tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervised warm start)

@@ -1,7 +1,7 @@
 """experiments/run.py: the papers' claims, side by side on the bundled task, in one command.
 
-    python experiments/run.py             # 3 seeds x 100 steps: about 80 minutes on 2 CPU cores
-    python experiments/run.py --quick     # 1 seed x 20 steps, 50 eval prompts: about 6 minutes
+    python experiments/run.py             # 3 seeds x 100 steps: 47 minutes on 2 CPU cores
+    python experiments/run.py --quick     # 1 seed x 20 steps, 50 eval prompts: under 4 minutes
     python experiments/run.py --jobs 4    # runs at a time (default: one per CPU core)
 
 Every run goes through train.py and eval.py flags only; nothing here changes an algorithm.
