@@ -8,7 +8,8 @@
 One step, in the order of the code below (the README's numbered algorithm):
   1. sample      K thoughts per prompt, then M answers from each thought (sampler.sample_tree)
   2. score       rewards [P, K, M] from the completion text (the task's reward function)
-  3. pack        one row per thought: prompt | thought | answer_1 .. answer_M (thought tokens once)
+  3. pack        one row per thought: thought | answer_1 .. answer_M; the model runs on packed rows
+                 where each thought (with --share-prompt each prompt too) appears once (tree attention)
   4. score pass  no-grad forward: old log-probs (mu > 1), reference log-probs (beta > 0), entropy
   5. advantages  thought [P, K] and answer [P, K, M] advantages, then per-token adv and weight
   6. update      mu epochs over micro-batches of policy_loss, grad clip, AdamW step
@@ -245,14 +246,14 @@ def gather_full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer)
 class Batch:
     """A step's rollouts in two layouts.
 
-    Logical, one row per thought: prompt | thought | answer_1 .. answer_M, right-padded to T. The
-    advantages, weights and masks of the loss live here.
+    Logical, one row per thought: its completion tokens thought | answer_1 .. answer_M from column 0,
+    right-padded to T. The advantages, weights and masks of the loss live here.
     Packed, what the model runs on: G thoughts of one prompt per row (G = K with --share-prompt,
     else 1), prompt | thought_1 | answers of 1 | thought_2 | ..., each prompt and thought once, with
     tree attention (a token sees the prompt, its own thought and its own answer) and RoPE positions
-    as if each sequence stood alone. token_stats maps packed log-probs back to logical positions.
+    as if each sequence stood alone. token_stats maps packed log-probs to logical positions.
     """
-    ids: torch.Tensor  # (B, T) token ids, logical
+    ids: torch.Tensor  # (B, T) completion token ids, logical
     thought: torch.Tensor  # (B, T) bool: thought tokens (trained once, with the thought advantage)
     answer_id: torch.Tensor  # (B, T) long: j for tokens of answer j, -1 elsewhere
     sampler_logp: torch.Tensor  # (B, T) float32: log-probs reported by the sampler
@@ -266,69 +267,59 @@ class Batch:
 
 def pack(prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: torch.device,
          share_prompt: bool = False) -> Batch:
-    # Logical rows: one per thought.
-    rows = []
-    for r, thought in enumerate(tree.thoughts):
-        prompt, ans = prompts[r // k], tree.answers[r * m:(r + 1) * m]
-        ids = prompt + thought + [t for a in ans for t in a]
-        seg = [-1] * (len(prompt) + len(thought)) + [j for j, a in enumerate(ans) for _ in a]
-        lp = [0.0] * len(prompt) + list(tree.thought_logprobs[r]) + [x for lps in tree.answer_logprobs[r * m:(r + 1) * m] for x in lps]
-        rows.append((ids, seg, lp, len(prompt), len(prompt) + len(thought)))
-    B, T = len(rows), max(len(r[0]) for r in rows)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    seg = torch.full((B, T), -2, dtype=torch.long)  # -2 = padding, -1 = prompt/thought, j = answer j
-    thought = torch.zeros(B, T, dtype=torch.bool)
-    sampler_logp = torch.zeros(B, T)
-    for b, (r_ids, r_seg, r_lp, n_prompt, n_prefix) in enumerate(rows):
-        ids[b, :len(r_ids)], seg[b, :len(r_ids)], sampler_logp[b, :len(r_ids)] = torch.tensor(r_ids), torch.tensor(r_seg), torch.tensor(r_lp)
-        thought[b, n_prompt:n_prefix] = True
-
-    # Packed rows: G thoughts of one prompt each; every segment (thought, answer) records where it
-    # sits in its logical row and which position predicts its first token.
-    G = k if share_prompt else 1
-    packs = []
+    """Build the packed rows segment by segment (prompt, then each thought and its answers); each
+    segment records its logical position and the slot that predicts its first token. The logical
+    layout is then a scatter of the packed one."""
+    G, B = (k if share_prompt else 1), len(tree.thoughts)
+    T = max(len(tree.thoughts[b]) + sum(map(len, tree.answers[b * m:(b + 1) * m])) for b in range(B))
+    packs = []  # per packed row: ids, positions, thought index (-1 prompt), answer index (-1 none), sampler log-prob, logical index, jumps
     for first in range(0, B, G):
         prompt = prompts[first // k]
-        p_ids, p_pos, p_th, p_ans, p_map, p_jump = list(prompt), list(range(len(prompt))), [-1] * len(prompt), [-1] * len(prompt), [-1] * len(prompt), []
+        n = len(prompt)
+        row = (list(prompt), list(range(n)), [-1] * n, [-1] * n, [0.0] * n, [-1] * n, [])
 
-        def add(tokens: list[int], start_pos: int, th: int, ans: int, logical: int, col: int, source: int) -> None:
-            if tokens and source != len(p_ids) - 1:  # first token predicted from elsewhere than the slot before it
-                p_jump.append((len(p_ids), source))
-            p_ids.extend(tokens), p_pos.extend(range(start_pos, start_pos + len(tokens)))
-            p_th.extend([th] * len(tokens)), p_ans.extend([ans] * len(tokens))
-            p_map.extend(logical * T + col + i for i in range(len(tokens)))
+        def add(tokens: list[int], logprobs: list[float], start_pos: int, i: int, j: int, logical: int, source: int) -> None:
+            ids, pos, th, ans, lp, to, jumps = row
+            if tokens and source != len(ids) - 1:  # first token predicted from elsewhere than the slot before it
+                jumps.append((len(ids), source))
+            ids += tokens
+            pos += range(start_pos, start_pos + len(tokens))
+            th += [i] * len(tokens)
+            ans += [j] * len(tokens)
+            lp += logprobs
+            to += range(logical, logical + len(tokens))
 
         for i, b in enumerate(range(first, first + G)):
-            th_tokens = tree.thoughts[b]
-            add(th_tokens, len(prompt), i, -1, b, len(prompt), len(prompt) - 1)
-            th_end = len(p_ids) - 1 if th_tokens else len(prompt) - 1  # the slot predicting each answer's first token
-            col = len(prompt) + len(th_tokens)
+            thought = tree.thoughts[b]
+            add(thought, list(tree.thought_logprobs[b]), n, i, -1, b * T, n - 1)
+            source = len(row[0]) - 1 if thought else n - 1  # the slot that predicts each answer's first token
+            col = len(thought)
             for j in range(m):
                 a = tree.answers[b * m + j]
-                add(a, len(prompt) + len(th_tokens), i, j, b, col, th_end)
+                add(a, list(tree.answer_logprobs[b * m + j]), n + len(thought), i, j, b * T + col, source)
                 col += len(a)
-        packs.append((p_ids, p_pos, p_th, p_ans, p_map, p_jump))
+        packs.append(row)
     R, Tp = len(packs), max(len(p[0]) for p in packs)
-    packed_ids = torch.full((R, Tp), pad_id, dtype=torch.long)
-    packed_pos = torch.zeros(R, Tp, dtype=torch.long)
-    th = torch.full((R, Tp), -2, dtype=torch.long)  # -2 = padding, -1 = prompt, i = thought i of the row
-    ans = torch.full((R, Tp), -1, dtype=torch.long)
-    to_logical = torch.full((R, Tp), -1, dtype=torch.long)
-    jb, jt, js = [], [], []
-    for r, (p_ids, p_pos, p_th, p_ans, p_map, p_jump) in enumerate(packs):
-        n = len(p_ids)
-        packed_ids[r, :n], packed_pos[r, :n], th[r, :n], ans[r, :n] = map(torch.tensor, (p_ids, p_pos, p_th, p_ans))
-        to_logical[r, :n] = torch.tensor(p_map)
-        for t, src in p_jump:
-            jb.append(r), jt.append(t), js.append(src)
+
+    def packed(field: int, fill, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((R, Tp), fill, dtype=dtype)
+        for r, p in enumerate(packs):
+            out[r, :len(p[field])] = torch.tensor(p[field], dtype=dtype)
+        return out
+    ids, pos, th, ans = (packed(f, fill, torch.long) for f, fill in ((0, pad_id), (1, 0), (2, -2), (3, -1)))
+    lp, to_logical = packed(4, 0.0, torch.float32), packed(5, -1, torch.long)
+    used = to_logical >= 0
+
+    def logical(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.full((B * T,), fill, dtype=x.dtype).index_put_((to_logical[used],), x[used]).view(B, T)
     attn = None
     if G > 1 or m > 1:  # tree attention: causal, and a token sees the prompt, its thought, its answer
         causal = torch.ones(Tp, Tp, dtype=torch.bool).tril()
         q_th, k_th, q_ans, k_ans = th[:, :, None], th[:, None, :], ans[:, :, None], ans[:, None, :]
         attn = (causal & ((k_th == -1) | ((k_th == q_th) & ((k_ans == -1) | (k_ans == q_ans)))))[:, None].to(device)
-    jumps = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (jb, jt, js))
-    return Batch(ids.to(device), thought.to(device), torch.where(seg >= 0, seg, -1).to(device), sampler_logp.to(device),
-                 packed_ids.to(device), packed_pos.to(device), attn, jumps, to_logical.to(device), G)
+    jumps = tuple(torch.tensor([(r, t, src) for r, p in enumerate(packs) for t, src in p[6]], dtype=torch.long).view(-1, 3).T.to(device))
+    return Batch(logical(ids, pad_id).to(device), logical(used & (ans == -1), False).to(device), logical(ans, -1).to(device),
+                 logical(lp, 0.0).to(device), ids.to(device), pos.to(device), attn, jumps, to_logical.to(device), G)
 
 
 def splice_tree(tree, i: int, new, j: int, k: int, m: int) -> None:
@@ -338,24 +329,12 @@ def splice_tree(tree, i: int, new, j: int, k: int, m: int) -> None:
         getattr(tree, name)[i * per_prompt:(i + 1) * per_prompt] = getattr(new, name)[j * per_prompt:(j + 1) * per_prompt]
 
 
-def completion_view(x: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
-    """Rows of x (B, T) shifted left so that each row's completion starts at column 0 -> (B, width)."""
-    idx = start[:, None] + torch.arange(width, device=x.device)
-    return torch.where(idx < x.shape[1], x.gather(1, idx.clamp(max=x.shape[1] - 1)), torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def row_view(y: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:
-    """Inverse of completion_view: (B, width) back to (B, T), zeros outside the completion."""
-    idx = start[:, None] + torch.arange(y.shape[1], device=y.device)
-    return torch.zeros(y.shape[0], T + y.shape[1], dtype=y.dtype, device=y.device).scatter(1, idx, y)[:, :T]
-
-
 def select_rows(batch: Batch, rows: slice) -> Batch:
     """A micro-batch: logical rows `rows` (whole packs: start and stop are multiples of G) and their
     packed rows, trimmed to their longest packed row; jumps and the logical index re-based."""
     G, T = batch.group, batch.ids.shape[1]
     packed = slice(rows.start // G, -(-rows.stop // G))
-    width = int((batch.to_logical[packed] >= 0).long().cumsum(1).argmax(1).max()) + 1  # last used slot + 1
+    width = int((batch.to_logical[packed] >= 0).nonzero()[:, 1].max()) + 1  # a packed row ends with a completion token
     jb, jt, js = batch.jumps
     keep = (jb >= packed.start) & (jb < packed.stop)
     to_logical = batch.to_logical[packed, :width]
@@ -607,11 +586,8 @@ def main(cfg: TrainConfig) -> dict:
         else:
             weight = token_weights(comp, cfg.aggregation, max_len=cfg.max_thought_tokens + cfg.max_answer_tokens,
                                    num_seqs=all_sum(n_rows, world).item(), num_tokens=all_sum(comp.sum(), world).item())
-        if cfg.gtpo_conflict:  # compare completions position by position, so align them at column 0
-            start, width = comp.argmax(1), int(comp.sum(1).max())
-            conflict = gtpo_conflict_weights(completion_view(batch.ids, start, width), completion_view(comp, start, width),
-                                             seq_adv.to(device), K, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg)
-            weight = weight * row_view(conflict, start, weight.shape[1])
+        if cfg.gtpo_conflict:  # logical rows are the completions (M == 1), compared position by position
+            weight = weight * gtpo_conflict_weights(batch.ids, comp, seq_adv.to(device), K, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg)
 
         # ---- 6. update: mu epochs, each one optimizer step over all micro-batches
         t1 = time.perf_counter()
