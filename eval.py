@@ -105,10 +105,7 @@ def x_of_step(rows: list[dict], x: str) -> dict[int, float]:
     for r in rows:
         if "step" not in r or any(k.startswith("eval/") for k in r):  # eval rows reuse their step's x
             continue
-        if x == "time":
-            total += r.get("time/step_s", sum(r.get(k, 0.0) for k in ("time/sample_s", "time/score_s", "time/update_s")))
-        elif x == "tokens":
-            total += r.get("tokens/generated", r.get("tokens_per_s", 0.0) * r.get("time/sample_s", 0.0))
+        total += {"step": 0.0, "time": r.get("time/step_s", 0.0), "tokens": r.get("tokens/generated", 0.0)}[x]
         out[r["step"]] = float(r["step"]) if x == "step" else total
     return out
 

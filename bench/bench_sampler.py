@@ -23,18 +23,39 @@ from sampler import KVCache, generate  # noqa: E402
 NEW_TOKENS = 96
 
 
-def build(tmp: str) -> tuple[Transformer, "transformers.PreTrainedModel"]:  # noqa: F821
-    """A random Qwen2-shaped model (hidden 256, 6 layers, 4/2 heads, vocab 8192, tied), as ours and HF's."""
-    import transformers
+def build_model(tmp: str) -> Transformer:
+    """A random Qwen2-shaped model (hidden 256, 6 layers, 4/2 heads, vocab 8192, tied), saved to tmp/m
+    and loaded back (bench_tree.py uses the same one)."""
     cfg = ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True,
                       tie_word_embeddings=True, model_type="qwen2", max_position_embeddings=1024)
     torch.manual_seed(0)
     save_model(Transformer(cfg), Path(tmp) / "m")
-    ours = load_model(Path(tmp) / "m").eval()
+    return load_model(Path(tmp) / "m").eval()
+
+
+def build(tmp: str) -> tuple[Transformer, "transformers.PreTrainedModel"]:  # noqa: F821
+    """build_model's checkpoint as ours and as HF's."""
+    import transformers
+    ours = build_model(tmp)
     hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "m", dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     return ours, hf
+
+
+def timing_args(parser: argparse.ArgumentParser) -> None:
+    """Add --threads, --cpu-time, --repeats (shared with bench_tree.py)."""
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with this process's CPU time instead of the wall clock: steadier on a "
+                             "shared machine, meaningful with --threads 1")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure; the best is kept")
+
+
+def setup(args) -> Callable[[], float]:
+    """Apply --threads; return the clock --cpu-time selects."""
+    torch.set_num_threads(args.threads)
+    return time.process_time if args.cpu_time else time.perf_counter
 
 
 def make_prompts(P: int) -> list[list[int]]:
@@ -96,14 +117,9 @@ def time_gemms(model: Transformer, prompts: list[list[int]], n: int, repeats: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="time with this process's CPU time instead of the wall clock: steadier on a "
-                             "shared machine, meaningful with --threads 1")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure; the best is kept")
+    timing_args(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    clock = time.process_time if args.cpu_time else time.perf_counter
+    clock = setup(args)
     with tempfile.TemporaryDirectory() as tmp:
         ours, hf = build(tmp)
     n_params = sum(p.numel() for p in ours.parameters())

@@ -10,27 +10,17 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import ModelConfig, Transformer, load_model, save_model  # noqa: E402
+from bench_sampler import build_model, setup, timing_args  # noqa: E402  (same directory)
+from model import Transformer  # noqa: E402
 from sampler import generate, sample_tree  # noqa: E402
 
 K, M, THOUGHT, ANSWER, MARKER = 4, 4, 64, 16, [8190, 8191]
-
-
-def build(tmp: str) -> Transformer:
-    """The same random Qwen2-shaped ~6M-parameter model as bench_sampler.py."""
-    cfg = ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True,
-                      tie_word_embeddings=True, model_type="qwen2", max_position_embeddings=1024)
-    torch.manual_seed(0)
-    save_model(Transformer(cfg), Path(tmp) / "m")
-    return load_model(Path(tmp) / "m").eval()
 
 
 def counted(model: Transformer, fn, clock: Callable[[], float]) -> tuple[float, int, object]:
@@ -52,16 +42,11 @@ def counted(model: Transformer, fn, clock: Callable[[], float]) -> tuple[float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8, help="prompts per call")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="time with this process's CPU time instead of the wall clock: steadier on a "
-                             "shared machine, meaningful with --threads 1")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the best time of each is kept")
+    timing_args(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    clock = time.process_time if args.cpu_time else time.perf_counter
+    clock = setup(args)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(tmp)
+        model = build_model(tmp)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 8190, (int(torch.randint(24, 41, (1,), generator=g)),), generator=g).tolist()
                for _ in range(args.prompts)]

@@ -51,8 +51,9 @@ OOD = ("grpo_t16a1", "gtpo")                            # eval.py --task synthet
 VARIANCE = ("grpo_ma_t4a4", "grpo_t16a1")               # end policies for the variance measurement
 
 
-def plan(args) -> tuple[list[tuple[str, list[str], str]], list[tuple[str, list[str], str]]]:
-    """(training jobs, evaluation jobs); each job is (name, argv, file that exists once it is done)."""
+def plan(args) -> tuple[list[tuple], list[tuple]]:
+    """(training jobs, evaluation jobs); a job is (name, argv, file that exists once it is done,
+    checkpoints it reads)."""
     py, out = sys.executable, args.out
     train_jobs, eval_jobs = [], []
     for name, flags in CONFIGS.items():
@@ -62,23 +63,23 @@ def plan(args) -> tuple[list[tuple[str, list[str], str]], list[tuple[str, list[s
             argv = [py, "train.py", *flags, "--max-steps", str(steps), "--seed", str(seed), "--out", run,
                     "--eval-every", str(max(1, steps // 4)), "--eval-examples", str(args.eval_examples),
                     "--samples-every", "0"]
-            train_jobs.append((f"{name}-s{seed}", argv, os.path.join(run, "final", "trainer_state.pt")))
+            train_jobs.append((f"{name}-s{seed}", argv, os.path.join(run, "final", "trainer_state.pt"), []))
     models = {"base": os.path.join(ROOT, "assets", "tiny-model")}
     models.update({f"{n}-s{s}": os.path.join(out, f"{n}-s{s}", "final") for n in CONFIGS for s in args.seeds})
     ev = [py, "eval.py", "--examples", str(args.eval_examples), "--n", "16", "--seed", "0"]
+    evals = os.path.join(out, "evals")
+    ends = [models[f"{c}-s{args.seeds[0]}"] for c in VARIANCE]
+    dst = os.path.join(evals, "variance.json")
+    eval_jobs.append(("variance", [py, "experiments/variance.py", "--models", models["base"], *ends,
+                                   "--prompts", str(args.variance_prompts), "--out", dst], dst, [models["base"], *ends]))
     for key, path in models.items():
         config = key.rsplit("-s", 1)[0]
-        target = os.path.join(out, "evals")
         if key == "base" or config in PASSK:
-            dst = os.path.join(target, f"{key}.passk.json")
-            eval_jobs.append((f"{key}.passk", ev + ["--model", path, "--k", "1,2,4,8,16", "--out", dst], dst))
+            dst = os.path.join(evals, f"{key}.passk.json")
+            eval_jobs.append((f"{key}.passk", ev + ["--model", path, "--k", "1,2,4,8,16", "--out", dst], dst, [path]))
         if key == "base" or config in OOD:
-            dst = os.path.join(target, f"{key}.ood.json")
-            eval_jobs.append((f"{key}.ood", ev + ["--model", path, "--task", "synthetic-hard", "--k", "1,4,16", "--out", dst], dst))
-    dst = os.path.join(out, "evals", "variance.json")
-    ends = [models[f"{c}-s{args.seeds[0]}"] for c in VARIANCE]
-    eval_jobs.insert(0, ("variance", [py, "experiments/variance.py", "--models", models["base"], *ends,
-                                      "--prompts", str(args.variance_prompts), "--out", dst], dst))
+            dst = os.path.join(evals, f"{key}.ood.json")
+            eval_jobs.append((f"{key}.ood", ev + ["--model", path, "--task", "synthetic-hard", "--k", "1,4,16", "--out", dst], dst, [path]))
     return train_jobs, eval_jobs
 
 
@@ -89,7 +90,7 @@ def run_all(jobs, n_jobs: int, log_dir: str) -> list[str]:
     print(f"{len(jobs) - len(todo)} of {len(jobs)} already done; running {len(todo)}, {n_jobs} at a time", flush=True)
 
     def one(job) -> str | None:
-        name, argv, _ = job
+        name, argv = job[:2]
         t0 = time.time()
         with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
             rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -114,25 +115,14 @@ def main() -> None:
     t0 = time.time()
     train_jobs, eval_jobs = plan(args)
     failed = run_all(train_jobs, args.jobs, os.path.join(args.out, "logs"))
-    failed += run_all([j for j in eval_jobs if all(os.path.exists(m) for m in models_of(j))], args.jobs,
-                      os.path.join(args.out, "logs"))
+    # an evaluation whose checkpoint is missing belongs to a training run that failed (already reported)
+    failed += run_all([j for j in eval_jobs if all(os.path.isfile(os.path.join(m, "config.json")) for m in j[3])],
+                      args.jobs, os.path.join(args.out, "logs"))
     print(f"suite: {time.time() - t0:.0f} s", flush=True)
     if failed:
         raise SystemExit(f"{len(failed)} job(s) failed: {', '.join(failed)}; logs in {args.out}/logs")
     report = os.path.join(ROOT, "docs", "results") if not args.quick else os.path.join(args.out, "report")
     subprocess.run([sys.executable, "experiments/report.py", "--runs", args.out, "--out", report], cwd=ROOT, check=True)
-
-
-def models_of(job) -> list[str]:
-    """The checkpoints an evaluation job reads (each must exist: a failed training run skips its evals)."""
-    argv = job[1]
-    flag = "--models" if "--models" in argv else "--model"
-    i = argv.index(flag) + 1
-    paths = []
-    while i < len(argv) and not argv[i].startswith("--"):
-        paths.append(os.path.join(argv[i], "config.json"))
-        i += 1
-    return paths
 
 
 if __name__ == "__main__":
