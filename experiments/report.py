@@ -65,6 +65,14 @@ def load_json(path: str) -> dict | None:
     return json.load(open(path)) if os.path.isfile(path) else None
 
 
+def evals_of(runs_dir: str, name: str, kind: str) -> list[dict]:
+    """eval.py results (`kind` passk or ood) of a configuration's finished seeds, or of the start model
+    (name "base"); missing files are skipped."""
+    keys = ["base"] if name == "base" else [os.path.basename(d) for d in seeds_of(runs_dir, name)]
+    found = [load_json(os.path.join(runs_dir, "evals", f"{k}.{kind}.json")) for k in keys]
+    return [j["results"] for j in found if j]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--runs", default="runs/exp", help="directory of experiments/run.py")
@@ -123,13 +131,7 @@ def main() -> None:
                           "generated tokens (k)"], rows) + "\n")
 
     # 4. A-GRAE: pass@k on the same held-out prompts (eval.py --n 16)
-    passk = {}
-    for n in ("base",) + AGRAE:
-        files = [os.path.join(args.runs, "evals", "base.passk.json")] if n == "base" else \
-            [os.path.join(args.runs, "evals", f"{os.path.basename(d)}.passk.json") for d in seeds_of(args.runs, n)]
-        res = [j["results"] for j in map(load_json, files) if j]
-        if res:
-            passk[n] = res
+    passk = {n: res for n in ("base",) + AGRAE if (res := evals_of(args.runs, n, "passk"))}
     if passk:
         rows = [[n, ms([r["greedy_accuracy"] for r in res], scale=100)] + [ms([r[f"pass@{k}"] for r in res], scale=100) for k in KS]
                 + [ms([r["format_rate"] for r in res], scale=100)] for n, res in passk.items()]
@@ -138,22 +140,14 @@ def main() -> None:
         plot_passk(passk, os.path.join(args.out, "agrae_passk.png"))
 
     # 5. GTPO: entropy, stability, in-distribution and synthetic-hard (OOD) accuracy
-    rows = []
-    for n in ("base",) + GTPO:
-        ood = [load_json(os.path.join(args.runs, "evals", f"{k}.ood.json")) for k in
-               (["base"] if n == "base" else [os.path.basename(d) for d in seeds_of(args.runs, n)])]
-        ood = [o["results"] for o in ood if o]
-        if n == "base":
-            if ood:
-                rows.append([n, f"{100 * base:.1f}", "", "", "", "", ms([o["greedy_accuracy"] for o in ood], scale=100),
-                             ms([o["pass@16"] for o in ood], scale=100)])
-            continue
-        if n not in S:
-            continue
+    pct = lambda res, key: ms([r[key] for r in res], scale=100) if res else ""  # noqa: E731
+    ood = evals_of(args.runs, "base", "ood")
+    rows = [["base", f"{100 * base:.1f}", "", "", "", "", pct(ood, "greedy_accuracy"), pct(ood, "pass@16")]]
+    for n in [n for n in GTPO if n in S]:
+        ood = evals_of(args.runs, n, "ood")
         rows.append([n, ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100), ms(col(n, "entropy_first"), "{:.3f}"),
                      ms(col(n, "entropy_last"), "{:.3f}"), ms(col(n, "gss10"), "{:.3f}"),
-                     ms([o["greedy_accuracy"] for o in ood], scale=100) if ood else "",
-                     ms([o["pass@16"] for o in ood], scale=100) if ood else ""])
+                     pct(ood, "greedy_accuracy"), pct(ood, "pass@16")])
     out.append("## GTPO against GRPO\n")
     out.append(table(["config", "greedy %", "mean@4 %", "entropy, step 1", "entropy, last 10 steps", "GSS@10",
                       "synthetic-hard greedy %", "synthetic-hard pass@16 %"], rows) + "\n")
