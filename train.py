@@ -542,6 +542,7 @@ def main(cfg: TrainConfig) -> dict:
         n_rows = batch.ids.shape[0]
         mb_rows = max(batch.group, cfg.micro_batch_rows // batch.group * batch.group)  # whole packs per micro-batch
         micro = [slice(i, min(i + mb_rows, n_rows)) for i in range(0, n_rows, mb_rows)]
+        micro_batches = [select_rows(batch, rows) for rows in micro]  # built once: score pass and every epoch
 
         # ---- 4. score pass (no grad): old log-probs, reference log-probs, entropy
         need_old, need_ent = cfg.mu > 1, cfg.entropy_gate or cfg.entropy_gamma > 0
@@ -549,8 +550,7 @@ def main(cfg: TrainConfig) -> dict:
         ref_logp = torch.zeros(batch.ids.shape, device=device) if reference is not None else None
         entropy = torch.zeros(batch.ids.shape, device=device)
         with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            for rows in micro:
-                mb = select_rows(batch, rows)
+            for rows, mb in zip(micro, micro_batches):
                 if need_old or need_ent:
                     old_logp[rows], entropy[rows] = token_stats(policy, mb, cfg.temperature, entropy=True)
                 if reference is not None:
@@ -593,8 +593,7 @@ def main(cfg: TrainConfig) -> dict:
         t1 = time.perf_counter()
         sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0)
         for epoch in range(cfg.mu):
-            for i, rows in enumerate(micro):
-                mb = select_rows(batch, rows)
+            for i, (rows, mb) in enumerate(zip(micro, micro_batches)):
                 sync = i == len(micro) - 1
                 ctx = model.no_sync() if (world > 1 and not cfg.fsdp and not sync) else contextlib.nullcontext()
                 if fsdp:
