@@ -141,10 +141,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # HF order: normalise in float32, cast back to the input dtype, THEN scale (matters in bf16).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) * weight. HF's order: normalise in float32, cast back to the input
+        # dtype, THEN scale (matters in bf16). In float32 the fused kernel computes exactly that.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
@@ -167,16 +168,20 @@ def rope_inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
 
 def rope_cos_sin(positions: Tensor, config: ModelConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin (B, 1, T, hd) for split-halves RoPE: angles in float32, then cast to the activation
-    dtype (as HF does). Recomputed per forward (a few tiny ops) so the model carries no buffers."""
+    dtype (as HF does). The first half of sin is negated (see apply_rope). Recomputed per forward
+    (a few tiny ops) so the model carries no buffers."""
     freqs = positions[..., None].float() * rope_inv_freq(config, positions.device)  # (B, T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)                                        # (B, T, hd)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    sin = emb.sin().to(dtype)
+    sin[..., :freqs.shape[-1]].neg_()
+    return emb.cos().to(dtype)[:, None], sin[:, None]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # Split halves ("rotate_half", GPT-NeoX), NOT interleaved pairs: HF weights are permuted for this.
+    # HF: x * cos + cat(-x2, x1) * sin; the minus sign lives in rope_cos_sin's sin (exact: a negation).
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:

@@ -224,15 +224,21 @@ def sample_next(logits: Tensor, u: Tensor, temperature: float, top_k: int = 0, t
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, token_logprobs(logits, tok)
-    logits = logits.float()
+    x = logits.float()
     if top_k > 0 or top_p < 1.0:
-        logits = truncate(logits, temperature, top_k, top_p)
-    cdf = torch.softmax(logits / temperature if temperature != 1 else logits, dim=-1).cumsum(-1)  # (b, V)
+        x = truncate(x, temperature, top_k, top_p)
+    if temperature != 1:
+        x = x / temperature
+    # one exp pass serves the sample and its log-prob: p = e / sum(e) with e = exp(x - max x)
+    mx = x.amax(-1, keepdim=True)
+    e = (x - mx).exp_()
+    cdf = e.cumsum(-1)  # unnormalised
     total = cdf[:, -1:]
     # first token whose cdf exceeds u * total; x < total strictly, so zero-probability tokens never win
-    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    tok = torch.searchsorted(cdf, x, right=True)[:, 0]
-    return tok, token_logprobs(logits, tok, temperature)
+    pick = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    tok = torch.searchsorted(cdf, pick, right=True)[:, 0]
+    logp = x.gather(-1, tok[:, None])[:, 0] - mx[:, 0] - e.sum(-1).log()  # = log_softmax(x)[tok]
+    return tok, logp
 
 
 def decode(model: Transformer, cache: KVCache, logits: Tensor, uniforms: Tensor, max_steps: int, *,
