@@ -33,7 +33,7 @@ bench: $(STAMP)         ## speed comparisons, printed as ratios
 	$(PY) bench/bench_sampler.py
 	$(PY) bench/bench_tree.py
 	$(PY) bench/bench_trl.py
-	$(PY) bench/bench_trl.py --share-prompt
+	$(PY) bench/bench_trl.py --no-share-prompt
 
 experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 50 minutes on 2 cores
 	$(PY) experiments/run.py

@@ -9,7 +9,7 @@ One step, in the order of the code below (the README's numbered algorithm):
   1. sample      K thoughts per prompt, then M answers from each thought (sampler.sample_tree)
   2. score       rewards [P, K, M] from the completion text (the task's reward function)
   3. pack        one row per thought: thought | answer_1 .. answer_M; the model runs on packed rows
-                 where each thought (with --share-prompt each prompt too) appears once (tree attention)
+                 where each thought appears once (tree attention); --share-prompt runs each prompt once
   4. score pass  no-grad forward: old log-probs (mu > 1), reference log-probs (beta > 0), entropy
   5. advantages  thought [P, K] and answer [P, K, M] advantages, then per-token adv and weight
   6. update      mu epochs over micro-batches of policy_loss, grad clip, AdamW step
@@ -106,7 +106,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this value
     micro_batch_rows: int = 64  # rows (thoughts) per forward/backward; changes memory, not the gradient
-    share_prompt: bool = False  # pack a prompt's K thoughts into one row, prompt tokens once (fewer tokens; attention over K x longer rows)
+    share_prompt: bool = True  # run each prompt once; its K thought rows attend to its keys/values (same gradient, less work)
     gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
     fsdp: bool = False  # under torchrun: shard weights, grads, optimizer state with FSDP2 (sampling gathers whole weights)
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
@@ -244,82 +244,89 @@ def gather_full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 @dataclass
 class Batch:
-    """A step's rollouts in two layouts.
+    """A step's rollouts in two layouts, both one row per thought.
 
-    Logical, one row per thought: its completion tokens thought | answer_1 .. answer_M from column 0,
-    right-padded to T. The advantages, weights and masks of the loss live here.
-    Packed, what the model runs on: G thoughts of one prompt per row (G = K with --share-prompt,
-    else 1), prompt | thought_1 | answers of 1 | thought_2 | ..., each prompt and thought once, with
-    tree attention (a token sees the prompt, its own thought and its own answer) and RoPE positions
-    as if each sequence stood alone. token_stats maps packed log-probs to logical positions.
+    Logical: its completion tokens thought | answer_1 .. answer_M from column 0, right-padded to T.
+    The advantages, weights and masks of the loss live here.
+    Packed, what the model runs on: prompt | thought | answer_1 | ... | answer_M, the thought once,
+    with tree attention (an answer sees the prompt, the thought and itself, not the other answers)
+    and RoPE positions as if each answer's sequence stood alone. With --share-prompt the prompt is
+    not in the row: each distinct prompt is run once (prompt_ids) and the rows of its K thoughts
+    attend to its keys and values, so gradients still reach it. token_stats maps packed log-probs
+    to logical positions.
     """
     ids: torch.Tensor  # (B, T) completion token ids, logical
     thought: torch.Tensor  # (B, T) bool: thought tokens (trained once, with the thought advantage)
     answer_id: torch.Tensor  # (B, T) long: j for tokens of answer j, -1 elsewhere
     sampler_logp: torch.Tensor  # (B, T) float32: log-probs reported by the sampler
-    packed_ids: torch.Tensor  # (R, T') token ids, R = B / G
-    packed_pos: torch.Tensor  # (R, T') RoPE positions
-    packed_attn: torch.Tensor | None  # (R, 1, T', T') bool tree attention; None = plain causal
-    jumps: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, token, source) of segments not predicted by token - 1
-    to_logical: torch.Tensor  # (R, T') long: b * T + t of the logical token at this slot, -1 = none (prompt, padding)
-    group: int  # G, logical rows (thoughts) per packed row
+    packed_ids: torch.Tensor  # (B, T') token ids
+    packed_pos: torch.Tensor  # (B, T') RoPE positions
+    packed_attn: torch.Tensor | None  # (B, 1, T', T') bool tree attention within the row; None = plain causal
+    jumps: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, token, source slot) of segments not predicted
+    # by the token before them (answer j > 0: its thought's end); source -1 = the shared prompt's last token
+    to_logical: torch.Tensor  # (B, T') long: b * T + t of the logical token at this slot, -1 = none (prompt, padding)
+    prompt_ids: torch.Tensor | None = None  # (P, Lp) left-padded shared prompts (--share-prompt), else None
+    prompt_valid: torch.Tensor | None = None  # (P, Lp) bool: not padding
+    prompt_of: torch.Tensor | None = None  # (B,) long: the prompt_ids row each packed row continues
 
 
 def pack(prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: torch.device,
          share_prompt: bool = False) -> Batch:
-    """Build the packed rows segment by segment (prompt, then each thought and its answers); each
+    """Build the packed rows segment by segment (prompt unless shared, thought, each answer); each
     segment records its logical position and the slot that predicts its first token. The logical
     layout is then a scatter of the packed one."""
-    G, B = (k if share_prompt else 1), len(tree.thoughts)
+    B = len(tree.thoughts)
     T = max(len(tree.thoughts[b]) + sum(map(len, tree.answers[b * m:(b + 1) * m])) for b in range(B))
-    packs = []  # per packed row: ids, positions, thought index (-1 prompt), answer index (-1 none), sampler log-prob, logical index, jumps
-    for first in range(0, B, G):
-        prompt = prompts[first // k]
-        n = len(prompt)
-        row = (list(prompt), list(range(n)), [-1] * n, [-1] * n, [0.0] * n, [-1] * n, [])
+    packs = []  # per packed row: ids, positions, answer index (-1 none), sampler log-prob, logical index, jumps
+    for b in range(B):
+        prompt = prompts[b // k]
+        lead = [] if share_prompt else list(prompt)  # the prompt tokens this row runs itself
+        row = (lead, list(range(len(lead))), [-1] * len(lead), [0.0] * len(lead), [-1] * len(lead), [])
 
-        def add(tokens: list[int], logprobs: list[float], start_pos: int, i: int, j: int, logical: int, source: int) -> None:
-            ids, pos, th, ans, lp, to, jumps = row
+        def add(tokens: list[int], logprobs: list[float], start_pos: int, j: int, logical: int, source: int) -> None:
+            ids, pos, ans, lp, to, jumps = row
             if tokens and source != len(ids) - 1:  # first token predicted from elsewhere than the slot before it
                 jumps.append((len(ids), source))
             ids += tokens
             pos += range(start_pos, start_pos + len(tokens))
-            th += [i] * len(tokens)
             ans += [j] * len(tokens)
             lp += logprobs
             to += range(logical, logical + len(tokens))
 
-        for i, b in enumerate(range(first, first + G)):
-            thought = tree.thoughts[b]
-            add(thought, list(tree.thought_logprobs[b]), n, i, -1, b * T, n - 1)
-            source = len(row[0]) - 1 if thought else n - 1  # the slot that predicts each answer's first token
-            col = len(thought)
-            for j in range(m):
-                a = tree.answers[b * m + j]
-                add(a, list(tree.answer_logprobs[b * m + j]), n + len(thought), i, j, b * T + col, source)
-                col += len(a)
+        thought, n = tree.thoughts[b], len(prompt)
+        add(thought, list(tree.thought_logprobs[b]), n, -1, b * T, len(lead) - 1)
+        source, col = len(row[0]) - 1, len(thought)  # the slot that predicts each answer's first token
+        for j in range(m):
+            a = tree.answers[b * m + j]
+            add(a, list(tree.answer_logprobs[b * m + j]), n + len(thought), j, b * T + col, source)
+            col += len(a)
         packs.append(row)
-    R, Tp = len(packs), max(len(p[0]) for p in packs)
+    Tp = max(len(p[0]) for p in packs)
 
     def packed(field: int, fill, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.full((R, Tp), fill, dtype=dtype)
+        out = torch.full((B, Tp), fill, dtype=dtype)
         for r, p in enumerate(packs):
             out[r, :len(p[field])] = torch.tensor(p[field], dtype=dtype)
         return out
-    ids, pos, th, ans = (packed(f, fill, torch.long) for f, fill in ((0, pad_id), (1, 0), (2, -2), (3, -1)))
-    lp, to_logical = packed(4, 0.0, torch.float32), packed(5, -1, torch.long)
+    ids, pos, ans = (packed(f, fill, torch.long) for f, fill in ((0, pad_id), (1, 0), (2, -1)))
+    lp, to_logical = packed(3, 0.0, torch.float32), packed(4, -1, torch.long)
     used = to_logical >= 0
 
     def logical(x: torch.Tensor, fill) -> torch.Tensor:
         return torch.full((B * T,), fill, dtype=x.dtype).index_put_((to_logical[used],), x[used]).view(B, T)
     attn = None
-    if G > 1 or m > 1:  # tree attention: causal, and a token sees the prompt, its thought, its answer
+    if m > 1:  # tree attention: causal, and an answer token sees no other answer's tokens
         causal = torch.ones(Tp, Tp, dtype=torch.bool).tril()
-        q_th, k_th, q_ans, k_ans = th[:, :, None], th[:, None, :], ans[:, :, None], ans[:, None, :]
-        attn = (causal & ((k_th == -1) | ((k_th == q_th) & ((k_ans == -1) | (k_ans == q_ans)))))[:, None].to(device)
-    jumps = tuple(torch.tensor([(r, t, src) for r, p in enumerate(packs) for t, src in p[6]], dtype=torch.long).view(-1, 3).T.to(device))
-    return Batch(logical(ids, pad_id).to(device), logical(used & (ans == -1), False).to(device), logical(ans, -1).to(device),
-                 logical(lp, 0.0).to(device), ids.to(device), pos.to(device), attn, jumps, to_logical.to(device), G)
+        attn = (causal & ((ans[:, None, :] == -1) | (ans[:, None, :] == ans[:, :, None])))[:, None].to(device)
+    jumps = tuple(torch.tensor([(r, t, src) for r, p in enumerate(packs) for t, src in p[5]], dtype=torch.long).view(-1, 3).T.to(device))
+    batch = Batch(logical(ids, pad_id).to(device), logical(used & (ans == -1), False).to(device), logical(ans, -1).to(device),
+                  logical(lp, 0.0).to(device), ids.to(device), pos.to(device), attn, jumps, to_logical.to(device))
+    if share_prompt:
+        Lp = max(map(len, prompts))
+        batch.prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts], device=device)
+        batch.prompt_valid = torch.arange(Lp, device=device) >= torch.tensor([Lp - len(p) for p in prompts], device=device)[:, None]
+        batch.prompt_of = torch.arange(B, device=device) // k
+    return batch
 
 
 def splice_tree(tree, i: int, new, j: int, k: int, m: int) -> None:
@@ -329,19 +336,60 @@ def splice_tree(tree, i: int, new, j: int, k: int, m: int) -> None:
         getattr(tree, name)[i * per_prompt:(i + 1) * per_prompt] = getattr(new, name)[j * per_prompt:(j + 1) * per_prompt]
 
 
-def select_rows(batch: Batch, rows: slice) -> Batch:
-    """A micro-batch: logical rows `rows` (whole packs: start and stop are multiples of G) and their
-    packed rows, trimmed to their longest packed row; jumps and the logical index re-based."""
-    G, T = batch.group, batch.ids.shape[1]
-    packed = slice(rows.start // G, -(-rows.stop // G))
-    width = int((batch.to_logical[packed] >= 0).nonzero()[:, 1].max()) + 1  # a packed row ends with a completion token
+def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """A micro-batch: the rows `rows` (long indices), trimmed to their longest packed row (and, with
+    shared prompts, to the prompts they continue, trimmed to the longest); jumps and indices re-based."""
+    B, T = batch.ids.shape
+    new = torch.full((B,), -1, dtype=torch.long, device=rows.device).index_put_((rows,), torch.arange(len(rows), device=rows.device))
+    width = int((batch.to_logical[rows] >= 0).nonzero()[:, 1].max()) + 1  # a packed row ends with a completion token
     jb, jt, js = batch.jumps
-    keep = (jb >= packed.start) & (jb < packed.stop)
-    to_logical = batch.to_logical[packed, :width]
-    return Batch(batch.ids[rows], batch.thought[rows], batch.answer_id[rows], batch.sampler_logp[rows],
-                 batch.packed_ids[packed, :width], batch.packed_pos[packed, :width],
-                 None if batch.packed_attn is None else batch.packed_attn[packed, :, :width, :width],
-                 (jb[keep] - packed.start, jt[keep], js[keep]), torch.where(to_logical >= 0, to_logical - rows.start * T, -1), G)
+    keep = new[jb] >= 0
+    to_logical = batch.to_logical[rows, :width]
+    mb = Batch(batch.ids[rows], batch.thought[rows], batch.answer_id[rows], batch.sampler_logp[rows],
+               batch.packed_ids[rows, :width], batch.packed_pos[rows, :width],
+               None if batch.packed_attn is None else batch.packed_attn[rows, :, :width, :width],
+               (new[jb[keep]], jt[keep], js[keep]), torch.where(to_logical >= 0, new[to_logical // T] * T + to_logical % T, -1))
+    if batch.prompt_ids is not None:
+        prompts, mb.prompt_of = torch.unique(batch.prompt_of[rows], return_inverse=True)
+        valid = batch.prompt_valid[prompts]
+        Lp = int(valid.sum(1).max())  # left padding: keep the last Lp columns
+        mb.prompt_ids, mb.prompt_valid = batch.prompt_ids[prompts, -Lp:], valid[:, -Lp:]
+    return mb
+
+
+def micro_batch_rows(batch: Batch, size: int) -> list[torch.Tensor]:
+    """Rows sorted by packed length, cut into micro-batches of `size`: rows of similar length run
+    together, so little compute goes to padding. The update is a sum over rows: order is free."""
+    length = torch.where(batch.to_logical >= 0, torch.arange(batch.to_logical.shape[1], device=batch.ids.device) + 1, 0).amax(1)
+    order = torch.argsort(length, stable=True)
+    return list(order.split(size))
+
+
+class PromptKV:
+    """KV-cache stand-in for the shared-prompt forward: records each layer's keys/values of the
+    prompts (keeping their autograd graph); `rows(prompt_of)` then serves the completion rows,
+    prepending their prompt's keys/values to their own."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        return k, v
+
+    def rows(self, prompt_of: torch.Tensor) -> "PromptRows":
+        return PromptRows(self, prompt_of)
+
+
+@dataclass
+class PromptRows:
+    prompts: PromptKV
+    prompt_of: torch.Tensor
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pk, pv = self.prompts.k[layer_idx][self.prompt_of], self.prompts.v[layer_idx][self.prompt_of]
+        return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
 
 
 def token_stats(model, batch: Batch, temperature: float, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -349,20 +397,46 @@ def token_stats(model, batch: Batch, temperature: float, entropy: bool = False) 
     the logical layout (0 at prompt and padding positions).
 
     The model runs on the packed rows. Token t is predicted by the logits at t - 1, except the first
-    token of a segment that does not follow its predecessor (the `jumps`): thought i > 0 of a shared
-    prompt is predicted from the prompt's end, answer j > 0 from its thought's end."""
-    ids = batch.packed_ids
-    logits = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn)  # (R, T', V)
-    logp = F.pad(token_logprobs(logits[:, :-1], ids[:, 1:], temperature), (1, 0))
-    jb, jt, js = batch.jumps
+    token of a segment that does not follow its predecessor (the `jumps`: answer j > 0 is predicted
+    from its thought's end) and, with shared prompts, the first token of a row (the prompt's end)."""
+    ids, first = batch.packed_ids, None
+    if batch.prompt_ids is None:
+        logits = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn)  # (B, T', V)
+    else:  # 1. each prompt once, recording its keys/values  2. the rows, attending to their prompt's
+        prompts, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
+        Lp, Tp = valid.shape[1], ids.shape[1]
+        causal = torch.ones(Lp, Lp, dtype=torch.bool, device=ids.device).tril()
+        mask = (causal & valid[:, None, :]) | torch.eye(Lp, dtype=torch.bool, device=ids.device)  # a pad sees itself
+        # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward
+        first = getattr(model, "module", model)(batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=prompts,
+                                                attn_mask=mask[:, None], logits_to_keep=1)[of, 0]  # (B, V): predicts token 0
+        own = batch.packed_attn if batch.packed_attn is not None else \
+            torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
+        mask = torch.cat([valid[of][:, None, None, :].expand(-1, 1, Tp, Lp), own], 3)  # (B, 1, T', Lp + T')
+        logits = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask)
+
+    def predictors(x: torch.Tensor) -> torch.Tensor:
+        """The logits that predict each jump's token: its source slot, or the shared prompt's end."""
+        jb, _, js = batch.jumps
+        at_jumps = x[jb, js.clamp(min=0)]
+        if first is not None:
+            at_jumps = torch.where((js >= 0)[:, None], at_jumps, first[jb])
+        return at_jumps
+
+    jb, jt, _ = batch.jumps
+    logp = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
+    logp = torch.cat([token_logprobs(first, ids[:, 0], temperature)[:, None] if first is not None else
+                      logp.new_zeros(len(ids), 1), logp], 1)
     if len(jb):
-        logp = logp.index_put((jb, jt), token_logprobs(logits[jb, js], ids[jb, jt], temperature))
+        logp = logp.index_put((jb, jt), token_logprobs(predictors(logits), ids[jb, jt], temperature))
     ent = None
     if entropy:
         with torch.no_grad():
             ent = F.pad(token_entropy(logits[:, :-1].detach(), temperature), (1, 0))
+            if first is not None:
+                ent[:, 0] = token_entropy(first.detach(), temperature)
             if len(jb):
-                ent[jb, jt] = token_entropy(logits[jb, js].detach(), temperature)
+                ent[jb, jt] = token_entropy(predictors(logits.detach()), temperature)
     used = batch.to_logical >= 0
     index, shape = (batch.to_logical[used],), batch.ids.shape
 
@@ -536,12 +610,11 @@ def main(cfg: TrainConfig) -> dict:
                     n_resampled += len(redo)
         t_score = time.perf_counter() - t0 - t_sample
 
-        # ---- 3. pack: one logical row per thought; the model runs on packs where prompt and thought tokens appear once
+        # ---- 3. pack: one row per thought, its tokens once (answers share it by tree attention); prompts once with --share-prompt
         batch = pack(prompts, tree, K, M, tokenizer.pad_id, device, share_prompt=cfg.share_prompt)
         completion = batch.thought | (batch.answer_id >= 0)
         n_rows = batch.ids.shape[0]
-        mb_rows = max(batch.group, cfg.micro_batch_rows // batch.group * batch.group)  # whole packs per micro-batch
-        micro = [slice(i, min(i + mb_rows, n_rows)) for i in range(0, n_rows, mb_rows)]
+        micro = micro_batch_rows(batch, cfg.micro_batch_rows)
         micro_batches = [select_rows(batch, rows) for rows in micro]  # built once: score pass and every epoch
 
         # ---- 4. score pass (no grad): old log-probs, reference log-probs, entropy

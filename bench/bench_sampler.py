@@ -92,24 +92,35 @@ def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[
     return best_time(run, repeats, clock)
 
 
-def time_gemms(model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
+def time_gemms(model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float],
+               attention: bool = False) -> float:
     """The GEMM-only limit: the prefill's and every decode step's projections + lm_head as plain
     matmuls at the sampler's shapes, nothing else. Prefill: P x longest-prompt rows through the
-    layers, P rows through lm_head; then one step per fed token (NEW_TOKENS - 1) at P*n rows."""
+    layers, P rows through lm_head; then one step per fed token (NEW_TOKENS - 1) at P*n rows.
+    attention=True adds each layer's decode attention over the cache as it grows (one SDPA call at
+    the sampler's shapes): the work a decode step cannot skip, so the limit of an eager sampler."""
     layers = [w for layer in model.model.layers for w in (
         layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
         layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
         layer.mlp.down_proj.weight)]
     head = model.lm_head.weight
-    P, B = len(prompts), len(prompts) * n
-    steps = [(P * max(map(len, prompts)), P)] + [(B, B)] * (NEW_TOKENS - 1)  # (layer rows, head rows)
+    P, B, T = len(prompts), len(prompts) * n, max(map(len, prompts))
+    steps = [(P * T, P)] + [(B, B)] * (NEW_TOKENS - 1)  # (layer rows, head rows)
     x = {(r, w.shape[1]): torch.randn(r, w.shape[1]) for r, _ in steps for w in layers}
     x |= {(r, head.shape[1]): torch.randn(r, head.shape[1]) for _, r in steps}
+    c = model.config
+    groups, L = c.num_attention_heads // c.num_key_value_heads, c.num_hidden_layers
+    kv = torch.randn(2, L, B, c.num_key_value_heads, T + NEW_TOKENS, c.head_dim)  # the cache's layout
+    q = torch.randn(B, c.num_key_value_heads, groups, c.head_dim)
+    valid = torch.ones(B, 1, 1, T + NEW_TOKENS, dtype=torch.bool)
 
     def run():
-        for rows, head_rows in steps:
-            for w in layers:
+        for i, (rows, head_rows) in enumerate(steps):
+            for j, w in enumerate(layers):
                 F.linear(x[rows, w.shape[1]], w)
+                if attention and i and j % 7 == 3:  # before o_proj, as in the model
+                    S = T + i + 1
+                    F.scaled_dot_product_attention(q, kv[0, j // 7, :, :, :S], kv[1, j // 7, :, :, :S], attn_mask=valid[..., :S])
             F.linear(x[head_rows, head.shape[1]], head)
     with torch.no_grad():
         return best_time(run, repeats, clock)
@@ -130,17 +141,23 @@ def main() -> None:
     P, n = 8, 4
     prompts = make_prompts(P)
     generate(ours, prompts, max_new_tokens=4, n=n, seed=0)  # warm-up
-    t_ours = t_hf = t_gemm = float("inf")
-    for _ in range(args.repeats):  # interleaved rounds: a load change on a shared machine hits all three
+    t_ours = t_hf = t_gemm = t_attn = float("inf")
+    for _ in range(args.repeats):  # interleaved rounds: a load change on a shared machine hits all four
         t_ours = min(t_ours, time_ours(ours, prompts, n, 1, clock))
         t_hf = min(t_hf, time_hf(hf, prompts, n, 1, clock))
         t_gemm = min(t_gemm, time_gemms(ours, prompts, n, 1, clock))
+        t_attn = min(t_attn, time_gemms(ours, prompts, n, 1, clock, attention=True))
     tokens = P * n * NEW_TOKENS
     print(f"\nbatch {P * n} ({P} prompts x n={n}):")
     print(f"  sampler.generate        {tokens / t_ours:8.0f} tok/s")
     print(f"  transformers.generate   {tokens / t_hf:8.0f} tok/s   -> sampler is {t_hf / t_ours:.2f}x HF (goal >= 2.5x)")
     print(f"  GEMM-only limit         {tokens / t_gemm:8.0f} tok/s   -> sampler reaches {100 * t_gemm / t_ours:.0f}% "
           f"of it (goal >= 80%), HF {100 * t_gemm / t_hf:.0f}%")
+    print(f"  GEMM + attention limit  {tokens / t_attn:8.0f} tok/s   -> sampler reaches {100 * t_attn / t_ours:.0f}% "
+          f"of it, HF {100 * t_attn / t_hf:.0f}%")
+    print(f"  per decode step: sampler {1e3 * t_ours / NEW_TOKENS:.2f} ms = GEMMs {1e3 * t_gemm / NEW_TOKENS:.2f} + attention "
+          f"{1e3 * (t_attn - t_gemm) / NEW_TOKENS:.2f} + everything else {1e3 * (t_ours - t_attn) / NEW_TOKENS:.2f} "
+          f"(norms, RoPE, cache writes, sampling, Python)")
 
     print("\nbatch   prompts x n   tok/s   KV cache (float32)")
     for P, n in ((1, 1), (2, 4), (8, 4), (32, 4)):

@@ -2,7 +2,7 @@
 
     python bench/bench_trl.py                  # about a minute on 2 CPU cores (make bench)
     python bench/bench_trl.py --threads 1      # steadier when other processes share the cores
-    python bench/bench_trl.py --share-prompt   # train.py packs each prompt's completions in one row
+    python bench/bench_trl.py --no-share-prompt   # train.py runs each prompt once per completion, like TRL
 
 Both trainers get the same tiny model (assets/tiny-model, or a random model of the same shape
 when it has not been built), the same prompt tokens (the synthetic task's prompts rendered with
@@ -49,7 +49,7 @@ class BenchConfig:
     group_size: int = 16  # completions per prompt (our --thoughts, TRL's num_generations)
     max_completion_tokens: int = 80  # completion limit (our 64 thought + 16 answer tokens, answers = 1)
     micro_batch_rows: int = 64  # completions per forward/backward (TRL: per_device_train_batch_size)
-    share_prompt: bool = False  # train.py --share-prompt: a prompt's completions in one row, prompt tokens once
+    share_prompt: bool = True  # train.py --share-prompt (its default): each prompt runs once, its completions attend to it
     lr: float = 3e-4  # learning rate (both sides)
     threads: int = 2  # torch.set_num_threads for both sides
     seed: int = 0  # seed of both trainers and of the prompt order

@@ -91,3 +91,17 @@ def test_fsdp_checkpoint_resumed_without_fsdp_is_one_clear_error(runs):
                         "--out", os.path.join(runs["dir"], "plain")], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 1
     assert "saved with --fsdp" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fsdp_with_shared_prompts_equals_one_process(tmp_path):
+    """Guards --share-prompt under FSDP2: two forwards of the sharded model (prompts, then the rows
+    attending to them) before one backward give the single-process update."""
+    one, fsdp = str(tmp_path / "one"), str(tmp_path / "fsdp")
+    extra = ["--share-prompt", "--max-steps", "1"]
+    subprocess.run([sys.executable, "train.py", *ARGS, *extra, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True)
+    torchrun(fsdp, 29536, *extra)
+    w1, w2 = load_model(os.path.join(one, "final")).state_dict(), load_model(os.path.join(fsdp, "final")).state_dict()
+    start = load_model(BUNDLED).state_dict()
+    assert any(not torch.equal(w1[k], start[k]) for k in w1)  # the step did move the weights
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)

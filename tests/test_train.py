@@ -102,7 +102,7 @@ def test_micro_batch_split_does_not_change_the_update(tiny, tmp_path):
 @pytest.mark.parametrize("m", [1, 3])
 def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
     """Guards against a wrong tree mask, position, jump source or logical index in the packed layout
-    (one row per thought, or a prompt's K thoughts in one row): every completion token's log-prob
+    (the prompt leading each row, or shared: run once, its keys/values prepended): every completion token's log-prob
     and entropy must equal a plain forward of that one sequence, prompt + thought + answer."""
     from model import token_entropy, token_logprobs
     from sampler import Tree
@@ -111,13 +111,13 @@ def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
     rand = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     P, K = 2, 3
     prompts = [rand(5), rand(8)]
-    thoughts = [rand(2 + (i * 5) % 7) if m > 1 else [] for i in range(P * K)]
+    thoughts = [rand(2 + (i * 5) % 7) if m > 1 and i != 4 else [] for i in range(P * K)]  # an empty one: answers jump to the prompt
     answers = [rand(1 + (a * 3) % 5) for a in range(P * K * m)]
     tree = Tree(thoughts, [[0.0] * len(t) for t in thoughts], [False] * (P * K), answers,
                 [[0.0] * len(a) for a in answers], ["stop"] * len(answers))
     batch = train.pack(prompts, tree, K, m, pad_id=0, device=torch.device("cpu"), share_prompt=share_prompt)
-    assert batch.group == (K if share_prompt else 1) and batch.packed_ids.shape[0] == P * K // batch.group
-    rows = slice(batch.group, 2 * batch.group)  # a micro-batch that is not the first: the index re-basing runs
+    assert (batch.prompt_ids is not None) == share_prompt and batch.packed_ids.shape[0] == P * K
+    rows = torch.tensor([4, 1, 2])  # a micro-batch out of order, across two prompts: the index re-basing runs
     with torch.no_grad():
         full_lp, full_ent = train.token_stats(model, batch, temperature=0.7, entropy=True)
         mb_lp, _ = train.token_stats(model, train.select_rows(batch, rows), temperature=0.7)
@@ -153,13 +153,15 @@ def test_shared_prompt_packing_gives_the_same_update(tiny, tmp_path):
         torch.testing.assert_close(outs[0][k], outs[1][k], atol=2e-5, rtol=0)
 
 
-def test_two_processes_equal_one(tiny, tmp_path):
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_two_processes_equal_one(tiny, tmp_path, share_prompt):
     """Guards against DDP changing the update: 2 CPU ranks (gloo) after one step equal 1 process on
-    the same global batch (rollout seeds come from the global prompt index, token counts are summed)."""
+    the same global batch (rollout seeds come from the global prompt index, token counts are summed);
+    with --share-prompt each micro-batch runs two forwards (prompts, then rows) before one backward."""
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     args = ["--algo", "grpo", "--model", BUNDLED, "--max-steps", "1", "--prompts-per-step", "4", "--thoughts", "4",
             "--max-thought-tokens", "40", "--max-answer-tokens", "8", "--eval-every", "0", "--eval-examples", "4",
-            "--eval-samples", "0"]
+            "--eval-samples", "0", "--micro-batch-rows", "3"] + ["--share-prompt"] * share_prompt
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "train.py", *args, "--out", one], cwd=ROOT, check=True, env=env, capture_output=True)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", "29533",
