@@ -9,9 +9,11 @@ when it has not been built), the same prompt tokens (the synthetic task's prompt
 our chat template, given to TRL as text, in the same order), group size, completion limit,
 sampling settings (temperature 1, no top-k/top-p), reward function (the task's `reward`), loss
 (per-sequence token mean, clip 0.2, beta 0, one update per batch), optimizer, float32 and thread
-count. Each side runs one warm-up step, then `--steps` timed steps; the table shows the median.
-The two trainers take turns step by step in one process (TRL in a second thread, one running
-while the other waits), so a change in machine load during the run slows both alike.
+count. Each side runs in a fresh process of its own, as a user would run it: one warm-up step, then
+`--steps` timed steps; the sides take turns, `--rounds` times each (ours, TRL, ours, TRL, ...), so
+a change in machine load hits both, and the table shows the median over all timed steps.
+(Running both trainers in one process is not neutral: a constructed GRPOTrainer alone was measured
+to slow train.py's steps in the same process by about 30%.)
 
 Time per step is split into sample (prompt tokens -> completion tokens), score (rewards from
 text), update (log-probs, loss, backward, optimizer step) and other (the rest of the loop body:
@@ -30,21 +32,23 @@ import io
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CHILD = "BENCH_TRL_CHILD"  # set in a child process: the JSON job it runs (one side, one run)
 
 
 @dataclass
 class BenchConfig:
     model: str = "assets/tiny-model"  # HF checkpoint; a random model of the bundled shape if absent
-    steps: int = 3  # timed steps per side, after one warm-up step
+    steps: int = 3  # timed steps per run, after one warm-up step
+    rounds: int = 2  # runs per side, in turns, each in a fresh process
     prompts_per_step: int = 8  # prompts per step (both sides)
     group_size: int = 16  # completions per prompt (our --thoughts, TRL's num_generations)
     max_completion_tokens: int = 80  # completion limit (our 64 thought + 16 answer tokens, answers = 1)
@@ -55,8 +59,8 @@ class BenchConfig:
     seed: int = 0  # seed of both trainers and of the prompt order
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.group_size < 2 or self.max_completion_tokens < 1 or self.threads < 1:
-            raise ValueError("--steps, --max-completion-tokens and --threads must be >= 1 and --group-size >= 2")
+        if self.steps < 1 or self.rounds < 1 or self.group_size < 2 or self.max_completion_tokens < 1 or self.threads < 1:
+            raise ValueError("--steps, --rounds, --max-completion-tokens and --threads must be >= 1 and --group-size >= 2")
         if (self.prompts_per_step * self.group_size) % self.micro_batch_rows:
             raise ValueError("--micro-batch-rows must divide prompts-per-step x group-size (TRL accumulates whole micro-batches)")
 
@@ -90,44 +94,11 @@ def random_model(path: str) -> str:
 
 
 # -----------------------------------------------------------------------------
-# Taking turns: the two trainers run in one process and alternate step by step
-
-
-class Baton:
-    """Lets exactly one of the two trainers run at a time. train.py (main thread) runs a step and
-    hands over; TRL (a second thread) runs a step and hands back. Alternating steps means a
-    change in machine load during the run slows both sides alike."""
-
-    def __init__(self) -> None:
-        self.turn = "ours"
-        self.closed = False  # TRL has finished (or failed): train.py no longer waits for it
-        self.cond = threading.Condition()
-
-    def give(self, who: str) -> None:
-        with self.cond:
-            self.turn = who
-            self.cond.notify_all()
-
-    def wait(self, who: str) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == who or self.closed)
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-    def hand_over(self, me: str, other: str) -> None:
-        self.give(other)
-        self.wait(me)
-
-
-# -----------------------------------------------------------------------------
 # Ours: train.main, timed from its metrics and the loop's progress-bar iterator
 
 
-def run_ours(cfg: BenchConfig, model_dir: str, work: str, baton: Baton) -> tuple[list[dict], list[dict]]:
-    """Per-step timings and the examples train.py rendered, in its order. Between two steps, TRL runs one."""
+def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], list[dict]]:
+    """Per-step timings and the examples train.py rendered, in its order."""
     import train
     from tqdm import tqdm
 
@@ -140,21 +111,16 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str, baton: Baton) -> tuple
         return render_prompt(tokenizer, example, system_prompt)
 
     class ClockedTqdm(tqdm):
-        """The loop's progress bar, silent: times each pass of the loop body and lets TRL run
-        one step between two passes (and after the last)."""
+        """The loop's progress bar, silent: times each pass of the loop body."""
         def __init__(self, *args, **kwargs):
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
         def __iter__(self):
-            for i, x in enumerate(super().__iter__()):
-                if i:
-                    ends.append(time.perf_counter())
-                    baton.hand_over("ours", "trl")
+            for x in super().__iter__():
                 starts.append(time.perf_counter())
                 yield x
-            ends.append(time.perf_counter())
-            baton.hand_over("ours", "trl")
+                ends.append(time.perf_counter())
 
     n = cfg.steps + 1
     answer_tokens = min(16, cfg.max_completion_tokens)  # with answers = 1 only the sum of the two limits matters
@@ -183,7 +149,7 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str, baton: Baton) -> tuple
 # TRL: GRPOTrainer with the same settings, timed by a callback and wrapped methods
 
 
-def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict], baton: Baton):
+def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     """A GRPOTrainer on the same model, prompts and reward; returns (trainer, function that
     turns its recorded timings into per-step rows once it has trained)."""
     import torch
@@ -242,12 +208,8 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict], 
     timed("_generate_and_score_completions", "gen_and_score")
 
     class StepClock(TrainerCallback):
-        """Times each optimizer step; before each, waits for train.py to finish its own step."""
+        """Times each optimizer step."""
         def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step:
-                baton.hand_over("trl", "ours")
-            else:
-                baton.wait("trl")
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -265,43 +227,49 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict], 
     return trainer, results
 
 
-def run_both(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], list[dict]]:
-    """Per-step rows of train.py and TRL, warm-up step dropped, the two trainers taking turns."""
+# -----------------------------------------------------------------------------
+# Taking turns: each side in a fresh process, ours, TRL, ours, TRL, ...
+
+
+def run_side(side: str, cfg: BenchConfig, model_dir: str, work: str) -> list[dict]:
+    """One run of one side in this process: its per-step rows, warm-up step dropped."""
     import torch
     from tasks import get_task
+    torch.set_num_threads(cfg.threads)
     n = cfg.steps + 1
-    # train.py's prompts: the first n * P training examples, in order (checked against what it rendered below).
+    # train.py's prompts: the first n * P training examples, in order (checked against what it renders).
     examples = get_task("synthetic").train(n * cfg.prompts_per_step, cfg.seed)
-    baton = Baton()
-    with warnings.catch_warnings():  # transformers' deprecation notices about TRL's own arguments
-        warnings.simplefilter("ignore", FutureWarning)
-        trainer, trl_results = make_trl(cfg, model_dir, work, examples, baton)
-    failure: list[BaseException] = []
-
-    def train_trl() -> None:
-        torch.set_num_threads(cfg.threads)  # OpenMP keeps the count per thread in some builds: set it here too
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # TRL prints a summary
-                warnings.simplefilter("ignore", FutureWarning)
+    if side == "ours":
+        steps, rendered = run_ours(cfg, model_dir, work)
+        if rendered != examples:
+            raise SystemExit("bench_trl: train.py trained on other prompts than TRL is given; update run_side to match "
+                             "how train.py draws its examples")
+    else:
+        with warnings.catch_warnings():  # transformers' deprecation notices about TRL's own arguments
+            warnings.simplefilter("ignore", FutureWarning)
+            trainer, trl_results = make_trl(cfg, model_dir, work, examples)
+            with contextlib.redirect_stdout(io.StringIO()):  # TRL prints a summary
                 trainer.train()
-        except BaseException as e:  # reported by the main thread, which must not wait forever
-            failure.append(e)
-        finally:
-            baton.close()
+        steps = trl_results()
+    if len(steps) != n:
+        raise SystemExit(f"bench_trl: timed {len(steps)} steps of {side}, expected {n}")
+    return steps[1:]
 
-    worker = threading.Thread(target=train_trl, name="trl", daemon=True)
-    worker.start()
-    ours, rendered = run_ours(cfg, model_dir, work, baton)
-    worker.join()
-    if failure:
-        raise failure[0]
-    if rendered != examples:
-        raise SystemExit("bench_trl: train.py trained on other prompts than TRL was given; update run_both to match "
-                         "how train.py draws its examples")
-    trl = trl_results()
-    if len(ours) != n or len(trl) != n:
-        raise SystemExit(f"bench_trl: timed {len(ours)} steps of train.py and {len(trl)} of TRL, expected {n} each")
-    return ours[1:], trl[1:]
+
+def run_both(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], list[dict]]:
+    """Per-step rows of train.py and TRL over all rounds, each run a fresh `python bench_trl.py` child."""
+    out = {"ours": [], "trl": []}
+    for r in range(cfg.rounds):
+        for side in ("ours", "trl"):
+            job = dict(side=side, cfg=asdict(cfg), model_dir=model_dir, work=os.path.join(work, f"{side}{r}"),
+                       result=os.path.join(work, f"{side}{r}.json"))
+            proc = subprocess.run([sys.executable, __file__], env={**os.environ, CHILD: json.dumps(job)},
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"bench_trl: the {side} run failed:\n{proc.stderr[-3000:]}")
+            with open(job["result"]) as f:
+                out[side] += json.load(f)
+    return out["ours"], out["trl"]
 
 
 # -----------------------------------------------------------------------------
@@ -320,7 +288,8 @@ def median_of(steps: list[dict], key: str) -> float:
 def report(cfg: BenchConfig, ours: list[dict], trl: list[dict], model_note: str) -> None:
     keys = ("sample", "score", "update", "other", "total")
     print(f"\none GRPO step: {cfg.prompts_per_step} prompts x {cfg.group_size} completions, <= {cfg.max_completion_tokens} "
-          f"tokens, {model_note}, float32 CPU, {cfg.threads} threads; median of {cfg.steps} steps after 1 warm-up")
+          f"tokens, {model_note}, float32 CPU, {cfg.threads} threads; median of {cfg.rounds} runs x {cfg.steps} steps "
+          f"(each run a fresh process, after 1 warm-up step)")
     n_seqs = cfg.prompts_per_step * cfg.group_size
     print(f"{'seconds/step':<16}" + "".join(f"{k:>9}" for k in keys) + f"{'mean len':>10}{'tok/step':>10}")
     for name, steps in (("train.py", ours), ("TRL", trl)):
@@ -340,8 +309,6 @@ def main(cfg: BenchConfig) -> None:
     except ImportError:
         print("TRL not installed: pip install trl (optional)")
         return
-    import torch
-    torch.set_num_threads(cfg.threads)
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores:  # other processes compete for the cores: both sides slow down, not always equally
         print(f"note: load average {load:.1f} on {cores} cores: other processes share them, so times are inflated and "
@@ -357,10 +324,8 @@ def main(cfg: BenchConfig) -> None:
         t0 = time.perf_counter()
         ours, trl_steps = run_both(cfg, model_dir, work)
         elapsed = time.perf_counter() - t0
-        if torch.get_num_threads() != cfg.threads:
-            print(f"warning: torch threads changed to {torch.get_num_threads()} during the run")
     report(cfg, ours, trl_steps, model_note)
-    print(f"(both runs, start-up and train.py's start/end evaluation included: {elapsed:.0f}s)")
+    print(f"(all runs, start-up and train.py's start/end evaluation included: {elapsed:.0f}s)")
 
 
 if __name__ == "__main__":
@@ -368,5 +333,11 @@ if __name__ == "__main__":
     for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),
                        ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(var, value)
-    from cli import parse_config
-    main(parse_config(BenchConfig, description=__doc__.split("\n\n")[0])[0])
+    if CHILD in os.environ:  # one run of one side, started by run_both
+        job = json.loads(os.environ[CHILD])
+        rows = run_side(job["side"], BenchConfig(**job["cfg"]), job["model_dir"], job["work"])
+        with open(job["result"], "w") as f:
+            json.dump(rows, f)
+    else:
+        from cli import parse_config
+        main(parse_config(BenchConfig, description=__doc__.split("\n\n")[0])[0])
