@@ -8,8 +8,8 @@
 One step, in the order of the code below (the README's numbered algorithm):
   1. sample      K thoughts per prompt, then M answers from each thought (sampler.sample_tree)
   2. score       rewards [P, K, M] from the completion text (the task's reward function)
-  3. pack        one row per thought: thought | answer_1 .. answer_M; the model runs on packed rows
-                 where each thought appears once (tree attention); --share-prompt runs each prompt once
+  3. pack        one row per thought: thought | answer_1 .. answer_M, each thought once (tree attention);
+                 each prompt runs once and its K rows attend to it (--no-share-prompt: it heads every row)
   4. score pass  no-grad forward: old log-probs (mu > 1), reference log-probs (beta > 0), entropy
   5. advantages  thought [P, K] and answer [P, K, M] advantages, then per-token adv and weight
   6. update      mu epochs over micro-batches of policy_loss, grad clip, AdamW step
