@@ -142,6 +142,16 @@ class Tree:
 
 # ----------------------------------------------------------------------------- model steps
 
+def chunk_mask(key_valid: Tensor, T: int) -> Tensor:
+    """Attention mask (b, 1, T, S) for the last T of S key slots as queries: bottom-right causal
+    over valid keys (never is_causal: earlier slots may hold cached keys); a padding query sees
+    only itself, so no row is fully masked."""
+    S = key_valid.shape[1]
+    q = torch.arange(S - T, S, device=key_valid.device)[:, None]
+    kpos = torch.arange(S, device=key_valid.device)[None, :]
+    return ((key_valid[:, None, :] | (kpos == q)) & (kpos <= q))[:, None]
+
+
 def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logits_to_keep: int = 1) -> Tensor:
     """Append a chunk ids (b, T) to the active cache rows; valid (b, T) is False for left padding
     and for finished rows. Returns logits (b, logits_to_keep, V) in the model dtype."""
@@ -149,12 +159,8 @@ def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logit
     s = cache.length
     cache.key_valid[:b, s:s + T] = valid
     positions = cache.next_pos[:b, None] + (valid.cumsum(1) - 1).clamp(min=0)  # (b, T); pads: junk
-    # bottom-right causal over valid keys (never is_causal: the cache may already hold keys);
-    # a padding query sees only itself, so no row is fully masked
-    q = torch.arange(s, s + T, device=ids.device)[:, None]
-    kpos = torch.arange(s + T, device=ids.device)[None, :]
-    mask = (cache.key_valid[:b, None, :s + T] | (kpos == q)) & (kpos <= q)    # (b, T, S)
-    logits = model(ids, positions=positions, cache=cache, attn_mask=mask[:, None], logits_to_keep=logits_to_keep)
+    mask = chunk_mask(cache.key_valid[:b, :s + T], T)
+    logits = model(ids, positions=positions, cache=cache, attn_mask=mask, logits_to_keep=logits_to_keep)
     cache.length += T
     cache.next_pos[:b] += valid.sum(1)
     return logits

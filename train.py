@@ -43,7 +43,7 @@ from advantage import (agrae_advantages, dynamic_sampling_keep, gradient_spike_s
 from cli import parse_config
 from eval import decode_completion, evaluate
 from model import load_model, load_tokenizer, save_model, token_entropy, token_logprobs
-from sampler import sample_tree
+from sampler import chunk_mask, sample_tree
 from rewards import score_batch
 from tasks import get_task, render_prompt
 
@@ -263,7 +263,8 @@ class Batch:
     packed_pos: torch.Tensor  # (B, T') RoPE positions
     packed_attn: torch.Tensor | None  # (B, 1, T', T') bool tree attention within the row; None = plain causal
     jumps: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, token, source slot) of segments not predicted
-    # by the token before them (answer j > 0: its thought's end); source -1 = the shared prompt's last token
+    # by the token before them: answer j > 0 (its thought's end), and with shared prompts a row's first
+    # token (source -1: the prompt's last token, in the prompt pass)
     to_logical: torch.Tensor  # (B, T') long: b * T + t of the logical token at this slot, -1 = none (prompt, padding)
     prompt_ids: torch.Tensor | None = None  # (P, Lp) left-padded shared prompts (--share-prompt), else None
     prompt_valid: torch.Tensor | None = None  # (P, Lp) bool: not padding
@@ -285,7 +286,7 @@ def pack(prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: to
 
         def add(tokens: list[int], logprobs: list[float], start_pos: int, j: int, logical: int, source: int) -> None:
             ids, pos, ans, lp, to, jumps = row
-            if tokens and source != len(ids) - 1:  # first token predicted from elsewhere than the slot before it
+            if tokens and (source != len(ids) - 1 or source < 0):  # predicted from elsewhere than the slot before
                 jumps.append((len(ids), source))
             ids += tokens
             pos += range(start_pos, start_pos + len(tokens))
@@ -357,7 +358,7 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
     return mb
 
 
-def micro_batch_rows(batch: Batch, size: int) -> list[torch.Tensor]:
+def split_rows(batch: Batch, size: int) -> list[torch.Tensor]:
     """Rows sorted by packed length, cut into micro-batches of `size`: rows of similar length run
     together, so little compute goes to padding. The update is a sum over rows: order is free."""
     length = torch.where(batch.to_logical >= 0, torch.arange(batch.to_logical.shape[1], device=batch.ids.device) + 1, 0).amax(1)
@@ -398,45 +399,36 @@ def token_stats(model, batch: Batch, temperature: float, entropy: bool = False) 
 
     The model runs on the packed rows. Token t is predicted by the logits at t - 1, except the first
     token of a segment that does not follow its predecessor (the `jumps`: answer j > 0 is predicted
-    from its thought's end) and, with shared prompts, the first token of a row (the prompt's end)."""
+    from its thought's end, a row's first token from its shared prompt's end)."""
     ids, first = batch.packed_ids, None
     if batch.prompt_ids is None:
         logits = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn)  # (B, T', V)
     else:  # 1. each prompt once, recording its keys/values  2. the rows, attending to their prompt's
         prompts, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
         Lp, Tp = valid.shape[1], ids.shape[1]
-        causal = torch.ones(Lp, Lp, dtype=torch.bool, device=ids.device).tril()
-        mask = (causal & valid[:, None, :]) | torch.eye(Lp, dtype=torch.bool, device=ids.device)  # a pad sees itself
-        # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward
+        # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward.
+        # Its logits predict each row's token 0; that use also keeps every layer's output in the
+        # backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
         first = getattr(model, "module", model)(batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=prompts,
-                                                attn_mask=mask[:, None], logits_to_keep=1)[of, 0]  # (B, V): predicts token 0
+                                                attn_mask=chunk_mask(valid, Lp), logits_to_keep=1)[of, 0]  # (B, V)
         own = batch.packed_attn if batch.packed_attn is not None else \
             torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
         mask = torch.cat([valid[of][:, None, None, :].expand(-1, 1, Tp, Lp), own], 3)  # (B, 1, T', Lp + T')
         logits = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask)
 
-    def predictors(x: torch.Tensor) -> torch.Tensor:
-        """The logits that predict each jump's token: its source slot, or the shared prompt's end."""
-        jb, _, js = batch.jumps
-        at_jumps = x[jb, js.clamp(min=0)]
-        if first is not None:
-            at_jumps = torch.where((js >= 0)[:, None], at_jumps, first[jb])
-        return at_jumps
-
-    jb, jt, _ = batch.jumps
-    logp = token_logprobs(logits[:, :-1], ids[:, 1:], temperature)
-    logp = torch.cat([token_logprobs(first, ids[:, 0], temperature)[:, None] if first is not None else
-                      logp.new_zeros(len(ids), 1), logp], 1)
+    jb, jt, js = batch.jumps
+    at_jumps = logits[jb, js.clamp(min=0)]  # the logits that predict each jump's token
+    if first is not None:
+        at_jumps = torch.where((js >= 0)[:, None], at_jumps, first[jb])
+    logp = F.pad(token_logprobs(logits[:, :-1], ids[:, 1:], temperature), (1, 0))
     if len(jb):
-        logp = logp.index_put((jb, jt), token_logprobs(predictors(logits), ids[jb, jt], temperature))
+        logp = logp.index_put((jb, jt), token_logprobs(at_jumps, ids[jb, jt], temperature))
     ent = None
     if entropy:
         with torch.no_grad():
             ent = F.pad(token_entropy(logits[:, :-1].detach(), temperature), (1, 0))
-            if first is not None:
-                ent[:, 0] = token_entropy(first.detach(), temperature)
             if len(jb):
-                ent[jb, jt] = token_entropy(predictors(logits.detach()), temperature)
+                ent[jb, jt] = token_entropy(at_jumps.detach(), temperature)
     used = batch.to_logical >= 0
     index, shape = (batch.to_logical[used],), batch.ids.shape
 
@@ -614,7 +606,7 @@ def main(cfg: TrainConfig) -> dict:
         batch = pack(prompts, tree, K, M, tokenizer.pad_id, device, share_prompt=cfg.share_prompt)
         completion = batch.thought | (batch.answer_id >= 0)
         n_rows = batch.ids.shape[0]
-        micro = micro_batch_rows(batch, cfg.micro_batch_rows)
+        micro = split_rows(batch, cfg.micro_batch_rows)
         micro_batches = [select_rows(batch, rows) for rows in micro]  # built once: score pass and every epoch
 
         # ---- 4. score pass (no grad): old log-probs, reference log-probs, entropy
