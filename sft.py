@@ -85,13 +85,9 @@ def make_batch(tokenizer, examples: list[dict], system_prompt: str | None, devic
     return ids.to(device), mask.to(device)
 
 
-def main(cfg: SFTConfig) -> float:
-    from eval import evaluate  # the same held-out evaluation the trainer reports
-    torch.manual_seed(cfg.seed)
-    task = get_task(cfg.task)
-    tok_dir = cfg.out + ".tokenizer.tmp"
-    write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
-    tokenizer = load_tokenizer(tok_dir)
+def build_model(cfg: SFTConfig, tokenizer) -> Transformer:
+    """A freshly initialised Qwen2-architecture model of cfg's shape for `tokenizer` (model.Tokenizer);
+    draws from torch's global generator."""
     config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                          head_dim=cfg.hidden_size // cfg.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -100,6 +96,18 @@ def main(cfg: SFTConfig) -> float:
     model = Transformer(config)
     for name, p in model.named_parameters():  # GPT-2 style init; norms start at 1, biases at 0
         torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.zeros_(p) if "bias" in name else torch.nn.init.ones_(p)
+    return model
+
+
+def main(cfg: SFTConfig) -> float:
+    from eval import evaluate  # the same held-out evaluation the trainer reports
+    torch.manual_seed(cfg.seed)
+    task = get_task(cfg.task)
+    tok_dir = cfg.out + ".tokenizer.tmp"
+    write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
+    tokenizer = load_tokenizer(tok_dir)
+    model = build_model(cfg, tokenizer)
+    config = model.config
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     # Warm-up, then constant: ending at a full learning rate (no decay to 0) leaves a model that RL

@@ -72,24 +72,13 @@ class BenchConfig:
 def random_model(path: str) -> str:
     """A random checkpoint with the bundled tiny model's shape and tokenizer (sft.py's recipe)."""
     import torch
-    from model import ModelConfig, Transformer, save_model
-    from sft import SFTConfig, build_char_tokenizer, write_tokenizer
+    from model import load_tokenizer, save_model
+    from sft import SFTConfig, build_char_tokenizer, build_model, write_tokenizer
     from tasks import SYNTHETIC_CHARS
-    s = SFTConfig()
-    tok = build_char_tokenizer(SYNTHETIC_CHARS)
     tok_dir = path + ".tokenizer"
-    write_tokenizer(tok, tok_dir)
-    config = ModelConfig(vocab_size=tok.get_vocab_size(with_added_tokens=True), hidden_size=s.hidden_size,
-                         intermediate_size=s.intermediate_size, num_hidden_layers=s.layers,
-                         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.hidden_size // s.heads,
-                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, attention_bias=True,
-                         model_type="qwen2", max_position_embeddings=256, bos_token_id=None,
-                         eos_token_id=[tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")])
+    write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
     torch.manual_seed(0)
-    model = Transformer(config)
-    for name, p in model.named_parameters():
-        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.zeros_(p) if "bias" in name else torch.nn.init.ones_(p)
-    save_model(model, path, tokenizer_dir=tok_dir)
+    save_model(build_model(SFTConfig(), load_tokenizer(tok_dir)), path, tokenizer_dir=tok_dir)
     return path
 
 
