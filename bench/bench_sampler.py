@@ -99,28 +99,29 @@ def time_gemms(model: Transformer, prompts: list[list[int]], n: int, repeats: in
     layers, P rows through lm_head; then one step per fed token (NEW_TOKENS - 1) at P*n rows.
     attention=True adds each layer's decode attention over the cache as it grows (one SDPA call at
     the sampler's shapes): the work a decode step cannot skip, so the limit of an eager sampler."""
-    layers = [w for layer in model.model.layers for w in (
-        layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
-        layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
-        layer.mlp.down_proj.weight)]
+    qkv = [(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) for a in (layer.self_attn for layer in model.model.layers)]
+    rest = [(layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight)
+            for layer in model.model.layers]
     head = model.lm_head.weight
     P, B, T = len(prompts), len(prompts) * n, max(map(len, prompts))
     steps = [(P * T, P)] + [(B, B)] * (NEW_TOKENS - 1)  # (layer rows, head rows)
-    x = {(r, w.shape[1]): torch.randn(r, w.shape[1]) for r, _ in steps for w in layers}
+    x = {(r, w.shape[1]): torch.randn(r, w.shape[1]) for r, _ in steps for ws in qkv + rest for w in ws}
     x |= {(r, head.shape[1]): torch.randn(r, head.shape[1]) for _, r in steps}
     c = model.config
-    groups, L = c.num_attention_heads // c.num_key_value_heads, c.num_hidden_layers
-    kv = torch.randn(2, L, B, c.num_key_value_heads, T + NEW_TOKENS, c.head_dim)  # the cache's layout
-    q = torch.randn(B, c.num_key_value_heads, groups, c.head_dim)
+    kv = torch.randn(2, c.num_hidden_layers, B, c.num_key_value_heads, T + NEW_TOKENS, c.head_dim)  # the cache's layout
+    q = torch.randn(B, c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim)  # pack-GQA
     valid = torch.ones(B, 1, 1, T + NEW_TOKENS, dtype=torch.bool)
 
     def run():
         for i, (rows, head_rows) in enumerate(steps):
-            for j, w in enumerate(layers):
-                F.linear(x[rows, w.shape[1]], w)
-                if attention and i and j % 7 == 3:  # before o_proj, as in the model
+            for layer in range(len(qkv)):
+                for w in qkv[layer]:
+                    F.linear(x[rows, w.shape[1]], w)
+                if attention and i:  # decode step i attends to the T + i cached keys and its own
                     S = T + i + 1
-                    F.scaled_dot_product_attention(q, kv[0, j // 7, :, :, :S], kv[1, j // 7, :, :, :S], attn_mask=valid[..., :S])
+                    F.scaled_dot_product_attention(q, kv[0, layer, :, :, :S], kv[1, layer, :, :, :S], attn_mask=valid[..., :S])
+                for w in rest[layer]:
+                    F.linear(x[rows, w.shape[1]], w)
             F.linear(x[head_rows, head.shape[1]], head)
     with torch.no_grad():
         return best_time(run, repeats, clock)
