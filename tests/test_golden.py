@@ -1,0 +1,94 @@
+"""Golden runs: a few fixed steps of three presets on the bundled model, whose per-step reward,
+loss and grad_norm, evaluation accuracy and final-weight checksum are pinned in
+tests/golden/golden_runs.json. Any change that moves one of these numbers fails here; a change
+that means to move them regenerates the file in the same commit and says why:
+
+    python tests/test_golden.py --update
+
+The runs are subprocesses with one thread (OMP_NUM_THREADS=1): with two threads a multi-threaded
+CPU kernel may sum in a run-dependent order and change the last bits, and a golden file must be
+bit-stable. The CPU capability and torch version the file was made with are stored beside the
+numbers; on another machine (other kernels) the test is skipped rather than compared loosely.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden", "golden_runs.json")
+COMMON = ["--max-steps", "3", "--eval-every", "0", "--eval-examples", "16", "--eval-samples", "2", "--samples-every", "0"]
+RUNS = {  # the default preset (GRPO-MA tree), the gated path (GTPO), the resampling path (DAPO)
+    "grpo_ma": [],
+    "gtpo": ["--algo", "gtpo", "--prompts-per-step", "8"],
+    "dapo": ["--algo", "dapo", "--prompts-per-step", "8"],
+}
+STEP_KEYS = ("reward/mean", "loss", "grad_norm", "resampled")
+EVAL_KEYS = ("eval/greedy_accuracy", "eval/mean@2", "eval/len_mean")
+
+
+def machine() -> dict:
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+
+
+def weight_checksum(path: str) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name, t in sorted(load_file(os.path.join(path, "model.safetensors")).items()):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def golden_run(name: str, out: str) -> dict:
+    """Run one configuration through the command line and return the numbers the golden file pins."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *COMMON, *RUNS[name], "--out", out]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    return {
+        "steps": [{k: r[k] for k in STEP_KEYS} for r in steps],
+        "evals": [{"step": r["step"], **{k: r[k] for k in EVAL_KEYS}} for r in evals],
+        "weights_sha256": weight_checksum(os.path.join(out, "final")),
+    }
+
+
+def load_golden() -> dict:
+    with open(GOLDEN) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_golden_run(name, tmp_path):
+    """Guards against a change (a refactor, a reordered reduction, a new default) silently altering
+    what a run computes: per-step reward, loss, grad_norm, eval accuracy and final weights, bit for bit."""
+    golden = load_golden()
+    if golden["machine"] != machine():
+        pytest.skip(f"golden file made on {golden['machine']}, this is {machine()}: regenerate to compare here")
+    got = golden_run(name, str(tmp_path / name))
+    want = golden["runs"][name]
+    assert got["steps"] == want["steps"], f"{name}: per-step numbers moved"
+    assert got["evals"] == want["evals"], f"{name}: evaluation moved"
+    assert got["weights_sha256"] == want["weights_sha256"], f"{name}: final weights moved"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    if sys.argv[1:] != ["--update"]:
+        raise SystemExit("usage: python tests/test_golden.py --update   (rewrites tests/golden/golden_runs.json)")
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {name: golden_run(name, os.path.join(tmp, name)) for name in RUNS}
+    with open(GOLDEN, "w") as f:
+        json.dump({"machine": machine(), "command": COMMON, "configs": RUNS, "runs": runs}, f, indent=1)
+        f.write("\n")
+    print(f"wrote {GOLDEN}")
