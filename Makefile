@@ -10,7 +10,7 @@ PY := .venv/bin/python
 endif
 STAMP := $(VENV)/.nanorl-installed
 
-.PHONY: install test train eval bench tiny-model experiments experiments-quick plot clean
+.PHONY: install test lint format train eval bench tiny-model experiments experiments-quick plot clean
 
 install: $(STAMP)
 
@@ -22,6 +22,14 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 test: $(STAMP)          ## the whole CPU test suite (a few minutes on 2 cores)
 	$(PY) -m pytest tests
+
+lint: $(STAMP)          ## ruff: lint rules and formatting, as configured in pyproject.toml (CI runs it)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)        ## apply ruff's formatting and safe fixes
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 train: $(STAMP)         ## the bundled default: GRPO-MA on the synthetic task, a few minutes on a CPU
 	$(PY) train.py $(ARGS)

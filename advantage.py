@@ -43,8 +43,7 @@ def group_advantages(rewards: Tensor, *, std_normalize: bool = True, eps: float 
     return adv.masked_fill(_degenerate(r), 0.0)
 
 
-def grpo_ma_advantages(rewards: Tensor, *, std_normalize: bool = True,
-                       eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def grpo_ma_advantages(rewards: Tensor, *, std_normalize: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """GRPO-MA (arXiv 2509.24494): K thoughts per prompt, M answers per thought.
 
     rewards: [P, K, M] -> (thought_adv [P, K], answer_adv [P, K, M]).
@@ -74,9 +73,15 @@ def two_grpo_advantages(rewards: Tensor) -> Tensor:
     return torch.stack([s, -s], dim=-1)
 
 
-def agrae_advantages(rewards: Tensor, *, correct: Tensor | None = None, alpha: float = 1.0,
-                     batch_accuracy: float | Tensor | None = None, std_normalize: bool = True,
-                     eps: float = 1e-6) -> Tensor:
+def agrae_advantages(
+    rewards: Tensor,
+    *,
+    correct: Tensor | None = None,
+    alpha: float = 1.0,
+    batch_accuracy: float | Tensor | None = None,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
     """A-GRAE (arXiv 2602.05548; released code's compute_grpo_outcome_advantage): [P, G] -> [P, G].
 
     p = group accuracy (from the 0/1 `correct` if given, else rewards, which must then be in [0, 1]);
@@ -142,8 +147,9 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:
 # 3. GTPO (Simoni et al., arXiv 2508.03772): conflict-token weights and entropy control
 
 
-def gtpo_conflict_weights(token_ids: Tensor, mask: Tensor, seq_adv: Tensor, group_size: int, *,
-                          w_pos: float = 2.0, w_neg: float = 0.0) -> Tensor:
+def gtpo_conflict_weights(
+    token_ids: Tensor, mask: Tensor, seq_adv: Tensor, group_size: int, *, w_pos: float = 2.0, w_neg: float = 0.0
+) -> Tensor:
     """Per-token weights that protect tokens shared by good and bad completions: [B, T] -> [B, T].
 
     token_ids, mask: [B, T] (mask 1 on completion tokens); seq_adv: [B] raw sequence advantage;
@@ -189,8 +195,9 @@ def gtpo_conflict_weights(token_ids: Tensor, mask: Tensor, seq_adv: Tensor, grou
     return w * valid
 
 
-def gtpo_entropy_gate(token_entropy: Tensor, mask: Tensor, *, threshold: float = math.log(2),
-                      enabled: bool = True) -> tuple[Tensor, Tensor]:
+def gtpo_entropy_gate(
+    token_entropy: Tensor, mask: Tensor, *, threshold: float = math.log(2), enabled: bool = True
+) -> tuple[Tensor, Tensor]:
     """GTPO entropy gate: drop completions whose mean token entropy exceeds the threshold.
 
     token_entropy, mask: [B, T] -> (keep [B] bool, mean_entropy [B]). delta_i = 1[<H>_i <= ln 2].
@@ -217,8 +224,14 @@ def gtpo_entropy_shift(adv: Tensor, mean_entropy: Tensor, gamma: float = 0.1) ->
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 
 
-def token_weights(mask: Tensor, aggregation: str, *, max_len: int | None = None,
-                  num_seqs: int | float | None = None, num_tokens: int | float | None = None) -> Tensor:
+def token_weights(
+    mask: Tensor,
+    aggregation: str,
+    *,
+    max_len: int | None = None,
+    num_seqs: int | float | None = None,
+    num_tokens: int | float | None = None,
+) -> Tensor:
     """Per-token loss weight for one step: mask [B, T] -> weight [B, T]; loss = -sum(weight * obj).
 
     "seq_mean_token_mean"     GRPO: mean over sequences of per-sequence token means, 1/(n_seqs*len_row)
@@ -238,15 +251,22 @@ def token_weights(mask: Tensor, aggregation: str, *, max_len: int | None = None,
         return m / max(n_tokens, 1.0)
     if aggregation == "seq_mean_token_sum_norm":
         if max_len is None:
-            raise ValueError("token_weights: aggregation 'seq_mean_token_sum_norm' needs max_len "
-                             "(the maximum completion length).")
+            raise ValueError(
+                "token_weights: aggregation 'seq_mean_token_sum_norm' needs max_len (the maximum completion length)."
+            )
         return m / (max(n_seqs, 1.0) * max_len)
     raise ValueError(f"token_weights: unknown aggregation {aggregation!r}; choose one of {', '.join(AGGREGATIONS)}.")
 
 
-def grpo_ma_token_weights(thought_mask: Tensor, answer_id: Tensor, *, thought_weight: float = 1.0,
-                          answer_weight: float = 1.0, num_thoughts: int | float | None = None,
-                          num_answers: int | float | None = None) -> Tensor:
+def grpo_ma_token_weights(
+    thought_mask: Tensor,
+    answer_id: Tensor,
+    *,
+    thought_weight: float = 1.0,
+    answer_weight: float = 1.0,
+    num_thoughts: int | float | None = None,
+    num_answers: int | float | None = None,
+) -> Tensor:
     """GRPO-MA segment weights for the packed layout: each row is one thought then its M answers.
 
     thought_mask: [B, T] 1 on the thought's tokens (B = P*K rows, one per thought).
@@ -276,8 +296,9 @@ def grpo_ma_token_weights(thought_mask: Tensor, answer_id: Tensor, *, thought_we
     return w_thought + w_answer
 
 
-def grpo_ma_token_advantages(thought_adv: Tensor, answer_adv: Tensor, thought_mask: Tensor,
-                             answer_id: Tensor) -> Tensor:
+def grpo_ma_token_advantages(
+    thought_adv: Tensor, answer_adv: Tensor, thought_mask: Tensor, answer_id: Tensor
+) -> Tensor:
     """Per-token advantage for the packed GRPO-MA layout (see grpo_ma_token_weights).
 
     thought_adv [P, K], answer_adv [P, K, M], thought_mask / answer_id [P*K, T] -> adv [P*K, T]:
@@ -302,9 +323,19 @@ def kl3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, weight: Tensor, *, clip_low: float = 0.2,
-                clip_high: float = 0.2, ref_logp: Tensor | None = None, beta: float = 0.0,
-                sequence_ratio: bool = False, mask: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    weight: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    sequence_ratio: bool = False,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """loss = -sum(weight * (min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A) - beta*KL3)).
 
     logp, old_logp, adv, weight (and ref_logp, mask): [B, T]. The weight carries the aggregation
@@ -344,8 +375,13 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, weight: Tensor, *, 
         low = mask & (r < 1 - clip_low) & (adv < 0)  # clipped where the clip binds (zero gradient)
         high = mask & (r > 1 + clip_high) & (adv > 0)
         names = ["clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "num_tokens"]
-        vals = [low.sum() / n_tok, high.sum() / n_tok, (low | high).sum() / n_tok,
-                (r * mask).sum() / n_tok, mask.sum().float()]
+        vals = [
+            low.sum() / n_tok,
+            high.sum() / n_tok,
+            (low | high).sum() / n_tok,
+            (r * mask).sum() / n_tok,
+            mask.sum().float(),
+        ]
         if kl is not None:
             names.append("kl")
             vals.append((kl.detach() * mask).sum() / n_tok)
@@ -369,8 +405,9 @@ def gradient_spike_score(grad_norms: list[float] | Tensor, tau: float = 10.0) ->
     return gss, float((gss > tau).double().mean()) if g.numel() else 0.0
 
 
-def thought_advantage_variance(k: int, m: int, *, n_trials: int = 1000, q_low: float = 0.1,
-                               q_high: float = 0.9, seed: int = 0) -> float:
+def thought_advantage_variance(
+    k: int, m: int, *, n_trials: int = 1000, q_low: float = 0.1, q_high: float = 0.9, seed: int = 0
+) -> float:
     """Monte-Carlo check of GRPO-MA's variance claim (reference doc §1.6): E[(A_hat_i - z_i)^2].
 
     Per trial: K thoughts with true success probability q_i ~ U(q_low, q_high), M answers per

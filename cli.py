@@ -5,6 +5,7 @@ Each dataclass field becomes `--kebab-case` with its type taken from the default
 are an error. `parse_config` also reports which flags the user typed, so presets can fill only the
 rest (style: "presets fill defaults the user did not set").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,8 @@ import dataclasses
 import inspect
 import re
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def _field_help(cls: type) -> dict[str, str]:
@@ -26,8 +28,9 @@ def _field_help(cls: type) -> dict[str, str]:
 
 
 def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     helps = _field_help(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -42,8 +45,13 @@ def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(cls: type, argv: Sequence[str] | None = None, description: str = "",
-                 presets: dict[str, dict[str, Any]] | None = None, preset_field: str = "") -> tuple[Any, set[str]]:
+def parse_config(
+    cls: type,
+    argv: Sequence[str] | None = None,
+    description: str = "",
+    presets: dict[str, dict[str, Any]] | None = None,
+    preset_field: str = "",
+) -> tuple[Any, set[str]]:
     """Parse argv into `cls`. Returns (config, names the user set explicitly).
 
     With `presets`, the value of `preset_field` picks a dict of overrides that applies to every

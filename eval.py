@@ -9,6 +9,7 @@ Correctness comes from the task's own functions (tasks.py / rewards.py), the sam
 rewards with, so the training signal and the metric cannot drift apart. Sampling goes through the
 trainer's sampler (sampler.generate).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,21 +43,43 @@ def decode_completion(tokenizer, tokens: list[int]) -> str:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task, examples: list[dict], *, n: int = 4, ks: tuple[int, ...] = (1,),
-             max_new_tokens: int = 80, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-             batch_prompts: int = 64) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    task,
+    examples: list[dict],
+    *,
+    n: int = 4,
+    ks: tuple[int, ...] = (1,),
+    max_new_tokens: int = 80,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_prompts: int = 64,
+) -> dict:
     """Greedy accuracy, mean@n and pass@k (k <= n) at `temperature`, format rate, length, truncation."""
     from tasks import render_prompt  # imported here: tasks is only needed once examples exist
+
     prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in examples]
     greedy_correct, sampled_correct, lengths, truncated, formats = [], [], [], [], []
     for start in range(0, len(prompts), batch_prompts):
-        chunk, exs = prompts[start:start + batch_prompts], examples[start:start + batch_prompts]
-        greedy = generate(model, chunk, max_new_tokens=max_new_tokens, n=1, temperature=0.0, stop_ids=tokenizer.stop_ids)
+        chunk, exs = prompts[start : start + batch_prompts], examples[start : start + batch_prompts]
+        greedy = generate(
+            model, chunk, max_new_tokens=max_new_tokens, n=1, temperature=0.0, stop_ids=tokenizer.stop_ids
+        )
         greedy_correct += [task.correct(decode_completion(tokenizer, t), ex) for t, ex in zip(greedy.tokens, exs)]
         if n > 0:
             seeds = [seed + start + i for i in range(len(chunk))]  # per prompt: independent of batching
-            sampled = generate(model, chunk, max_new_tokens=max_new_tokens, n=n, temperature=temperature, top_p=top_p,
-                               stop_ids=tokenizer.stop_ids, seed=seeds)
+            sampled = generate(
+                model,
+                chunk,
+                max_new_tokens=max_new_tokens,
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=tokenizer.stop_ids,
+                seed=seeds,
+            )
             texts = [decode_completion(tokenizer, t) for t in sampled.tokens]
             sampled_correct += [[task.correct(texts[i * n + j], ex) for j in range(n)] for i, ex in enumerate(exs)]
             lengths += [len(t) for t in sampled.tokens]
@@ -69,8 +92,11 @@ def evaluate(model, tokenizer, task, examples: list[dict], *, n: int = 4, ks: tu
         for k in ks:
             if k <= n:
                 res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
-        res.update(format_rate=sum(formats) / len(formats), len_mean=sum(lengths) / len(lengths),
-                   truncated_frac=sum(truncated) / len(truncated))
+        res.update(
+            format_rate=sum(formats) / len(formats),
+            len_mean=sum(lengths) / len(lengths),
+            truncated_frac=sum(truncated) / len(truncated),
+        )
     res["accuracy"] = res["greedy_accuracy"]
     return res
 
@@ -78,9 +104,14 @@ def evaluate(model, tokenizer, task, examples: list[dict], *, n: int = 4, ks: tu
 # -----------------------------------------------------------------------------
 # Plots of one or more runs (matplotlib is an optional extra)
 
-PLOTS = [("reward/mean", "train reward"), ("eval/accuracy", "held-out greedy accuracy"),
-         ("eval/mean@4", "held-out mean@4"), ("entropy", "token entropy"),
-         ("grad_norm", "gradient norm"), ("len/completion_mean", "completion length")]
+PLOTS = [
+    ("reward/mean", "train reward"),
+    ("eval/accuracy", "held-out greedy accuracy"),
+    ("eval/mean@4", "held-out mean@4"),
+    ("entropy", "token entropy"),
+    ("grad_norm", "gradient norm"),
+    ("len/completion_mean", "completion length"),
+]
 
 
 def read_metrics(run: str) -> list[dict]:
@@ -115,10 +146,11 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
     with a min-max band, at the steps every seed logged."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib")
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     if x not in X_AXES:
         raise SystemExit(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
     titles = dict(PLOTS)
@@ -137,13 +169,19 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
             if steps:
                 vals = [[s[t] for s in series] for t in steps]
                 xv = [sum(xm[t] for xm in xs) / len(xs) for t in steps]
-                line, = ax.plot(xv, [sum(v) / len(v) for v in vals], label=label + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else ""),
-                                marker="." if key.startswith("eval") else None)
+                (line,) = ax.plot(
+                    xv,
+                    [sum(v) / len(v) for v in vals],
+                    label=label + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else ""),
+                    marker="." if key.startswith("eval") else None,
+                )
                 if len(seeds) > 1:
-                    ax.fill_between(xv, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
+                    ax.fill_between(
+                        xv, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15
+                    )
             ax.set_title(title)
             ax.set_xlabel(X_AXES[x])
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
@@ -171,12 +209,23 @@ class EvalConfig:
 def main(cfg: EvalConfig) -> dict:
     from model import load_model, load_tokenizer
     from tasks import get_task
+
     model = load_model(cfg.model, device=cfg.device)
     tokenizer = load_tokenizer(cfg.model)
     task = get_task(cfg.task, cfg.data or None)
     examples = task.test(cfg.examples, cfg.seed)
-    res = evaluate(model, tokenizer, task, examples, n=cfg.n, ks=tuple(int(k) for k in cfg.k.split(",") if k),
-                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+    res = evaluate(
+        model,
+        tokenizer,
+        task,
+        examples,
+        n=cfg.n,
+        ks=tuple(int(k) for k in cfg.k.split(",") if k),
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+    )
     width = max(map(len, res))
     print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in res.items()))
     if cfg.out:
@@ -188,15 +237,31 @@ def main(cfg: EvalConfig) -> dict:
 if __name__ == "__main__":
     import argparse
     import sys
+
     from cli import parse_config
+
     if "--plot" in sys.argv[1:]:  # `eval.py --plot RUN [RUN ...] [--out PNG]`
         p = argparse.ArgumentParser(description="Plot the curves of one or more runs into one PNG.", allow_abbrev=False)
-        p.add_argument("--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)")
+        p.add_argument(
+            "--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)"
+        )
         p.add_argument("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
-        p.add_argument("--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens")
-        p.add_argument("--metrics", default="", help="comma-separated metric keys, one panel each (default: the six standard curves)")
+        p.add_argument(
+            "--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens"
+        )
+        p.add_argument(
+            "--metrics",
+            default="",
+            help="comma-separated metric keys, one panel each (default: the six standard curves)",
+        )
         args = p.parse_args()
-        print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x,
-                        keys=[k for k in args.metrics.split(",") if k] or None))
+        print(
+            plot_runs(
+                args.plot,
+                args.out or os.path.join(args.plot[0], "plot.png"),
+                x=args.x,
+                keys=[k for k in args.metrics.split(",") if k] or None,
+            )
+        )
     else:
         main(parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0])

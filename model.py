@@ -5,6 +5,7 @@ Parameter names equal the Hugging Face checkpoint keys, so loading is a strict n
 The model holds no KV cache: the sampler owns one and passes it into `forward`, so the same module
 serves training (full causal forward) and sampling (prefill/decode against a cache).
 """
+
 import json
 import math
 import os
@@ -18,15 +19,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch import Tensor
 from tokenizers import Tokenizer as HFTokenizer
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 # ----------------------------------------------------------------------------- config
+
 
 @dataclass
 class ModelConfig:
@@ -39,12 +45,12 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None          # only {"rope_type": "llama3", ...} is supported
-    tie_word_embeddings: bool = False         # lm_head shares embed_tokens' Parameter
-    attention_bias: bool = False              # q/k/v bias (Qwen2: always True)
-    qk_norm: bool = False                     # per-head RMSNorm on q and k before RoPE (Qwen3)
-    model_type: str = "qwen2"                 # "llama" | "mistral" | "qwen2" | "qwen3"
-    max_position_embeddings: int = 4096       # informational: no tensor depends on it
+    rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
+    tie_word_embeddings: bool = False  # lm_head shares embed_tokens' Parameter
+    attention_bias: bool = False  # q/k/v bias (Qwen2: always True)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    model_type: str = "qwen2"  # "llama" | "mistral" | "qwen2" | "qwen3"
+    max_position_embeddings: int = 4096  # informational: no tensor depends on it
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
@@ -63,8 +69,10 @@ class ModelConfig:
         if self.rope_scaling is not None:
             need = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
             if self.rope_scaling.get("rope_type") != "llama3" or not need <= self.rope_scaling.keys():
-                raise ValueError(f"ModelConfig: rope_scaling {self.rope_scaling} is unsupported; "
-                                 f"only 'llama3' scaling with keys {sorted(need)} is implemented.")
+                raise ValueError(
+                    f"ModelConfig: rope_scaling {self.rope_scaling} is unsupported; "
+                    f"only 'llama3' scaling with keys {sorted(need)} is implemented."
+                )
 
     @classmethod
     def from_hf(cls, d: dict, path: str = "config.json") -> "ModelConfig":
@@ -75,8 +83,11 @@ class ModelConfig:
             raise ValueError(f"{path}: model_type {mt!r} is not supported (supported: {sorted(ARCHITECTURES)}).")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: hidden_act {d['hidden_act']!r} is not supported (only 'silu').")
-        if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []) \
-                or (mt == "mistral" and d.get("sliding_window") is not None):
+        if (
+            d.get("use_sliding_window")
+            or "sliding_attention" in (d.get("layer_types") or [])
+            or (mt == "mistral" and d.get("sliding_window") is not None)
+        ):
             raise ValueError(f"{path}: sliding-window attention is not supported; only full attention.")
         if d.get("mlp_bias"):
             raise ValueError(f"{path}: mlp_bias is not supported.")
@@ -92,37 +103,57 @@ class ModelConfig:
             raise ValueError(f"{path}: rope type {rope_type!r} is not supported (only default and 'llama3').")
         scaling = None
         if rope_type == "llama3":
-            scaling = {"rope_type": "llama3"} | {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                                                      "original_max_position_embeddings") if k in rs}
+            scaling = {"rope_type": "llama3"} | {
+                k: rs[k]
+                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                if k in rs
+            }
         heads = d["num_attention_heads"]
         try:
             return cls(
-                vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-                num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads,
                 num_key_value_heads=d.get("num_key_value_heads") or heads,
                 head_dim=d.get("head_dim") or d["hidden_size"] // heads,
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 10000.0))),
-                rope_scaling=scaling, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=mt == "qwen2" or bool(d.get("attention_bias", False)),  # Qwen2: hard-coded in HF
-                qk_norm=mt == "qwen3", model_type=mt,
+                qk_norm=mt == "qwen3",
+                model_type=mt,
                 max_position_embeddings=d.get("max_position_embeddings", 4096),
-                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"))
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=d.get("eos_token_id"),
+            )
         except ValueError as e:
             raise ValueError(f"{path}: {str(e).removeprefix('ModelConfig: ')}") from None
 
     def to_hf(self) -> dict:
         """config.json in the published layout (top-level rope_theta / rope_scaling) that
         transformers 4.x and 5.x both load."""
-        d = {"architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
-             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-             "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
-             "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-             "tie_word_embeddings": self.tie_word_embeddings,
-             "max_position_embeddings": self.max_position_embeddings,
-             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id}
+        d = {
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
         if self.model_type in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
         if self.model_type in ("qwen2", "qwen3"):
@@ -133,6 +164,7 @@ class ModelConfig:
 
 
 # ----------------------------------------------------------------------------- the transformer
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -171,9 +203,9 @@ def rope_cos_sin(positions: Tensor, config: ModelConfig, dtype: torch.dtype) -> 
     dtype (as HF does). The first half of sin is negated (see apply_rope). Recomputed per forward
     (a few tiny ops) so the model carries no buffers."""
     freqs = positions[..., None].float() * rope_inv_freq(config, positions.device)  # (B, T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)                                        # (B, T, hd)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
     sin = emb.sin().to(dtype)
-    sin[..., :freqs.shape[-1]].neg_()
+    sin[..., : freqs.shape[-1]].neg_()
     return emb.cos().to(dtype)[:, None], sin[:, None]
 
 
@@ -202,8 +234,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.H, self.Hkv, self.hd = (layer_idx, config.num_attention_heads,
-                                                     config.num_key_value_heads, config.head_dim)
+        self.layer_idx, self.H, self.Hkv, self.hd = (
+            layer_idx,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         C, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(C, self.H * self.hd, bias=bias)
         self.k_proj = nn.Linear(C, self.Hkv * self.hd, bias=bias)
@@ -215,23 +251,23 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, attn_mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.hd)      # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, self.Hkv, self.hd)    # (B, T, Hkv, hd)
+        q = self.q_proj(x).view(B, T, self.H, self.hd)  # (B, T, H, hd)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.hd)  # (B, T, Hkv, hd)
         v = self.v_proj(x).view(B, T, self.Hkv, self.hd)
-        if hasattr(self, "q_norm"):                         # Qwen3: per-head norm BEFORE RoPE
+        if hasattr(self, "q_norm"):  # Qwen3: per-head norm BEFORE RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)       # (B, Hkv, S, hd): all keys so far
-        y = attend(q, k, v, attn_mask)                      # (B, H, T, hd)
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd): all keys so far
+        y = attend(q, k, v, attn_mask)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        C, I = config.hidden_size, config.intermediate_size
+        C, I = config.hidden_size, config.intermediate_size  # noqa: E741 (I: intermediate size)
         self.gate_proj = nn.Linear(C, I, bias=False)
         self.up_proj = nn.Linear(C, I, bias=False)
         self.down_proj = nn.Linear(I, C, bias=False)
@@ -258,10 +294,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.gradient_checkpointing = False  # True: recompute each layer in backward (training only)
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
-            layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
-            norm=RMSNorm(config.hidden_size, config.rms_norm_eps)))
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+                layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
+                norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+            )
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         for m in self.modules():  # HF-style init (std 0.02) for models built from scratch
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -271,8 +310,14 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:  # share the Parameter, so training updates both
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache=None,
-                attn_mask: Tensor | None = None, logits_to_keep: int = 0) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor | None = None,
+        cache=None,
+        attn_mask: Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> Tensor:
         """input_ids (B, T) -> logits (B, T or logits_to_keep, V) in the model dtype.
 
         positions (B, T): RoPE position of each token (default arange(T)). cache: an object with
@@ -285,7 +330,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device)
         positions = positions.expand(B, T)  # (T,) or (1, T) broadcast; a wrong shape fails here
-        x = self.model.embed_tokens(input_ids)                # (B, T, C)
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = rope_cos_sin(positions, self.config, x.dtype)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -295,10 +340,11 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(x)                                # (B, T, V)
+        return self.lm_head(x)  # (B, T, V)
 
 
 # ----------------------------------------------------------------------------- log-probs
+
 
 def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tensor:
     """Apply fn to row chunks of logits (N, V); under autograd each chunk is checkpointed, so only
@@ -307,13 +353,12 @@ def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tenso
     grad = torch.is_grad_enabled() and logits.requires_grad
     outs = []
     for i in range(0, logits.shape[0], step):
-        chunk = [logits[i:i + step], *(a[i:i + step] for a in args)]
+        chunk = [logits[i : i + step], *(a[i : i + step] for a in args)]
         outs.append(checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk))
     return torch.cat(outs) if outs else logits.new_empty(0, dtype=torch.float32)
 
 
-def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0,
-                   chunk_rows: int | None = None) -> Tensor:
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
     """log_softmax(logits.float() / temperature) at targets: logits (..., V), targets (...) long
     -> float32 (...). THE log-prob function of the sampler, the trainer and eval."""
     if temperature <= 0:
@@ -342,6 +387,7 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int | No
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def _read_json(file: Path) -> dict:
     try:
         return json.loads(file.read_text())
@@ -363,8 +409,9 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> Transformer:
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
     """Load an HF checkpoint directory strictly: every tensor must be present, expected and of the
     right shape. Built on the meta device and filled tensor by tensor in the target dtype/device,
     so no second full copy of the weights ever exists."""
@@ -390,8 +437,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                         raise ValueError(f"{file}: tensor {name!r} appears in more than one file.")
                     t = f.get_tensor(name)
                     if t.shape != expected[name].shape:
-                        raise ValueError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                         f"config.json implies {tuple(expected[name].shape)}.")
+                        raise ValueError(
+                            f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
+                            f"config.json implies {tuple(expected[name].shape)}."
+                        )
                     module, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(module), leaf, nn.Parameter(t.to(device=device, dtype=dtype)))
                     loaded.add(name)
@@ -405,12 +454,22 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return model
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
-def save_model(model: Transformer, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
-               *, state_dict: dict[str, Tensor] | None = None) -> None:
+def save_model(
+    model: Transformer,
+    path: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    *,
+    state_dict: dict[str, Tensor] | None = None,
+) -> None:
     """Write an HF directory (config.json, model.safetensors, generation_config.json, tokenizer
     files copied from tokenizer_dir) that transformers loads. Atomic: written to a temporary
     directory next to `path`, then renamed over it. state_dict: full tensors when the model's
@@ -418,8 +477,11 @@ def save_model(model: Transformer, path: str | os.PathLike, tokenizer_dir: str |
     path = Path(path)
     config = model.config
     sd = state_dict if state_dict is not None else model.state_dict()
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()
-               if not (k == "lm_head.weight" and config.tie_word_embeddings)}  # HF omits a tied head
+    tensors = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in sd.items()
+        if not (k == "lm_head.weight" and config.tie_word_embeddings)
+    }  # HF omits a tied head
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
@@ -483,8 +545,10 @@ def _render_llama3(messages: list[dict], add_generation_prompt: bool) -> str:
     system = ""
     if messages and messages[0]["role"] == "system":
         system, messages = messages[0]["content"].strip(), messages[1:]
-    out = ["<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
-           f"Cutting Knowledge Date: December 2023\nToday Date: {LLAMA3_DATE}\n\n{system}<|eot_id|>"]
+    out = [
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        f"Cutting Knowledge Date: December 2023\nToday Date: {LLAMA3_DATE}\n\n{system}<|eot_id|>"
+    ]
     for m in messages:
         if m["role"] not in ("system", "user", "assistant"):
             raise ValueError(f"apply_chat_template: role {m['role']!r} is not supported (system, user, assistant).")
@@ -499,7 +563,7 @@ class Tokenizer:
 
     def __init__(self, tok, template: str | None, stop_ids: list[int], pad_id: int):
         self.tok = tok
-        self.template = template          # "chatml" | "llama3" | None (no known chat format)
+        self.template = template  # "chatml" | "llama3" | None (no known chat format)
         self.thinking = tok.token_to_id("<think>") is not None  # ChatML in Qwen3 style
         self.stop_ids = stop_ids
         self.pad_id = pad_id
@@ -516,14 +580,17 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            enable_thinking: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool = True
+    ) -> str:
         if self.template == "chatml":
             return _render_chatml(messages, add_generation_prompt, enable_thinking, qwen3=self.thinking)
         if self.template == "llama3":
             return _render_llama3(messages, add_generation_prompt)
-        raise ValueError("apply_chat_template: this tokenizer has neither <|im_start|> nor <|start_header_id|>, "
-                         "so no chat format is known.")
+        raise ValueError(
+            "apply_chat_template: this tokenizer has neither <|im_start|> nor <|start_header_id|>, "
+            "so no chat format is known."
+        )
 
 
 def _ids(x: int | list[int] | None) -> list[int]:

@@ -37,21 +37,21 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
-from typing import Callable
 
-MAX_ANSWER_CHARS = 20_000   # tail of the post-</think> text searched for an answer
-MAX_NUMBER_CHARS = 64       # longer numeric strings are compared as text, never parsed
-MAX_EXPR_CHARS = 256        # Countdown: longer equations score 0
-MAX_EXPR_DEPTH = 32         # Countdown: deeper parenthesis nesting scores 0
-MAX_CODE_CHARS = 100_000    # tail of the post-</think> text searched for a ```python block
+MAX_ANSWER_CHARS = 20_000  # tail of the post-</think> text searched for an answer
+MAX_NUMBER_CHARS = 64  # longer numeric strings are compared as text, never parsed
+MAX_EXPR_CHARS = 256  # Countdown: longer equations score 0
+MAX_EXPR_DEPTH = 32  # Countdown: deeper parenthesis nesting scores 0
+MAX_CODE_CHARS = 100_000  # tail of the post-</think> text searched for a ```python block
 
 
 def answer_text(completion: str, limit: int = MAX_ANSWER_CHARS) -> str:
     """The gradable part of a completion: after the last `</think>` if any, its last `limit` chars."""
     i = completion.rfind("</think>")
-    text = completion[i + len("</think>"):] if i >= 0 else completion
+    text = completion[i + len("</think>") :] if i >= 0 else completion
     return text[-limit:]
 
 
@@ -74,8 +74,26 @@ _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
 _LATEX_FRAC = re.compile(r"(-?)\\frac(?:\{([^{}]*)\}\{([^{}]*)\}|(\d)(\d))")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\{([^{}]*)\}")
-_LATEX_NOISE = ("\\left", "\\right", "\\displaystyle", "\\,", "\\!", "\\;", "\\:", "\\ ", "~",
-                "$", "\\(", "\\)", "\\[", "\\]", "^\\circ", "^{\\circ}", "\\%", "%")
+_LATEX_NOISE = (
+    "\\left",
+    "\\right",
+    "\\displaystyle",
+    "\\,",
+    "\\!",
+    "\\;",
+    "\\:",
+    "\\ ",
+    "~",
+    "$",
+    "\\(",
+    "\\)",
+    "\\[",
+    "\\]",
+    "^\\circ",
+    "^{\\circ}",
+    "\\%",
+    "%",
+)
 
 
 def extract_boxed(text: str) -> str | None:
@@ -85,7 +103,7 @@ def extract_boxed(text: str) -> str | None:
     if start < 0:
         return None
     keyword = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
-    rest = text[start + len(keyword):].lstrip()
+    rest = text[start + len(keyword) :].lstrip()
     if not rest.startswith("{"):  # `\boxed 5`: the next whitespace-delimited token
         return rest.split(maxsplit=1)[0].rstrip("$") if rest.strip() else None
     depth = 0
@@ -100,7 +118,7 @@ def extract_tag(text: str, tag: str) -> str | None:
     """Content of the last `<tag>...</tag>`, or None."""
     end = text.rfind(f"</{tag}>")
     start = text.rfind(f"<{tag}>", 0, max(end, 0))
-    return text[start + len(tag) + 2:end] if 0 <= start < end else None
+    return text[start + len(tag) + 2 : end] if 0 <= start < end else None
 
 
 def extract_answer(completion: str) -> str | None:
@@ -112,7 +130,7 @@ def extract_answer(completion: str) -> str | None:
             return found
     i = text.rfind("####")
     if i >= 0:
-        return text[i + 4:].strip().split("\n", 1)[0]
+        return text[i + 4 :].strip().split("\n", 1)[0]
     numbers = _LAST_NUMBER.findall(text)
     return numbers[-1].rstrip(",") if numbers else None
 
@@ -190,7 +208,7 @@ def exact_reward(completion: str, example: dict) -> float:
     i = completion.rfind("</think>")
     if i < 0 or len(completion) - i > 1000:  # no thought, or far too long to be an answer
         return 0.0
-    return float(strip_end_tokens(completion[i + len("</think>"):]) == str(example["answer"]))
+    return float(strip_end_tokens(completion[i + len("</think>") :]) == str(example["answer"]))
 
 
 def format_reward(completion: str, example: dict) -> float:
@@ -273,12 +291,12 @@ def _parse_atom(tokens: list[str], i: int, depth: int) -> tuple[Fraction, int]:
 
 # ---------------------------------------------------------------- code, run against tests
 
-CODE_TIMEOUT_S = 10.0    # wall-clock limit of one run (s)
-CODE_CPU_S = 5           # CPU-time limit of each process of the run (s)
-CODE_MEMORY_MB = 512     # address-space limit of each process (MiB); worst case total = nproc x this
-CODE_NPROC = 16          # processes (and threads) the code may have at once
-CODE_FILE_MB = 16        # largest file (and total output) the code may write (MiB)
-CODE_TMPFS_MB = 64       # size of each private tmpfs (/tmp, /dev/shm, the work dir) (MiB)
+CODE_TIMEOUT_S = 10.0  # wall-clock limit of one run (s)
+CODE_CPU_S = 5  # CPU-time limit of each process of the run (s)
+CODE_MEMORY_MB = 512  # address-space limit of each process (MiB); worst case total = nproc x this
+CODE_NPROC = 16  # processes (and threads) the code may have at once
+CODE_FILE_MB = 16  # largest file (and total output) the code may write (MiB)
+CODE_TMPFS_MB = 64  # size of each private tmpfs (/tmp, /dev/shm, the work dir) (MiB)
 CODE_OUTPUT_BYTES = 4000  # tail of stdout+stderr kept in the run's report (bytes)
 
 _HARNESS_FLAG = "--sandbox-harness"
@@ -293,7 +311,7 @@ def extract_code(completion: str) -> str | None:
         fences.append(i)
         i = text.find("```", i + 3)
     for start, end in reversed(list(zip(fences[::2], fences[1::2]))):
-        info, _, body = text[start + 3:end].partition("\n")
+        info, _, body = text[start + 3 : end].partition("\n")
         if info.strip().lower() in ("", "python", "python3", "py"):
             return body
     return None
@@ -315,9 +333,16 @@ def code_rewards(completions: list[str], examples: list[dict], max_workers: int 
     return score_batch(code_reward, completions, examples, max_workers)
 
 
-def run_sandboxed(code: str, tests: str, *, entry_point: str | None = None,
-                  timeout_s: float = CODE_TIMEOUT_S, cpu_s: int = CODE_CPU_S,
-                  memory_mb: int = CODE_MEMORY_MB, nproc: int = CODE_NPROC) -> dict:
+def run_sandboxed(
+    code: str,
+    tests: str,
+    *,
+    entry_point: str | None = None,
+    timeout_s: float = CODE_TIMEOUT_S,
+    cpu_s: int = CODE_CPU_S,
+    memory_mb: int = CODE_MEMORY_MB,
+    nproc: int = CODE_NPROC,
+) -> dict:
     """Run untrusted `code`, then `tests`, in a sandbox; returns {"passed", "status", "output",
     "isolation", "run_id"}.
 
@@ -361,20 +386,43 @@ def run_sandboxed(code: str, tests: str, *, entry_point: str | None = None,
     dig out by frame introspection: it stops accidental or lazy exploits, not a targeted attack.
     """
     nonce, run_id = secrets.token_hex(16), secrets.token_hex(8)
-    request = {"code": code, "tests": tests, "entry_point": entry_point, "nonce": nonce,
-               "timeout_s": timeout_s, "cpu_s": cpu_s, "memory_mb": memory_mb, "nproc": nproc}
-    with tempfile.TemporaryDirectory(prefix="nanorl-sandbox-") as workdir, \
-            tempfile.TemporaryFile() as report, tempfile.TemporaryFile() as output, \
-            tempfile.TemporaryFile() as result:
+    request = {
+        "code": code,
+        "tests": tests,
+        "entry_point": entry_point,
+        "nonce": nonce,
+        "timeout_s": timeout_s,
+        "cpu_s": cpu_s,
+        "memory_mb": memory_mb,
+        "nproc": nproc,
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="nanorl-sandbox-") as workdir,
+        tempfile.TemporaryFile() as report,
+        tempfile.TemporaryFile() as output,
+        tempfile.TemporaryFile() as result,
+    ):
         request.update(workdir=workdir, result_fd=result.fileno())
         cmd = [sys.executable, "-I", os.path.abspath(__file__), _HARNESS_FLAG, run_id]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "NANORL_SANDBOX": run_id}
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=report, stderr=output, env=env,
-                                    pass_fds=(result.fileno(),), start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=report,
+                stderr=output,
+                env=env,
+                pass_fds=(result.fileno(),),
+                start_new_session=True,
+            )
         except OSError as e:  # fork/exec failed (out of processes or fds): not the model's fault
-            return {"passed": False, "status": f"sandbox did not start: {e}", "output": "",
-                    "isolation": {}, "run_id": run_id}
+            return {
+                "passed": False,
+                "status": f"sandbox did not start: {e}",
+                "output": "",
+                "isolation": {},
+                "run_id": run_id,
+            }
         try:
             proc.stdin.write(json.dumps(request).encode() + b"\n")
             proc.stdin.flush()
@@ -398,10 +446,13 @@ def run_sandboxed(code: str, tests: str, *, entry_point: str | None = None,
             info = json.loads(report.read() or b"{}")
         except ValueError:  # the harness was killed mid-report
             info = {}
-        return {"passed": result.read(len(nonce) + 1) == nonce.encode() and info.get("status") == "exit 0",
-                "status": info.get("status", f"harness failed ({proc.returncode})"),
-                "output": output.read().decode(errors="replace"),
-                "isolation": info.get("isolation", {}), "run_id": run_id}
+        return {
+            "passed": result.read(len(nonce) + 1) == nonce.encode() and info.get("status") == "exit 0",
+            "status": info.get("status", f"harness failed ({proc.returncode})"),
+            "output": output.read().decode(errors="replace"),
+            "isolation": info.get("isolation", {}),
+            "run_id": run_id,
+        }
 
 
 # The harness and the child (run in `python -I rewards.py --sandbox-harness RUN_ID`).
@@ -409,8 +460,15 @@ def run_sandboxed(code: str, tests: str, *, entry_point: str | None = None,
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_REC, _MS_PRIVATE = 16384, 1 << 18
-_MOUNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": 1024,
-                "nodiratime": 2048, "relatime": 1 << 21, "strictatime": 1 << 24}
+_MOUNT_FLAGS = {
+    "nosuid": _MS_NOSUID,
+    "nodev": _MS_NODEV,
+    "noexec": _MS_NOEXEC,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+    "strictatime": 1 << 24,
+}
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _CAPABILITY_VERSION_3 = 1, 38, 0x20080522
 
 
@@ -497,9 +555,14 @@ def _child_main(libc: ctypes.CDLL, request: dict, isolation: dict, uid: int | No
         if uid is not None and isolation["mount_namespace"] and _python_is_private():
             _expose_python(libc)
         workdir = request["workdir"]
-        limits = {resource.RLIMIT_CPU: request["cpu_s"], resource.RLIMIT_NPROC: request["nproc"],
-                  resource.RLIMIT_AS: request["memory_mb"] << 20, resource.RLIMIT_FSIZE: CODE_FILE_MB << 20,
-                  resource.RLIMIT_NOFILE: 64, resource.RLIMIT_CORE: 0}
+        limits = {
+            resource.RLIMIT_CPU: request["cpu_s"],
+            resource.RLIMIT_NPROC: request["nproc"],
+            resource.RLIMIT_AS: request["memory_mb"] << 20,
+            resource.RLIMIT_FSIZE: CODE_FILE_MB << 20,
+            resource.RLIMIT_NOFILE: 64,
+            resource.RLIMIT_CORE: 0,
+        }
         for kind, value in limits.items():
             hard = resource.getrlimit(kind)[1]  # without root a hard limit can only be lowered
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
@@ -511,8 +574,10 @@ def _child_main(libc: ctypes.CDLL, request: dict, isolation: dict, uid: int | No
             os.setuid(uid)
         # Drop every capability (in a user namespace we hold all of them there, enough to undo the
         # read-only remounts), and make sure no setuid binary can give any back.
-        if (libc.capset((ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()) != 0
-                or libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0):
+        if (
+            libc.capset((ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()) != 0
+            or libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+        ):
             raise OSError(ctypes.get_errno(), "could not drop capabilities")
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
         os.chdir(workdir)
@@ -541,8 +606,7 @@ def _expose_python(libc: ctypes.CDLL) -> None:
     staged = "/tmp/.python"
     os.makedirs(staged)
     if libc.mount(sys.base_prefix.encode(), staged.encode(), None, _MS_BIND | _MS_REC, None) == 0:
-        sys.path[:] = [p.replace(sys.base_prefix, staged, 1) if p.startswith(sys.base_prefix) else p
-                       for p in sys.path]
+        sys.path[:] = [p.replace(sys.base_prefix, staged, 1) if p.startswith(sys.base_prefix) else p for p in sys.path]
 
 
 def _run_tests(code: str, tests: str, entry_point: str | None, nonce: str) -> None:
@@ -588,8 +652,10 @@ def _kill_leftovers(pid: int, run_id: str) -> None:
 
 # ---------------------------------------------------------------- batches and weighted sums
 
-def score_batch(fn: Callable[[str, dict], float], completions: list[str], examples: list[dict],
-                max_workers: int = 1) -> list[float]:
+
+def score_batch(
+    fn: Callable[[str, dict], float], completions: list[str], examples: list[dict], max_workers: int = 1
+) -> list[float]:
     """`fn` over (completion, example) pairs; a thread pool when max_workers > 1 (worth it for
     code_reward, whose work happens in subprocesses)."""
     if len(completions) != len(examples):
@@ -600,15 +666,17 @@ def score_batch(fn: Callable[[str, dict], float], completions: list[str], exampl
         return [float(r) for r in pool.map(fn, completions, examples)]
 
 
-def combine_rewards(completions: list[str], examples: list[dict],
-                    fns: dict[str, tuple[Callable[[str, dict], float], float]],
-                    max_workers: int = 1) -> tuple[list[float], dict[str, list[float]]]:
+def combine_rewards(
+    completions: list[str],
+    examples: list[dict],
+    fns: dict[str, tuple[Callable[[str, dict], float], float]],
+    max_workers: int = 1,
+) -> tuple[list[float], dict[str, list[float]]]:
     """Weighted sum of rewards: fns = {name: (fn, weight)} -> (total per completion, {name: values})."""
     if not fns:
         raise ValueError("combine_rewards needs at least one reward function.")
     per_reward = {name: score_batch(fn, completions, examples, max_workers) for name, (fn, _) in fns.items()}
-    total = [sum(weight * per_reward[name][i] for name, (_, weight) in fns.items())
-             for i in range(len(completions))]
+    total = [sum(weight * per_reward[name][i] for name, (_, weight) in fns.items()) for i in range(len(completions))]
     return total, per_reward
 
 

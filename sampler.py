@@ -30,9 +30,10 @@ Decisions (deliberate simplifications):
   traces without graph breaks and matches eager up to float rounding (slower than eager there);
   the CUDA-graph run itself is untested here (no GPU was available).
 """
+
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -40,21 +41,30 @@ from torch import Tensor
 from model import Transformer, token_logprobs
 
 COMPACT_WHEN_DONE = 0.5  # compact the batch once this fraction of the active rows has finished
-SYNC_EVERY = 8           # on GPU, look at the done flags (a host sync) only every this many steps
+SYNC_EVERY = 8  # on GPU, look at the done flags (a host sync) only every this many steps
 
 
 class KVCache:
     """Preallocated keys/values (L, B, Hkv, max_len, hd) for every layer, plus per-row state."""
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros: never NaN garbage behind a mask
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # slot holds a real token
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # RoPE position of the next token
         self.rows = torch.arange(batch, device=device)  # caller's row id held by each cache row
-        self.length = 0     # slots written so far, the same for every row
+        self.length = 0  # slots written so far, the same for every row
         self.batch = batch  # forwards run on the active cache rows [:batch]
         self.slot: Tensor | None = None  # static mode: write at this (1,) slot, return all slots
 
@@ -62,7 +72,9 @@ class KVCache:
     def for_model(cls, model: Transformer, batch: int, max_len: int) -> "KVCache":
         c, dev = model.config, model.lm_head.weight.device
         # under autocast the keys/values arrive in the autocast dtype: store them in it
-        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.lm_head.weight.dtype
+        dtype = (
+            torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.lm_head.weight.dtype
+        )
         return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, dtype=dtype, device=dev)
 
     @property
@@ -77,9 +89,9 @@ class KVCache:
             self.v[layer_idx, :b].index_copy_(2, self.slot, v)
             return self.k[layer_idx, :b], self.v[layer_idx, :b]
         s = self.length
-        self.k[layer_idx, :b, :, s:s + T] = k
-        self.v[layer_idx, :b, :, s:s + T] = v
-        return self.k[layer_idx, :b, :, :s + T], self.v[layer_idx, :b, :, :s + T]
+        self.k[layer_idx, :b, :, s : s + T] = k
+        self.v[layer_idx, :b, :, s : s + T] = v
+        return self.k[layer_idx, :b, :, : s + T], self.v[layer_idx, :b, :, : s + T]
 
     def reorder(self, perm: Tensor) -> None:
         """Permute the first len(perm) cache rows: new row i = old row perm[i]."""
@@ -105,8 +117,15 @@ class KVCache:
     def fork(self, rows: Tensor, max_len: int) -> "KVCache":
         """A new cache of len(rows) rows; row i copies the caller's row rows[i] (prefix sharing)."""
         src, s = torch.argsort(self.rows)[rows], self.length
-        new = KVCache(self.k.shape[0], len(rows), self.k.shape[2], max_len, self.k.shape[4],
-                      dtype=self.k.dtype, device=self.k.device)
+        new = KVCache(
+            self.k.shape[0],
+            len(rows),
+            self.k.shape[2],
+            max_len,
+            self.k.shape[4],
+            dtype=self.k.dtype,
+            device=self.k.device,
+        )
         new.k[:, :, :, :s] = self.k[:, src, :, :s]
         new.v[:, :, :, :s] = self.v[:, src, :, :s]
         new.key_valid[:, :s] = self.key_valid[src, :s]
@@ -125,22 +144,23 @@ class KVCache:
 
 @dataclass
 class Generation:
-    tokens: list[list[int]]      # prompt-major: prompt i's samples at i*n .. i*n+n-1; stop token included when hit
+    tokens: list[list[int]]  # prompt-major: prompt i's samples at i*n .. i*n+n-1; stop token included when hit
     logprobs: list[list[float]]  # per sampled token, under the distribution sampled from
-    finish: list[str]            # "stop" | "length"
+    finish: list[str]  # "stop" | "length"
 
 
 @dataclass
 class Tree:
-    thoughts: list[list[int]]           # P*K, prompt p's thought i at p*K+i; ends with the marker ids
+    thoughts: list[list[int]]  # P*K, prompt p's thought i at p*K+i; ends with the marker ids
     thought_logprobs: list[list[float]]  # forced (appended) marker tokens: the model's log-prob of them
-    thought_truncated: list[bool]       # True when the marker was appended by the sampler
-    answers: list[list[int]]            # P*K*M, (p, i, j) at (p*K+i)*M+j; stop id included when hit
+    thought_truncated: list[bool]  # True when the marker was appended by the sampler
+    answers: list[list[int]]  # P*K*M, (p, i, j) at (p*K+i)*M+j; stop id included when hit
     answer_logprobs: list[list[float]]
-    answer_finish: list[str]            # "stop" | "length"
+    answer_finish: list[str]  # "stop" | "length"
 
 
 # ----------------------------------------------------------------------------- model steps
+
 
 def chunk_mask(key_valid: Tensor, T: int) -> Tensor:
     """Attention mask (b, 1, T, S) for the last T of S key slots as queries: bottom-right causal
@@ -157,9 +177,9 @@ def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logit
     and for finished rows. Returns logits (b, logits_to_keep, V) in the model dtype."""
     b, T = ids.shape
     s = cache.length
-    cache.key_valid[:b, s:s + T] = valid
+    cache.key_valid[:b, s : s + T] = valid
     positions = cache.next_pos[:b, None] + (valid.cumsum(1) - 1).clamp(min=0)  # (b, T); pads: junk
-    mask = chunk_mask(cache.key_valid[:b, :s + T], T)
+    mask = chunk_mask(cache.key_valid[:b, : s + T], T)
     logits = model(ids, positions=positions, cache=cache, attn_mask=mask, logits_to_keep=logits_to_keep)
     cache.length += T
     cache.next_pos[:b] += valid.sum(1)
@@ -173,8 +193,8 @@ def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, Tens
     ids = torch.zeros(P, T, dtype=torch.long)
     valid = torch.zeros(P, T, dtype=torch.bool)
     for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        valid[i, T - len(p):] = True
+        ids[i, T - len(p) :] = torch.tensor(p)
+        valid[i, T - len(p) :] = True
     cache = KVCache.for_model(model, P, T)
     dev = cache.k.device
     return cache, extend(model, cache, ids.to(dev), valid.to(dev))[:, -1]
@@ -184,8 +204,8 @@ def decode_step(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) 
     """Feed one token (b,) per active row; returns the logits (b, V) of each row's next token.
     extend() for T = 1, minus the ops a single query does not need (the hot path)."""
     b, s = len(tok), cache.length
-    cache.key_valid[:b, s] = alive                    # a finished row's slot is a hole
-    mask = cache.key_valid[:b, None, None, :s + 1]    # (b, 1, 1, S): one query needs no causal part
+    cache.key_valid[:b, s] = alive  # a finished row's slot is a hole
+    mask = cache.key_valid[:b, None, None, : s + 1]  # (b, 1, 1, S): one query needs no causal part
     logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask)
     cache.length += 1
     cache.next_pos[:b] += alive
@@ -196,8 +216,9 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
     """decode_step with static shapes (for torch.compile / CUDA graphs): the slot is a tensor and
     attention spans all max_len slots; unwritten slots are invalid. All rows are active."""
     cache.key_valid.index_copy_(1, cache.slot, alive[:, None])
-    logits = model(tok[:, None], positions=cache.next_pos[:, None], cache=cache,
-                   attn_mask=cache.key_valid[:, None, None, :])
+    logits = model(
+        tok[:, None], positions=cache.next_pos[:, None], cache=cache, attn_mask=cache.key_valid[:, None, None, :]
+    )
     cache.next_pos += alive
     return logits[:, -1]
 
@@ -209,6 +230,7 @@ def compiled_decode_step() -> Callable[[Transformer, KVCache, Tensor, Tensor], T
 
 
 # ----------------------------------------------------------------------------- sampling
+
 
 def truncate(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """float logits (b, V) with -inf outside the top-k set, then outside the top-p nucleus of
@@ -224,7 +246,9 @@ def truncate(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Te
     return logits
 
 
-def sample_next(logits: Tensor, u: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+def sample_next(
+    logits: Tensor, u: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """logits (b, V), u (b,) uniforms in [0, 1) -> tokens (b,) and their float32 log-probs under the
     distribution sampled from (temperature -> top-k -> top-p), by inverse-CDF sampling."""
     if temperature == 0:
@@ -247,9 +271,20 @@ def sample_next(logits: Tensor, u: Tensor, temperature: float, top_k: int = 0, t
     return tok, logp
 
 
-def decode(model: Transformer, cache: KVCache, logits: Tensor, uniforms: Tensor, max_steps: int, *,
-           temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int] = (),
-           marker: Sequence[int] = (), compile: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def decode(
+    model: Transformer,
+    cache: KVCache,
+    logits: Tensor,
+    uniforms: Tensor,
+    max_steps: int,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    stop_ids: Sequence[int] = (),
+    marker: Sequence[int] = (),
+    compile: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sample up to max_steps tokens for every cache row, starting from `logits` (B, V) of each row's
     next token; a row ends on a stop id or once its tokens end with `marker`. The last sampled token
     is not fed to the cache. Returns, in the caller's row order: tokens (B, max_steps), logp
@@ -266,12 +301,12 @@ def decode(model: Transformer, cache: KVCache, logits: Tensor, uniforms: Tensor,
     if compile:
         cache.make_static()
     for t in range(max_steps):
-        rows = cache.rows[:cache.batch]  # caller's row ids of the active rows
+        rows = cache.rows[: cache.batch]  # caller's row ids of the active rows
         tok, lp = sample_next(logits, uniforms[rows, t], temperature, top_k, top_p)
         tokens[rows, t], logp[rows, t] = tok, lp
         hit = torch.isin(tok, stop)
         if len(mark) and t + 1 >= len(mark):
-            hit |= (tokens[rows, t + 1 - len(mark):t + 1] == mark).all(-1)
+            hit |= (tokens[rows, t + 1 - len(mark) : t + 1] == mark).all(-1)
         ended = alive & hit
         n_tokens[rows] = torch.where(ended, t + 1, n_tokens[rows])
         stopped[rows] = stopped[rows] | ended
@@ -299,8 +334,17 @@ def decode(model: Transformer, cache: KVCache, logits: Tensor, uniforms: Tensor,
 
 # ----------------------------------------------------------------------------- public API
 
-def _check(model: Transformer, prompts: list[list[int]], new_tokens: int, temperature: float,
-           top_k: int, top_p: float, seed: int | Sequence[int] | None, fn: str) -> list[int]:
+
+def _check(
+    model: Transformer,
+    prompts: list[list[int]],
+    new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | Sequence[int] | None,
+    fn: str,
+) -> list[int]:
     """Validate the arguments a user controls; returns one seed per prompt."""
     if not prompts:
         raise ValueError(f"{fn}: prompts is empty; pass at least one prompt (a list of token ids).")
@@ -309,13 +353,16 @@ def _check(model: Transformer, prompts: list[list[int]], new_tokens: int, temper
         if len(p) == 0:
             raise ValueError(f"{fn}: prompt {i} has no tokens; every prompt needs at least one token.")
         if len(p) + new_tokens > ctx:
-            raise ValueError(f"{fn}: prompt {i} ({len(p)} tokens) plus {new_tokens} new tokens exceeds the "
-                             f"model's context of {ctx} (config max_position_embeddings).")
+            raise ValueError(
+                f"{fn}: prompt {i} ({len(p)} tokens) plus {new_tokens} new tokens exceeds the "
+                f"model's context of {ctx} (config max_position_embeddings)."
+            )
         if min(p) < 0 or max(p) >= V:
             raise ValueError(f"{fn}: prompt {i} has a token id outside the vocabulary [0, {V}).")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"{fn}: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, "
-                         f"got {temperature}, {top_k}, {top_p}.")
+        raise ValueError(
+            f"{fn}: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}."
+        )
     if seed is None:  # fresh randomness from torch's global generator (so torch.manual_seed applies)
         return torch.randint(2**62, (len(prompts),)).tolist()
     if isinstance(seed, int):
@@ -331,9 +378,19 @@ def _finish(tokens: Tensor, logp: Tensor, n_tokens: Tensor) -> tuple[list[list[i
 
 
 @torch.inference_mode()
-def generate(model: Transformer, prompts: list[list[int]], *, max_new_tokens: int, n: int = 1,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
-             seed: int | Sequence[int] | None = None, compile: bool = False) -> Generation:
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    seed: int | Sequence[int] | None = None,
+    compile: bool = False,
+) -> Generation:
     """n samples of at most max_new_tokens for each prompt (token ids), prompt-major."""
     if max_new_tokens < 1 or n < 1:
         raise ValueError(f"generate: max_new_tokens and n must be >= 1, got {max_new_tokens} and {n}.")
@@ -343,29 +400,63 @@ def generate(model: Transformer, prompts: list[list[int]], *, max_new_tokens: in
     cache, logits = cache.fork(rows, cache.length + max_new_tokens), logits[rows]
     u = torch.cat([torch.rand(n, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
     tokens, logp, n_tokens, stopped = decode(
-        model, cache, logits, u.to(logits.device), max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, stop_ids=stop_ids, compile=compile)
+        model,
+        cache,
+        logits,
+        u.to(logits.device),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_ids=stop_ids,
+        compile=compile,
+    )
     tokens, logprobs = _finish(tokens, logp, n_tokens)
     return Generation(tokens, logprobs, ["stop" if s else "length" for s in stopped.tolist()])
 
 
 @torch.inference_mode()
-def sample_tree(model: Transformer, prompts: list[list[int]], *, k: int, m: int, max_thought_tokens: int,
-                max_answer_tokens: int, end_of_thought: Sequence[int] = (), temperature: float = 1.0,
-                top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
-                seed: int | Sequence[int] | None = None, compile: bool = False) -> Tree:
+def sample_tree(
+    model: Transformer,
+    prompts: list[list[int]],
+    *,
+    k: int,
+    m: int,
+    max_thought_tokens: int,
+    max_answer_tokens: int,
+    end_of_thought: Sequence[int] = (),
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    seed: int | Sequence[int] | None = None,
+    compile: bool = False,
+) -> Tree:
     """K thoughts per prompt, each ended by the end_of_thought marker (appended if cut off), then M
     answers from each thought; the prompt and each thought are computed once and shared."""
     P, K, M = len(prompts), k, m
     if K < 1 or M < 1 or max_answer_tokens < 1 or max_thought_tokens < 0:
-        raise ValueError(f"sample_tree: need k, m, max_answer_tokens >= 1 and max_thought_tokens >= 0, "
-                         f"got {k}, {m}, {max_answer_tokens}, {max_thought_tokens}.")
+        raise ValueError(
+            f"sample_tree: need k, m, max_answer_tokens >= 1 and max_thought_tokens >= 0, "
+            f"got {k}, {m}, {max_answer_tokens}, {max_thought_tokens}."
+        )
     marker = list(end_of_thought)
     if not marker or max_thought_tokens == 0:  # no thought phase: plain group sampling, G = K*M
-        g = generate(model, prompts, max_new_tokens=max_answer_tokens, n=K * M, temperature=temperature,
-                     top_k=top_k, top_p=top_p, stop_ids=stop_ids, seed=seed, compile=compile)
-        return Tree([[] for _ in range(P * K)], [[] for _ in range(P * K)], [False] * (P * K),
-                    g.tokens, g.logprobs, g.finish)
+        g = generate(
+            model,
+            prompts,
+            max_new_tokens=max_answer_tokens,
+            n=K * M,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stop_ids,
+            seed=seed,
+            compile=compile,
+        )
+        return Tree(
+            [[] for _ in range(P * K)], [[] for _ in range(P * K)], [False] * (P * K), g.tokens, g.logprobs, g.finish
+        )
     Lm, Tt, Ta = len(marker), max_thought_tokens, max_answer_tokens
     seeds = _check(model, prompts, Tt + Lm + Ta, temperature, top_k, top_p, seed, "sample_tree")
     gens = [torch.Generator().manual_seed(s) for s in seeds]
@@ -382,19 +473,20 @@ def sample_tree(model: Transformer, prompts: list[list[int]], *, k: int, m: int,
     # 2. one chunk per thought: its last token, preceded by the forced marker if it was cut off
     # (left-padded to Lm + 1 where the thought ended on its own); logits give the marker log-probs
     cache.restore_order()
-    last = tok.gather(1, (n_tok - 1)[:, None])                             # (PK, 1)
+    last = tok.gather(1, (n_tok - 1)[:, None])  # (PK, 1)
     mark = torch.tensor(marker, device=tok.device).expand(P * K, Lm)
     chunk = torch.where(ended[:, None], torch.cat([mark, last], 1), torch.cat([last, mark], 1))
     valid = torch.ones_like(chunk, dtype=torch.bool)
     valid[:, :Lm] = ~ended[:, None]
-    logits = extend(model, cache, chunk, valid, logits_to_keep=Lm + 1)    # (PK, Lm + 1, V)
+    logits = extend(model, cache, chunk, valid, logits_to_keep=Lm + 1)  # (PK, Lm + 1, V)
     forced_lp = token_logprobs(logits[:, :Lm], mark, temperature or 1.0)  # (PK, Lm)
 
     # 3. fork each thought M ways and decode the answers
     rows = torch.arange(P * K, device=tok.device).repeat_interleave(M)
     cache, logits = cache.fork(rows, cache.length + Ta), logits[rows, -1]
-    a_tok, a_lp, a_n, a_stopped = decode(model, cache, logits, u_answer.to(logits.device), Ta,
-                                         stop_ids=stop_ids, **sampling)
+    a_tok, a_lp, a_n, a_stopped = decode(
+        model, cache, logits, u_answer.to(logits.device), Ta, stop_ids=stop_ids, **sampling
+    )
 
     thoughts, thought_lp = _finish(tok, lp, n_tok)
     for i, cut in enumerate((~ended).tolist()):
@@ -402,5 +494,11 @@ def sample_tree(model: Transformer, prompts: list[list[int]], *, k: int, m: int,
             thoughts[i] += marker
             thought_lp[i] += forced_lp[i].tolist()
     answers, answer_lp = _finish(a_tok, a_lp, a_n)
-    return Tree(thoughts, thought_lp, (~ended).tolist(), answers, answer_lp,
-                ["stop" if s else "length" for s in a_stopped.tolist()])
+    return Tree(
+        thoughts,
+        thought_lp,
+        (~ended).tolist(),
+        answers,
+        answer_lp,
+        ["stop" if s else "length" for s in a_stopped.tolist()],
+    )

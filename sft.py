@@ -10,6 +10,7 @@ next-token cross-entropy on the completion tokens. It stops early on purpose, at
 held-out accuracy, so that RL has room to improve it. Fixed seed and step count: rerunning it on
 the same machine gives the same weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,14 +62,31 @@ def write_tokenizer(tok: Tokenizer, path: str) -> None:
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-                   "pad_token": "<|endoftext|>", "add_bos_token": False}, f, indent=2)
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "add_bos_token": False,
+            },
+            f,
+            indent=2,
+        )
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
-                   "pad_token_id": tok.token_to_id("<|endoftext|>")}, f, indent=2)
+        json.dump(
+            {
+                "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+                "pad_token_id": tok.token_to_id("<|endoftext|>"),
+            },
+            f,
+            indent=2,
+        )
 
 
-def make_batch(tokenizer, examples: list[dict], system_prompt: str | None, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    tokenizer, examples: list[dict], system_prompt: str | None, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded prompt + completion ids (B, T) and a mask (B, T) of the completion tokens."""
     end = tokenizer.token_to_id("<|im_end|>")
     rows = []
@@ -80,27 +98,42 @@ def make_batch(tokenizer, examples: list[dict], system_prompt: str | None, devic
     ids = torch.full((len(rows), T), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), T)
     for b, (r, n_prompt) in enumerate(rows):
-        ids[b, :len(r)] = torch.tensor(r)
-        mask[b, n_prompt:len(r)] = 1.0
+        ids[b, : len(r)] = torch.tensor(r)
+        mask[b, n_prompt : len(r)] = 1.0
     return ids.to(device), mask.to(device)
 
 
 def build_model(cfg: SFTConfig, tokenizer) -> Transformer:
     """A freshly initialised Qwen2-architecture model of cfg's shape for `tokenizer` (model.Tokenizer);
     draws from torch's global generator."""
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                         head_dim=cfg.hidden_size // cfg.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         tie_word_embeddings=True, attention_bias=True, model_type="qwen2", max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=[tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")])
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.hidden_size // cfg.heads,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        model_type="qwen2",
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=[tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")],
+    )
     model = Transformer(config)
     for name, p in model.named_parameters():  # GPT-2 style init; norms start at 1, biases at 0
-        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.zeros_(p) if "bias" in name else torch.nn.init.ones_(p)
+        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.zeros_(
+            p
+        ) if "bias" in name else torch.nn.init.ones_(p)
     return model
 
 
 def main(cfg: SFTConfig) -> float:
     from eval import evaluate  # the same held-out evaluation the trainer reports
+
     torch.manual_seed(cfg.seed)
     task = get_task(cfg.task)
     tok_dir = cfg.out + ".tokenizer.tmp"

@@ -15,14 +15,16 @@ import json
 import os
 import random
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rewards import code_reward, countdown_reward, exact_reward, extract_boxed, math_reward
 
-SYSTEM_PROMPT = ("You are a helpful assistant. First think about the problem step by step inside "
-                 "<think> </think> tags, then give the final answer after </think>. "
-                 "Put a final mathematical answer in \\boxed{}.")
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. First think about the problem step by step inside "
+    "<think> </think> tags, then give the final answer after </think>. "
+    "Put a final mathematical answer in \\boxed{}."
+)
 
 # Every character of a synthetic prompt, thought or answer. `<think>`/`</think>` are not in it:
 # the tiny tokenizer has them as single tokens (`</think>` is sample_tree's end-of-thought marker).
@@ -34,12 +36,13 @@ TASK_NAMES = ("synthetic", "synthetic-hard", "countdown", "gsm8k", "math", "code
 @dataclass(frozen=True)
 class Task:
     """A plain record of functions, no behaviour of its own."""
+
     name: str
-    reward: Callable[[str, dict], float]     # the training reward
-    correct: Callable[[str, dict], float]    # 0/1 correctness, for accuracy and pass@k
+    reward: Callable[[str, dict], float]  # the training reward
+    correct: Callable[[str, dict], float]  # 0/1 correctness, for accuracy and pass@k
     train: Callable[[int, int], list[dict]]  # (n, seed) -> n training examples, deterministic
-    test: Callable[[int, int], list[dict]]   # (n, seed) -> held-out examples, never in train
-    system_prompt: str | None = None         # None: no system message (the tiny char-level model)
+    test: Callable[[int, int], list[dict]]  # (n, seed) -> held-out examples, never in train
+    system_prompt: str | None = None  # None: no system message (the tiny char-level model)
 
 
 def get_task(name: str, data: str | None = None, test_data: str | None = None) -> Task:
@@ -49,12 +52,23 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None) -
         if data is not None or test_data is not None:
             raise ValueError(f"task '{name}' is generated and takes no data file; drop --data.")
         if name == "countdown":
-            return Task(name, countdown_reward, countdown_reward, lambda n, seed: countdown_examples(n, seed),
-                        lambda n, seed: countdown_examples(n, seed, held_out=True), SYSTEM_PROMPT)
+            return Task(
+                name,
+                countdown_reward,
+                countdown_reward,
+                lambda n, seed: countdown_examples(n, seed),
+                lambda n, seed: countdown_examples(n, seed, held_out=True),
+                SYSTEM_PROMPT,
+            )
         digits = (1, 2, 3) if name == "synthetic" else (4,)
-        return Task(name, exact_reward, exact_reward,
-                    lambda n, seed: addition_examples(n, seed, digits),
-                    lambda n, seed: addition_examples(n, seed, digits, held_out=True), None)
+        return Task(
+            name,
+            exact_reward,
+            exact_reward,
+            lambda n, seed: addition_examples(n, seed, digits),
+            lambda n, seed: addition_examples(n, seed, digits, held_out=True),
+            None,
+        )
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
     if data is None:
@@ -68,8 +82,9 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None) -
     if not train_rows or not test_rows:
         raise ValueError(f"{data}: too few examples for a train/test split; add lines or pass a test file.")
     reward = code_reward if "tests" in rows[0] else math_reward
-    return Task(name, reward, reward, _sampler(train_rows), lambda n, seed: [dict(r) for r in test_rows[:n]],
-                SYSTEM_PROMPT)
+    return Task(
+        name, reward, reward, _sampler(train_rows), lambda n, seed: [dict(r) for r in test_rows[:n]], SYSTEM_PROMPT
+    )
 
 
 def render_prompt(tokenizer, example: dict, system_prompt: str | None) -> list[int]:
@@ -81,20 +96,20 @@ def render_prompt(tokenizer, example: dict, system_prompt: str | None) -> list[i
 
 # ---------------------------------------------------------------- synthetic: addition
 
+
 def _is_held_out(key: str) -> bool:
     """Held-out membership by a stable hash (crc32, not Python's salted hash) of the problem."""
     return zlib.crc32(key.encode()) % 10 == 0
 
 
-def addition_examples(n: int, seed: int, digits: tuple[int, ...] = (1, 2, 3),
-                      held_out: bool = False) -> list[dict]:
+def addition_examples(n: int, seed: int, digits: tuple[int, ...] = (1, 2, 3), held_out: bool = False) -> list[dict]:
     """n addition problems a+b, each operand's digit count drawn from `digits`. A pair {a, b}
     (unordered, so 68+357 is held out with 357+68) is held out when its hash % 10 == 0; train
     and test draw from the same distribution and never share a pair."""
     rng = random.Random(f"addition:{held_out}:{seed}")
     examples = []
     while len(examples) < n:
-        a, b = (rng.randrange(10 ** (d - 1) if d > 1 else 0, 10 ** d) for d in rng.choices(digits, k=2))
+        a, b = (rng.randrange(10 ** (d - 1) if d > 1 else 0, 10**d) for d in rng.choices(digits, k=2))
         if _is_held_out(f"{min(a, b)}+{max(a, b)}") == held_out:
             examples.append({"prompt": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b})
     return examples
@@ -120,6 +135,7 @@ def sft_completion(example: dict) -> str:
 
 # ---------------------------------------------------------------- Countdown
 
+
 def countdown_examples(n: int, seed: int, counts: tuple[int, ...] = (3, 4), held_out: bool = False) -> list[dict]:
     """n Countdown puzzles: `counts` numbers in 1..99 and a target in 1..999 that a random
     expression using each number once reaches, so every puzzle is solvable ("answer" is that
@@ -132,10 +148,12 @@ def countdown_examples(n: int, seed: int, counts: tuple[int, ...] = (3, 4), held
         if not 1 <= value <= 999:
             continue
         if _is_held_out(f"{sorted(nums)}={value}") == held_out:
-            prompt = (f"Using the numbers {nums}, create an equation that equals {value}. You can use "
-                      "+, -, *, / and parentheses, and each number must be used exactly once. Show your "
-                      "work in <think> </think> tags, then give only the equation in <answer> </answer> "
-                      "tags, for example <answer>(1 + 2) / 3</answer>.")
+            prompt = (
+                f"Using the numbers {nums}, create an equation that equals {value}. You can use "
+                "+, -, *, / and parentheses, and each number must be used exactly once. Show your "
+                "work in <think> </think> tags, then give only the equation in <answer> </answer> "
+                "tags, for example <answer>(1 + 2) / 3</answer>."
+            )
             examples.append({"prompt": prompt, "answer": expr, "nums": nums, "target": value})
     return examples
 
@@ -155,6 +173,7 @@ def _random_expression(rng: random.Random, nums: list[int]) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------- local JSONL files
+
 
 def load_jsonl(path: str, kind: str) -> list[dict]:
     """Examples of a JSONL file. kind: "gsm8k" (question, answer with `#### N`), "math" (problem,
@@ -176,8 +195,15 @@ def load_jsonl(path: str, kind: str) -> list[dict]:
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object.")
             if kind == "jsonl":
-                kind = ("code" if "tests" in row else "gsm8k" if "question" in row
-                        else "math" if "problem" in row else "generic")
+                kind = (
+                    "code"
+                    if "tests" in row
+                    else "gsm8k"
+                    if "question" in row
+                    else "math"
+                    if "problem" in row
+                    else "generic"
+                )
             examples.append(_CONVERTERS[kind](row, where))
     if not examples:
         raise ValueError(f"{path}: the file has no examples.")
@@ -196,8 +222,11 @@ def _gsm8k(row: dict, where: str) -> dict:
     solution = _field(row, "answer", where)
     if "####" not in solution:
         raise ValueError(f"{where}: field 'answer' has no '#### N' final answer.")
-    return {"prompt": _field(row, "question", where), "answer": solution.rsplit("####", 1)[1].strip(),
-            "solution": solution}
+    return {
+        "prompt": _field(row, "question", where),
+        "answer": solution.rsplit("####", 1)[1].strip(),
+        "solution": solution,
+    }
 
 
 def _math(row: dict, where: str) -> dict:
@@ -212,8 +241,11 @@ def _code(row: dict, where: str) -> dict:
     tests = _field(row, "tests", where, (str, list))
     if isinstance(tests, list) and not all(isinstance(t, str) for t in tests):
         raise ValueError(f"{where}: field 'tests' must be a string or a list of strings.")
-    example = {"prompt": _field(row, "prompt", where) + "\n\nGive your solution as one ```python code block.",
-               "answer": "", "tests": tests}  # the tests are the reference; there is no answer text
+    example = {
+        "prompt": _field(row, "prompt", where) + "\n\nGive your solution as one ```python code block.",
+        "answer": "",
+        "tests": tests,
+    }  # the tests are the reference; there is no answer text
     if "entry_point" in row:
         example["entry_point"] = _field(row, "entry_point", where)
     return example
@@ -228,9 +260,11 @@ _CONVERTERS = {"gsm8k": _gsm8k, "math": _math, "code": _code, "generic": _generi
 
 def _sampler(rows: list[dict]) -> Callable[[int, int], list[dict]]:
     """(n, seed) -> n examples: passes over `rows`, each shuffled by the seed (copies, so callers may mutate)."""
+
     def sample(n: int, seed: int) -> list[dict]:
         rng, out = random.Random(seed), []
         while len(out) < n:
             out.extend(rng.sample(rows, len(rows)))
         return [dict(row) for row in out[:n]]
+
     return sample

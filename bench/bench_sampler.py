@@ -5,13 +5,14 @@ cache memory. CPU, float32, temperature 1, no stop ids (every row makes all its 
 
     python bench/bench_sampler.py [--threads N] [--repeats R] [--cpu-time]
 """
+
 import argparse
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +27,19 @@ NEW_TOKENS = 96
 def build_model(tmp: str) -> Transformer:
     """A random Qwen2-shaped model (hidden 256, 6 layers, 4/2 heads, vocab 8192, tied), saved to tmp/m
     and loaded back (bench_tree.py uses the same one)."""
-    cfg = ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True,
-                      tie_word_embeddings=True, model_type="qwen2", max_position_embeddings=1024)
+    cfg = ModelConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        model_type="qwen2",
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     save_model(Transformer(cfg), Path(tmp) / "m")
     return load_model(Path(tmp) / "m").eval()
@@ -37,6 +48,7 @@ def build_model(tmp: str) -> Transformer:
 def build(tmp: str) -> tuple[Transformer, "transformers.PreTrainedModel"]:  # noqa: F821
     """build_model's checkpoint as ours and as HF's."""
     import transformers
+
     ours = build_model(tmp)
     hf = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "m", dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
@@ -46,9 +58,12 @@ def build(tmp: str) -> tuple[Transformer, "transformers.PreTrainedModel"]:  # no
 def timing_args(parser: argparse.ArgumentParser) -> None:
     """Add --threads, --cpu-time, --repeats (shared with bench_tree.py)."""
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="time with this process's CPU time instead of the wall clock: steadier on a "
-                             "shared machine, meaningful with --threads 1")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with this process's CPU time instead of the wall clock: steadier on a "
+        "shared machine, meaningful with --threads 1",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per figure; the best is kept")
 
 
@@ -60,8 +75,9 @@ def setup(args) -> Callable[[], float]:
 
 def make_prompts(P: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(P)
-    return [torch.randint(0, 8192, (int(torch.randint(16, 49, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(P)]
+    return [
+        torch.randint(0, 8192, (int(torch.randint(16, 49, (1,), generator=g)),), generator=g).tolist() for _ in range(P)
+    ]
 
 
 def best_time(fn, repeats: int, clock: Callable[[], float]) -> float:
@@ -74,8 +90,9 @@ def best_time(fn, repeats: int, clock: Callable[[], float]) -> float:
 
 
 def time_ours(model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
-    return best_time(lambda: generate(model, prompts, max_new_tokens=NEW_TOKENS, n=n, temperature=1.0, seed=0),
-                     repeats, clock)
+    return best_time(
+        lambda: generate(model, prompts, max_new_tokens=NEW_TOKENS, n=n, temperature=1.0, seed=0), repeats, clock
+    )
 
 
 def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
@@ -85,23 +102,48 @@ def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[
 
     def run():
         with torch.no_grad():
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
-                              pad_token_id=0)
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=n,
+                pad_token_id=0,
+            )
         assert out.shape == (len(prompts) * n, T + NEW_TOKENS)
+
     return best_time(run, repeats, clock)
 
 
-def time_gemms(model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float],
-               attention: bool = False) -> float:
+def time_gemms(
+    model: Transformer,
+    prompts: list[list[int]],
+    n: int,
+    repeats: int,
+    clock: Callable[[], float],
+    attention: bool = False,
+) -> float:
     """The GEMM-only limit: the prefill's and every decode step's projections + lm_head as plain
     matmuls at the sampler's shapes, nothing else. Prefill: P x longest-prompt rows through the
     layers, P rows through lm_head; then one step per fed token (NEW_TOKENS - 1) at P*n rows.
     attention=True adds each layer's decode attention over the cache as it grows (one SDPA call at
     the sampler's shapes): the work a decode step cannot skip, so the limit of an eager sampler."""
-    qkv = [(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) for a in (layer.self_attn for layer in model.model.layers)]
-    rest = [(layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight)
-            for layer in model.model.layers]
+    qkv = [
+        (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) for a in (layer.self_attn for layer in model.model.layers)
+    ]
+    rest = [
+        (
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_proj.weight,
+            layer.mlp.up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+        for layer in model.model.layers
+    ]
     head = model.lm_head.weight
     P, B, T = len(prompts), len(prompts) * n, max(map(len, prompts))
     steps = [(P * T, P)] + [(B, B)] * (NEW_TOKENS - 1)  # (layer rows, head rows)
@@ -119,10 +161,13 @@ def time_gemms(model: Transformer, prompts: list[list[int]], n: int, repeats: in
                     F.linear(x[rows, w.shape[1]], w)
                 if attention and i:  # decode step i attends to the T + i cached keys and its own
                     S = T + i + 1
-                    F.scaled_dot_product_attention(q, kv[0, layer, :, :, :S], kv[1, layer, :, :, :S], attn_mask=valid[..., :S])
+                    F.scaled_dot_product_attention(
+                        q, kv[0, layer, :, :, :S], kv[1, layer, :, :, :S], attn_mask=valid[..., :S]
+                    )
                 for w in rest[layer]:
                     F.linear(x[rows, w.shape[1]], w)
             F.linear(x[head_rows, head.shape[1]], head)
+
     with torch.no_grad():
         return best_time(run, repeats, clock)
 
@@ -135,9 +180,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ours, hf = build(tmp)
     n_params = sum(p.numel() for p in ours.parameters())
-    print(f"model: {n_params / 1e6:.1f}M params (Qwen2-shaped, tied), CPU float32, {args.threads} threads "
-          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs), {NEW_TOKENS} new tokens, "
-          f"temperature 1, no stop")
+    print(
+        f"model: {n_params / 1e6:.1f}M params (Qwen2-shaped, tied), CPU float32, {args.threads} threads "
+        f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs), {NEW_TOKENS} new tokens, "
+        f"temperature 1, no stop"
+    )
 
     P, n = 8, 4
     prompts = make_prompts(P)
@@ -151,14 +198,23 @@ def main() -> None:
     tokens = P * n * NEW_TOKENS
     print(f"\nbatch {P * n} ({P} prompts x n={n}):")
     print(f"  sampler.generate        {tokens / t_ours:8.0f} tok/s")
-    print(f"  transformers.generate   {tokens / t_hf:8.0f} tok/s   -> sampler is {t_hf / t_ours:.2f}x HF (goal >= 2.5x)")
-    print(f"  GEMM-only limit         {tokens / t_gemm:8.0f} tok/s   -> sampler reaches {100 * t_gemm / t_ours:.0f}% "
-          f"of it (goal >= 80%), HF {100 * t_gemm / t_hf:.0f}%")
-    print(f"  GEMM + attention limit  {tokens / t_attn:8.0f} tok/s   -> sampler reaches {100 * t_attn / t_ours:.0f}% "
-          f"of it, HF {100 * t_attn / t_hf:.0f}%")
-    print(f"  per decode step: sampler {1e3 * t_ours / NEW_TOKENS:.2f} ms = GEMMs {1e3 * t_gemm / NEW_TOKENS:.2f} + attention "
-          f"{1e3 * (t_attn - t_gemm) / NEW_TOKENS:.2f} + everything else {1e3 * (t_ours - t_attn) / NEW_TOKENS:.2f} "
-          f"(norms, RoPE, cache writes, sampling, Python)")
+    print(
+        f"  transformers.generate   {tokens / t_hf:8.0f} tok/s   -> sampler is {t_hf / t_ours:.2f}x HF (goal >= 2.5x)"
+    )
+    print(
+        f"  GEMM-only limit         {tokens / t_gemm:8.0f} tok/s   -> sampler reaches {100 * t_gemm / t_ours:.0f}% "
+        f"of it (goal >= 80%), HF {100 * t_gemm / t_hf:.0f}%"
+    )
+    print(
+        f"  GEMM + attention limit  {tokens / t_attn:8.0f} tok/s   -> sampler reaches {100 * t_attn / t_ours:.0f}% "
+        f"of it, HF {100 * t_attn / t_hf:.0f}%"
+    )
+    print(
+        f"  per decode step: sampler {1e3 * t_ours / NEW_TOKENS:.2f} ms = "
+        f"GEMMs {1e3 * t_gemm / NEW_TOKENS:.2f} + attention "
+        f"{1e3 * (t_attn - t_gemm) / NEW_TOKENS:.2f} + everything else {1e3 * (t_ours - t_attn) / NEW_TOKENS:.2f} "
+        f"(norms, RoPE, cache writes, sampling, Python)"
+    )
 
     print("\nbatch   prompts x n   tok/s   KV cache (float32)")
     for P, n in ((1, 1), (2, 4), (8, 4), (32, 4)):

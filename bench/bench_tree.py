@@ -6,17 +6,19 @@ marker appended). Counts the tokens fed to the model and the wall time. CPU, flo
 
     python bench/bench_tree.py [--prompts P] [--threads N] [--repeats R] [--cpu-time]
 """
+
 import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_sampler import build_model, setup, timing_args  # noqa: E402  (same directory)
+
 from model import Transformer  # noqa: E402
 from sampler import generate, sample_tree  # noqa: E402
 
@@ -30,6 +32,7 @@ def counted(model: Transformer, fn, clock: Callable[[], float]) -> tuple[float, 
     def wrapped(input_ids, *args, **kw):
         fed[0] += input_ids.numel()
         return forward(input_ids, *args, **kw)
+
     model.forward = wrapped
     try:
         t = clock()
@@ -48,13 +51,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(tmp)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 8190, (int(torch.randint(24, 41, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(0, 8190, (int(torch.randint(24, 41, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(args.prompts)
+    ]
     total = THOUGHT + len(MARKER) + ANSWER
 
     def tree():
-        return sample_tree(model, prompts, k=K, m=M, max_thought_tokens=THOUGHT, max_answer_tokens=ANSWER,
-                           end_of_thought=MARKER, seed=0)
+        return sample_tree(
+            model,
+            prompts,
+            k=K,
+            m=M,
+            max_thought_tokens=THOUGHT,
+            max_answer_tokens=ANSWER,
+            end_of_thought=MARKER,
+            seed=0,
+        )
 
     def flat():
         return generate(model, prompts, max_new_tokens=total, n=K * M, seed=0)
@@ -67,11 +80,14 @@ def main() -> None:
         t, fed_flat, _ = counted(model, flat, clock)
         t_flat = min(t_flat, t)
     assert all(out.thought_truncated) and all(len(a) == ANSWER for a in out.answers), "lengths were not forced"
-    print(f"{args.prompts} prompts, T{K}A{M}: thoughts {THOUGHT} + marker {len(MARKER)}, answers {ANSWER} "
-          f"(flat: {K * M} sequences of {total} per prompt)\n  CPU float32, {args.threads} threads, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"  tokens fed to the model: tree {fed_tree}, flat {fed_flat} -> {fed_flat / fed_tree:.2f}x fewer "
-          f"(goal >= 2x)")
+    print(
+        f"{args.prompts} prompts, T{K}A{M}: thoughts {THOUGHT} + marker {len(MARKER)}, answers {ANSWER} "
+        f"(flat: {K * M} sequences of {total} per prompt)\n  CPU float32, {args.threads} threads, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"  tokens fed to the model: tree {fed_tree}, flat {fed_flat} -> {fed_flat / fed_tree:.2f}x fewer (goal >= 2x)"
+    )
     print(f"  time: tree {t_tree:.2f} s, flat {t_flat:.2f} s -> {t_flat / t_tree:.2f}x faster (goal >= 1.8x)")
 
 

@@ -25,6 +25,7 @@ The policies stop at different points, so the mean completion length of each sid
 with the ratio per generated token. TRL is an optional dev dependency (`pip install trl`).
 This is a comparison to read, not a test: nothing asserts on a time.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,16 +54,28 @@ class BenchConfig:
     group_size: int = 16  # completions per prompt (our --thoughts, TRL's num_generations)
     max_completion_tokens: int = 80  # completion limit (our 64 thought + 16 answer tokens, answers = 1)
     micro_batch_rows: int = 64  # completions per forward/backward (TRL: per_device_train_batch_size)
-    share_prompt: bool = True  # train.py --share-prompt (its default): each prompt runs once, its completions attend to it
+    share_prompt: bool = (
+        True  # train.py --share-prompt (its default): each prompt runs once, its completions attend to it
+    )
     lr: float = 3e-4  # learning rate (both sides)
     threads: int = 2  # torch.set_num_threads for both sides
     seed: int = 0  # seed of both trainers and of the prompt order
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.rounds < 1 or self.group_size < 2 or self.max_completion_tokens < 1 or self.threads < 1:
-            raise ValueError("--steps, --rounds, --max-completion-tokens and --threads must be >= 1 and --group-size >= 2")
+        if (
+            self.steps < 1
+            or self.rounds < 1
+            or self.group_size < 2
+            or self.max_completion_tokens < 1
+            or self.threads < 1
+        ):
+            raise ValueError(
+                "--steps, --rounds, --max-completion-tokens and --threads must be >= 1 and --group-size >= 2"
+            )
         if (self.prompts_per_step * self.group_size) % self.micro_batch_rows:
-            raise ValueError("--micro-batch-rows must divide prompts-per-step x group-size (TRL accumulates whole micro-batches)")
+            raise ValueError(
+                "--micro-batch-rows must divide prompts-per-step x group-size (TRL accumulates whole micro-batches)"
+            )
 
 
 # -----------------------------------------------------------------------------
@@ -72,9 +85,11 @@ class BenchConfig:
 def random_model(path: str) -> str:
     """A random checkpoint with the bundled tiny model's shape and tokenizer (sft.py's recipe)."""
     import torch
+
     from model import load_tokenizer, save_model
     from sft import SFTConfig, build_char_tokenizer, build_model, write_tokenizer
     from tasks import SYNTHETIC_CHARS
+
     tok_dir = path + ".tokenizer"
     write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
     torch.manual_seed(0)
@@ -88,8 +103,9 @@ def random_model(path: str) -> str:
 
 def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], list[dict]]:
     """Per-step timings and the examples train.py rendered, in its order."""
-    import train
     from tqdm import tqdm
+
+    import train
 
     starts: list[float] = []
     ends: list[float] = []
@@ -101,6 +117,7 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
 
     class ClockedTqdm(tqdm):
         """The loop's progress bar, silent: times each pass of the loop body."""
+
         def __init__(self, *args, **kwargs):
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
@@ -113,12 +130,32 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
 
     n = cfg.steps + 1
     answer_tokens = min(16, cfg.max_completion_tokens)  # with answers = 1 only the sum of the two limits matters
-    tc = train.TrainConfig(algo="grpo", model=model_dir, task="synthetic", out=os.path.join(work, "ours"), seed=cfg.seed,
-                           device="cpu", dtype="float32", max_steps=n, prompts_per_step=cfg.prompts_per_step,
-                           thoughts=cfg.group_size, answers=1, max_thought_tokens=cfg.max_completion_tokens - answer_tokens,
-                           max_answer_tokens=answer_tokens, temperature=1.0, top_k=0, top_p=1.0, lr=cfg.lr,
-                           micro_batch_rows=cfg.micro_batch_rows, share_prompt=cfg.share_prompt, eval_every=0, eval_examples=4, eval_samples=0,
-                           samples_every=0, save_every=0)
+    tc = train.TrainConfig(
+        algo="grpo",
+        model=model_dir,
+        task="synthetic",
+        out=os.path.join(work, "ours"),
+        seed=cfg.seed,
+        device="cpu",
+        dtype="float32",
+        max_steps=n,
+        prompts_per_step=cfg.prompts_per_step,
+        thoughts=cfg.group_size,
+        answers=1,
+        max_thought_tokens=cfg.max_completion_tokens - answer_tokens,
+        max_answer_tokens=answer_tokens,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        lr=cfg.lr,
+        micro_batch_rows=cfg.micro_batch_rows,
+        share_prompt=cfg.share_prompt,
+        eval_every=0,
+        eval_examples=4,
+        eval_samples=0,
+        samples_every=0,
+        save_every=0,
+    )
     render_prompt, saved_tqdm = train.render_prompt, train.tqdm
     train.render_prompt, train.tqdm = recording_render_prompt, ClockedTqdm
     try:
@@ -154,8 +191,9 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     prompt_ids = [render_prompt(ours_tok, ex, task.system_prompt) for ex in examples]
     # TRL takes prompt text; our char-level tokenizer round-trips it to the same ids (checked below).
     prompts = [ours_tok.decode(ids) for ids in prompt_ids]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"),
-                                        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(model_dir, "tokenizer.json"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     if tokenizer(text=prompts)["input_ids"] != prompt_ids:
         raise SystemExit("bench_trl: TRL's tokenizer does not reproduce our prompt ids; the comparison would be unfair")
 
@@ -165,14 +203,40 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
         return [task.reward(text, examples[i]) for text, i in zip(texts, idx)]
 
     args = GRPOConfig(
-        output_dir=os.path.join(work, "trl"), seed=cfg.seed, use_cpu=True, bf16=False, fp16=False,
-        max_steps=cfg.steps + 1, learning_rate=cfg.lr, lr_scheduler_type="constant", weight_decay=0.0, adam_beta2=0.99,
-        max_grad_norm=1.0, gradient_checkpointing=False, per_device_train_batch_size=cfg.micro_batch_rows,
+        output_dir=os.path.join(work, "trl"),
+        seed=cfg.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        max_steps=cfg.steps + 1,
+        learning_rate=cfg.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        adam_beta2=0.99,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=cfg.micro_batch_rows,
         gradient_accumulation_steps=cfg.prompts_per_step * cfg.group_size // cfg.micro_batch_rows,
-        num_generations=cfg.group_size, max_completion_length=cfg.max_completion_tokens, temperature=1.0,
-        top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, num_iterations=1, loss_type="grpo", scale_rewards="group",
-        shuffle_dataset=False, use_vllm=False, report_to="none", save_strategy="no", eval_strategy="no",
-        logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
+        num_generations=cfg.group_size,
+        max_completion_length=cfg.max_completion_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=0.2,
+        num_iterations=1,
+        loss_type="grpo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        use_vllm=False,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     data = Dataset.from_dict({"prompt": prompts, "idx": list(range(len(prompts)))})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer)
@@ -190,6 +254,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
             if name == "_generate":  # (prompt_ids, completion_ids, ...): completion lengths incl. the stop token
                 lengths.append(statistics.mean(len(c) for c in out[1]))
             return out
+
         setattr(trainer, name, wrapper)
 
     timed("_generate", "sample")
@@ -198,6 +263,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
 
     class StepClock(TrainerCallback):
         """Times each optimizer step."""
+
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
 
@@ -208,11 +274,16 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
 
     def results() -> list[dict]:
         steps = []
-        for sample, score, gs, total, length in zip(timings["sample"], timings["score"], timings["gen_and_score"],
-                                                    timings["step"], lengths):
-            steps.append(dict(sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total,
-                              length=length))
+        for sample, score, gs, total, length in zip(
+            timings["sample"], timings["score"], timings["gen_and_score"], timings["step"], lengths
+        ):
+            steps.append(
+                dict(
+                    sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total, length=length
+                )
+            )
         return steps
+
     return trainer, results
 
 
@@ -223,7 +294,9 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
 def run_side(side: str, cfg: BenchConfig, model_dir: str, work: str) -> list[dict]:
     """One run of one side in this process: its per-step rows, warm-up step dropped."""
     import torch
+
     from tasks import get_task
+
     torch.set_num_threads(cfg.threads)
     n = cfg.steps + 1
     # train.py's prompts: the first n * P training examples, in order (checked against what it renders).
@@ -231,8 +304,10 @@ def run_side(side: str, cfg: BenchConfig, model_dir: str, work: str) -> list[dic
     if side == "ours":
         steps, rendered = run_ours(cfg, model_dir, work)
         if rendered != examples:
-            raise SystemExit("bench_trl: train.py trained on other prompts than TRL is given; update run_side to match "
-                             "how train.py draws its examples")
+            raise SystemExit(
+                "bench_trl: train.py trained on other prompts than TRL is given; update run_side to match "
+                "how train.py draws its examples"
+            )
     else:
         with warnings.catch_warnings():  # transformers' deprecation notices about TRL's own arguments
             warnings.simplefilter("ignore", FutureWarning)
@@ -250,10 +325,16 @@ def run_both(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
     out = {"ours": [], "trl": []}
     for r in range(cfg.rounds):
         for side in ("ours", "trl"):
-            job = dict(side=side, cfg=asdict(cfg), model_dir=model_dir, work=os.path.join(work, f"{side}{r}"),
-                       result=os.path.join(work, f"{side}{r}.json"))
-            proc = subprocess.run([sys.executable, __file__], env={**os.environ, CHILD: json.dumps(job)},
-                                  capture_output=True, text=True)
+            job = dict(
+                side=side,
+                cfg=asdict(cfg),
+                model_dir=model_dir,
+                work=os.path.join(work, f"{side}{r}"),
+                result=os.path.join(work, f"{side}{r}.json"),
+            )
+            proc = subprocess.run(
+                [sys.executable, __file__], env={**os.environ, CHILD: json.dumps(job)}, capture_output=True, text=True
+            )
             if proc.returncode:
                 raise SystemExit(f"bench_trl: the {side} run failed:\n{proc.stderr[-3000:]}")
             with open(job["result"]) as f:
@@ -276,20 +357,31 @@ def median_of(steps: list[dict], key: str) -> float:
 
 def report(cfg: BenchConfig, ours: list[dict], trl: list[dict], model_note: str) -> None:
     keys = ("sample", "score", "update", "other", "total")
-    print(f"\none GRPO step: {cfg.prompts_per_step} prompts x {cfg.group_size} completions, <= {cfg.max_completion_tokens} "
-          f"tokens, {model_note}, float32 CPU, {cfg.threads} threads; median of {cfg.rounds} runs x {cfg.steps} steps "
-          f"(each run a fresh process, after 1 warm-up step)")
+    print(
+        f"\none GRPO step: {cfg.prompts_per_step} prompts x {cfg.group_size} completions, "
+        f"<= {cfg.max_completion_tokens} "
+        f"tokens, {model_note}, float32 CPU, {cfg.threads} threads; median of {cfg.rounds} runs x {cfg.steps} steps "
+        f"(each run a fresh process, after 1 warm-up step)"
+    )
     n_seqs = cfg.prompts_per_step * cfg.group_size
     print(f"{'seconds/step':<16}" + "".join(f"{k:>9}" for k in keys) + f"{'mean len':>10}{'tok/step':>10}")
     for name, steps in (("train.py", ours), ("TRL", trl)):
         length = mean_of(steps, "length")
-        print(f"{name:<16}" + "".join(f"{median_of(steps, k):9.3f}" for k in keys) + f"{length:10.1f}{length * n_seqs:10.0f}")
-    print(f"{'TRL / train.py':<16}" + "".join(f"{median_of(trl, k) / max(median_of(ours, k), 1e-9):8.1f}x" for k in keys))
+        print(
+            f"{name:<16}"
+            + "".join(f"{median_of(steps, k):9.3f}" for k in keys)
+            + f"{length:10.1f}{length * n_seqs:10.0f}"
+        )
+    print(
+        f"{'TRL / train.py':<16}" + "".join(f"{median_of(trl, k) / max(median_of(ours, k), 1e-9):8.1f}x" for k in keys)
+    )
     # Time per generated token, so a side whose policy stops earlier does not look faster for it.
     per_tok = (median_of(trl, "total") / mean_of(trl, "length")) / (median_of(ours, "total") / mean_of(ours, "length"))
     print(f"step time per generated token, TRL / train.py: {per_tok:.1f}x")
-    print("(train.py 'other' = pack + advantages + logging inside its loop; TRL 'other' = padding, advantages and "
-          "metrics inside _generate_and_score_completions)")
+    print(
+        "(train.py 'other' = pack + advantages + logging inside its loop; TRL 'other' = padding, advantages and "
+        "metrics inside _generate_and_score_completions)"
+    )
 
 
 def main(cfg: BenchConfig) -> None:
@@ -300,8 +392,10 @@ def main(cfg: BenchConfig) -> None:
         return
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores:  # other processes compete for the cores: both sides slow down, not always equally
-        print(f"note: load average {load:.1f} on {cores} cores: other processes share them, so times are inflated and "
-              f"noisy, more so with --threads > 1 (--threads 1 is steadier)")
+        print(
+            f"note: load average {load:.1f} on {cores} cores: other processes share them, so times are inflated and "
+            f"noisy, more so with --threads > 1 (--threads 1 is steadier)"
+        )
     with tempfile.TemporaryDirectory(prefix="bench_trl-") as work:
         model_dir = str(ROOT / cfg.model) if cfg.model == BenchConfig.model else cfg.model  # the default: from any cwd
         model_note = f"model {cfg.model}"
@@ -319,8 +413,12 @@ def main(cfg: BenchConfig) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false"),
-                       ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+    for var, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+    ):
         os.environ.setdefault(var, value)
     if CHILD in os.environ:  # one run of one side, started by run_both
         job = json.loads(os.environ[CHILD])
@@ -329,4 +427,5 @@ if __name__ == "__main__":
             json.dump(rows, f)
     else:
         from cli import parse_config
+
         main(parse_config(BenchConfig, description=__doc__.split("\n\n")[0])[0])

@@ -5,6 +5,7 @@
 Writes OUT/tables.md and OUT/*.png. Every number comes from the runs' metrics.jsonl and the eval
 JSON files; the plots are eval.py's plot_runs (seeds averaged, min-max band) plus one pass@k chart.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,21 +32,32 @@ def summarise(run: str) -> dict:
     evals = [r for r in rows if "eval/accuracy" in r]
     norms = [r["grad_norm"] for r in train]
     return {
-        "steps": len(train), "greedy": evals[-1]["eval/greedy_accuracy"], "mean4": evals[-1]["eval/mean@4"],
+        "steps": len(train),
+        "greedy": evals[-1]["eval/greedy_accuracy"],
+        "mean4": evals[-1]["eval/mean@4"],
         "greedy0": evals[0]["eval/greedy_accuracy"],
-        "time": sum(r["time/step_s"] for r in train), "step_s": statistics.mean(r["time/step_s"] for r in train),
-        "tokens": sum(r["tokens/generated"] for r in train), "gss10": train[-1]["gss10_frac"],
-        "gss_max": max(r["gss"] for r in train), "grad_mean": statistics.mean(norms),
+        "time": sum(r["time/step_s"] for r in train),
+        "step_s": statistics.mean(r["time/step_s"] for r in train),
+        "tokens": sum(r["tokens/generated"] for r in train),
+        "gss10": train[-1]["gss10_frac"],
+        "gss_max": max(r["gss"] for r in train),
+        "grad_mean": statistics.mean(norms),
         "grad_cv": statistics.pstdev(norms) / statistics.mean(norms),
-        "entropy_first": train[0]["entropy"], "entropy_last": statistics.mean(r["entropy"] for r in train[-10:]),
-        "entropy_min": min(r["entropy"] for r in train), "reward_last": statistics.mean(r["reward/mean"] for r in train[-10:]),
+        "entropy_first": train[0]["entropy"],
+        "entropy_last": statistics.mean(r["entropy"] for r in train[-10:]),
+        "entropy_min": min(r["entropy"] for r in train),
+        "reward_last": statistics.mean(r["reward/mean"] for r in train[-10:]),
         "zero_std": statistics.mean(r["frac_zero_std_groups"] for r in train),
     }
 
 
 def seeds_of(runs_dir: str, name: str) -> list[str]:
     """Finished seed runs of one configuration (runs still in progress have no final/ yet)."""
-    return sorted(d for d in glob.glob(os.path.join(runs_dir, f"{name}-s*")) if os.path.isfile(os.path.join(d, "final", "trainer_state.pt")))
+    return sorted(
+        d
+        for d in glob.glob(os.path.join(runs_dir, f"{name}-s*"))
+        if os.path.isfile(os.path.join(d, "final", "trainer_state.pt"))
+    )
 
 
 def ms(values: list[float], fmt: str = "{:.1f}", scale: float = 1.0) -> str:
@@ -84,21 +96,47 @@ def main() -> None:
     S = {n: v for n, v in S.items() if v}
     col = lambda n, key: [s[key] for s in S[n]]  # noqa: E731
     n_seeds = max(len(v) for v in S.values())
-    out = [f"Seeds per configuration: {n_seeds}. Values are mean ± sample sd over seeds; accuracies in %, "
-           f"held-out greedy accuracy and mean@4 at the last step (200 prompts per seed unless --quick).\n"]
+    out = [
+        f"Seeds per configuration: {n_seeds}. Values are mean ± sample sd over seeds; accuracies in %, "
+        f"held-out greedy accuracy and mean@4 at the last step (200 prompts per seed unless --quick).\n"
+    ]
     base = S[next(iter(S))][0]["greedy0"]
 
     # 1. GRPO-MA against GRPO at matched compute
     ref_t = statistics.mean(col("grpo_t16a1", "step_s")) if "grpo_t16a1" in S else None
     rows = []
     for n in [n for n in GRPO_MA if n in S]:
-        rows.append([n, ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100), ms(col(n, "step_s"), "{:.2f}"),
-                     f"{statistics.mean(col(n, 'step_s')) / ref_t:.2f}" if ref_t else "",
-                     ms(col(n, "tokens"), "{:.0f}", 1e-3), ms(col(n, "gss10"), "{:.3f}"), ms(col(n, "gss_max"), "{:.1f}"),
-                     ms(col(n, "grad_cv"), "{:.2f}")])
+        rows.append(
+            [
+                n,
+                ms(col(n, "greedy"), scale=100),
+                ms(col(n, "mean4"), scale=100),
+                ms(col(n, "step_s"), "{:.2f}"),
+                f"{statistics.mean(col(n, 'step_s')) / ref_t:.2f}" if ref_t else "",
+                ms(col(n, "tokens"), "{:.0f}", 1e-3),
+                ms(col(n, "gss10"), "{:.3f}"),
+                ms(col(n, "gss_max"), "{:.1f}"),
+                ms(col(n, "grad_cv"), "{:.2f}"),
+            ]
+        )
     out.append("## GRPO-MA against GRPO\n\nStart: greedy %.1f%%.\n" % (100 * base))
-    out.append(table(["config", "greedy %", "mean@4 %", "s/step", "time vs T16A1", "generated tokens (k)", "GSS@10",
-                      "max GSS", "grad-norm CV"], rows) + "\n")
+    out.append(
+        table(
+            [
+                "config",
+                "greedy %",
+                "mean@4 %",
+                "s/step",
+                "time vs T16A1",
+                "generated tokens (k)",
+                "GSS@10",
+                "max GSS",
+                "grad-norm CV",
+            ],
+            rows,
+        )
+        + "\n"
+    )
 
     # 2. the variance claim
     var = load_json(os.path.join(args.runs, "evals", "variance.json"))
@@ -106,35 +144,88 @@ def main() -> None:
         sim = var["simulation"]
         ms_keys = list(next(iter(sim.values())))
         out.append("## Variance of the thought advantage\n\nSimulation, E[(A_hat - A_true)^2]:\n")
-        out.append(table(["K \\ M"] + [m[1:] for m in ms_keys], [[k[1:]] + [f"{sim[k][m]:.3f}" for m in ms_keys] for k in sim]) + "\n")
+        out.append(
+            table(["K \\ M"] + [m[1:] for m in ms_keys], [[k[1:]] + [f"{sim[k][m]:.3f}" for m in ms_keys] for k in sim])
+            + "\n"
+        )
         rrows = []
         for r in var["rollouts"]:
             err = r["adv_error_vs_all_answers"]
-            rrows.append([os.path.relpath(r["model"], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), f"{100 * r['reward_mean']:.1f}",
-                          f"{r['between_raw']:.4f}", f"{r['between']:.4f}", f"{r['within']:.4f}", f"{r['within_over_between']:.1f}",
-                          f"{100 * r['frac_prompts_with_signal']:.0f}"] + [f"{err[k]:.3f}" for k in err])
+            rrows.append(
+                [
+                    os.path.relpath(r["model"], os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    f"{100 * r['reward_mean']:.1f}",
+                    f"{r['between_raw']:.4f}",
+                    f"{r['between']:.4f}",
+                    f"{r['within']:.4f}",
+                    f"{r['within_over_between']:.1f}",
+                    f"{100 * r['frac_prompts_with_signal']:.0f}",
+                ]
+                + [f"{err[k]:.3f}" for k in err]
+            )
         r0 = var["rollouts"][0]
         out.append(f"Real rollouts: {r0['prompts']} held-out prompts x K={r0['K']} thoughts x M={r0['M']} answers:\n")
-        out.append(table(["policy", "reward %", "Var_i V_i", "between S^2", "within", "within / between", "prompts with signal %"]
-                         + [f"adv err, {k[1:]} of {r0['M']} answers" for k in r0["adv_error_vs_all_answers"]], rrows) + "\n")
+        out.append(
+            table(
+                [
+                    "policy",
+                    "reward %",
+                    "Var_i V_i",
+                    "between S^2",
+                    "within",
+                    "within / between",
+                    "prompts with signal %",
+                ]
+                + [f"adv err, {k[1:]} of {r0['M']} answers" for k in r0["adv_error_vs_all_answers"]],
+                rrows,
+            )
+            + "\n"
+        )
 
     # 3. 2-GRPO against 16-GRPO
     if "grpo_t16a1" in S:
         ref_acc, ref_time = statistics.mean(col("grpo_t16a1", "greedy")), statistics.mean(col("grpo_t16a1", "time"))
         rows = []
         for n in [n for n in TWO_GRPO if n in S]:
-            rows.append([n, str(S[n][0]["steps"]), ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100),
-                         f"{100 * statistics.mean(col(n, 'greedy')) / ref_acc:.0f}%", ms(col(n, "time"), "{:.0f}"),
-                         f"{100 * statistics.mean(col(n, 'time')) / ref_time:.0f}%", ms(col(n, "tokens"), "{:.0f}", 1e-3)])
+            rows.append(
+                [
+                    n,
+                    str(S[n][0]["steps"]),
+                    ms(col(n, "greedy"), scale=100),
+                    ms(col(n, "mean4"), scale=100),
+                    f"{100 * statistics.mean(col(n, 'greedy')) / ref_acc:.0f}%",
+                    ms(col(n, "time"), "{:.0f}"),
+                    f"{100 * statistics.mean(col(n, 'time')) / ref_time:.0f}%",
+                    ms(col(n, "tokens"), "{:.0f}", 1e-3),
+                ]
+            )
         out.append("## 2-GRPO against 16-GRPO\n")
-        out.append(table(["config", "steps", "greedy %", "mean@4 %", "greedy vs 16-GRPO", "training s", "time vs 16-GRPO",
-                          "generated tokens (k)"], rows) + "\n")
+        out.append(
+            table(
+                [
+                    "config",
+                    "steps",
+                    "greedy %",
+                    "mean@4 %",
+                    "greedy vs 16-GRPO",
+                    "training s",
+                    "time vs 16-GRPO",
+                    "generated tokens (k)",
+                ],
+                rows,
+            )
+            + "\n"
+        )
 
     # 4. A-GRAE: pass@k on the same held-out prompts (eval.py --n 16)
     passk = {n: res for n in ("base",) + AGRAE if (res := evals_of(args.runs, n, "passk"))}
     if passk:
-        rows = [[n, ms([r["greedy_accuracy"] for r in res], scale=100)] + [ms([r[f"pass@{k}"] for r in res], scale=100) for k in KS]
-                + [ms([r["format_rate"] for r in res], scale=100)] for n, res in passk.items()]
+        rows = [
+            [n, ms([r["greedy_accuracy"] for r in res], scale=100)]
+            + [ms([r[f"pass@{k}"] for r in res], scale=100) for k in KS]
+            + [ms([r["format_rate"] for r in res], scale=100)]
+            for n, res in passk.items()
+        ]
         out.append("## A-GRAE: pass@k (eval.py, 16 samples on the same held-out prompts)\n")
         out.append(table(["config", "greedy %"] + [f"pass@{k} %" for k in KS] + ["format %"], rows) + "\n")
         plot_passk(passk, os.path.join(args.out, "agrae_passk.png"))
@@ -145,29 +236,67 @@ def main() -> None:
     rows = [["base", f"{100 * base:.1f}", "", "", "", "", pct(ood, "greedy_accuracy"), pct(ood, "pass@16")]]
     for n in [n for n in GTPO if n in S]:
         ood = evals_of(args.runs, n, "ood")
-        rows.append([n, ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100), ms(col(n, "entropy_first"), "{:.3f}"),
-                     ms(col(n, "entropy_last"), "{:.3f}"), ms(col(n, "gss10"), "{:.3f}"),
-                     pct(ood, "greedy_accuracy"), pct(ood, "pass@16")])
+        rows.append(
+            [
+                n,
+                ms(col(n, "greedy"), scale=100),
+                ms(col(n, "mean4"), scale=100),
+                ms(col(n, "entropy_first"), "{:.3f}"),
+                ms(col(n, "entropy_last"), "{:.3f}"),
+                ms(col(n, "gss10"), "{:.3f}"),
+                pct(ood, "greedy_accuracy"),
+                pct(ood, "pass@16"),
+            ]
+        )
     out.append("## GTPO against GRPO\n")
-    out.append(table(["config", "greedy %", "mean@4 %", "entropy, step 1", "entropy, last 10 steps", "GSS@10",
-                      "synthetic-hard greedy %", "synthetic-hard pass@16 %"], rows) + "\n")
+    out.append(
+        table(
+            [
+                "config",
+                "greedy %",
+                "mean@4 %",
+                "entropy, step 1",
+                "entropy, last 10 steps",
+                "GSS@10",
+                "synthetic-hard greedy %",
+                "synthetic-hard pass@16 %",
+            ],
+            rows,
+        )
+        + "\n"
+    )
 
     # every configuration in one table
-    rows = [[n, str(len(S[n])), ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100), ms(col(n, "reward_last"), "{:.3f}"),
-             ms(col(n, "step_s"), "{:.2f}"), ms(col(n, "zero_std"), "{:.2f}")] for n in S]
+    rows = [
+        [
+            n,
+            str(len(S[n])),
+            ms(col(n, "greedy"), scale=100),
+            ms(col(n, "mean4"), scale=100),
+            ms(col(n, "reward_last"), "{:.3f}"),
+            ms(col(n, "step_s"), "{:.2f}"),
+            ms(col(n, "zero_std"), "{:.2f}"),
+        ]
+        for n in S
+    ]
     out.append("## Every configuration\n")
-    out.append(table(["config", "seeds", "greedy %", "mean@4 %", "train reward, last 10", "s/step", "zero-std groups"], rows) + "\n")
+    out.append(
+        table(["config", "seeds", "greedy %", "mean@4 %", "train reward, last 10", "s/step", "zero-std groups"], rows)
+        + "\n"
+    )
     with open(os.path.join(args.out, "tables.md"), "w") as f:
         f.write("\n".join(out))
     print("\n".join(out))
 
     runs = lambda group: [d for n in group for d in seeds_of(args.runs, n)]  # noqa: E731
-    plots = [("grpo_ma_time.png", GRPO_MA, "time", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
-             ("grpo_ma_tokens.png", GRPO_MA, "tokens", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
-             ("grpo_ma_grad.png", GRPO_MA, "step", ["grad_norm", "gss", "frac_zero_std_groups"]),
-             ("two_grpo_time.png", TWO_GRPO, "time", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
-             ("agrae.png", AGRAE, "step", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
-             ("gtpo.png", GTPO, "step", ["entropy", "eval/accuracy", "grad_norm"])]
+    plots = [
+        ("grpo_ma_time.png", GRPO_MA, "time", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
+        ("grpo_ma_tokens.png", GRPO_MA, "tokens", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
+        ("grpo_ma_grad.png", GRPO_MA, "step", ["grad_norm", "gss", "frac_zero_std_groups"]),
+        ("two_grpo_time.png", TWO_GRPO, "time", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
+        ("agrae.png", AGRAE, "step", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
+        ("gtpo.png", GTPO, "step", ["entropy", "eval/accuracy", "grad_norm"]),
+    ]
     for file, group, x, keys in plots:
         if runs(group):
             print(plot_runs(runs(group), os.path.join(args.out, file), x=x, keys=keys))
@@ -175,12 +304,19 @@ def main() -> None:
 
 def plot_passk(passk: dict, out: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for n, res in passk.items():
-        ax.plot(KS, [100 * statistics.mean(r[f"pass@{k}"] for r in res) for k in KS], marker="o", label=n,
-                linestyle="--" if "agrae" in n else "-")
+        ax.plot(
+            KS,
+            [100 * statistics.mean(r[f"pass@{k}"] for r in res) for k in KS],
+            marker="o",
+            label=n,
+            linestyle="--" if "agrae" in n else "-",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
     ax.set_ylabel("pass@k %")

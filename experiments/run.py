@@ -17,6 +17,7 @@ Claims and the runs that test them (same task, model, lengths and base learning 
   A-GRAE    {grpo, dr_grpo, dapo} with and without --advantage agrae, then pass@1..16
   GTPO      gtpo against grpo_t16a1, then accuracy on synthetic-hard (4-digit operands: OOD)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> train.py flags. Most expensive first, so the last jobs to start are short ones.
 CONFIGS = {
-    "grpo_t16a1": ["--algo", "grpo"],                                    # GRPO, 16 samples
+    "grpo_t16a1": ["--algo", "grpo"],  # GRPO, 16 samples
     "dapo": ["--algo", "dapo"],
     "dapo_agrae": ["--algo", "dapo", "--advantage", "agrae"],
     "grpo_agrae": ["--algo", "agrae"],
@@ -39,16 +40,16 @@ CONFIGS = {
     "dr_grpo_agrae": ["--algo", "dr_grpo", "--advantage", "agrae"],
     "gtpo": ["--algo", "gtpo"],
     "grpo_ma_t4a8": ["--algo", "grpo_ma", "--answers", "8"],
-    "grpo_ma_t4a4": ["--algo", "grpo_ma"],                               # GRPO-MA, 4 thoughts x 4 answers
-    "grpo_t4a1": ["--algo", "grpo", "--thoughts", "4"],                  # GRPO, 4 samples
-    "two_grpo_lr8x": ["--algo", "two_grpo"],                             # 128 prompts x 2, lr 2.4e-3
-    "two_grpo_lr1x": ["--algo", "two_grpo", "--lr", "3e-4"],             # 128 prompts x 2, lr 3e-4
+    "grpo_ma_t4a4": ["--algo", "grpo_ma"],  # GRPO-MA, 4 thoughts x 4 answers
+    "grpo_t4a1": ["--algo", "grpo", "--thoughts", "4"],  # GRPO, 4 samples
+    "two_grpo_lr8x": ["--algo", "two_grpo"],  # 128 prompts x 2, lr 2.4e-3
+    "two_grpo_lr1x": ["--algo", "two_grpo", "--lr", "3e-4"],  # 128 prompts x 2, lr 3e-4
     "two_grpo_p16": ["--algo", "two_grpo", "--prompts-per-step", "16", "--lr", "3e-4"],  # 16 prompts x 2
 }
 MATCHED_PROMPTS = ("two_grpo_lr8x", "two_grpo_lr1x")  # 8x prompts per step, so 1/8 of the steps
 PASSK = ("grpo_t16a1", "grpo_agrae", "dr_grpo", "dr_grpo_agrae", "dapo", "dapo_agrae")  # eval.py --n 16
-OOD = ("grpo_t16a1", "gtpo")                            # eval.py --task synthetic-hard
-VARIANCE = ("grpo_ma_t4a4", "grpo_t16a1")               # end policies for the variance measurement
+OOD = ("grpo_t16a1", "gtpo")  # eval.py --task synthetic-hard
+VARIANCE = ("grpo_ma_t4a4", "grpo_t16a1")  # end policies for the variance measurement
 
 
 def plan(args) -> tuple[list[tuple], list[tuple]]:
@@ -60,9 +61,23 @@ def plan(args) -> tuple[list[tuple], list[tuple]]:
         steps = math.ceil(args.steps / 8) if name in MATCHED_PROMPTS else args.steps
         for seed in args.seeds:
             run = os.path.join(out, f"{name}-s{seed}")
-            argv = [py, "train.py", *flags, "--max-steps", str(steps), "--seed", str(seed), "--out", run,
-                    "--eval-every", str(max(1, steps // 4)), "--eval-examples", str(args.eval_examples),
-                    "--samples-every", "0"]
+            argv = [
+                py,
+                "train.py",
+                *flags,
+                "--max-steps",
+                str(steps),
+                "--seed",
+                str(seed),
+                "--out",
+                run,
+                "--eval-every",
+                str(max(1, steps // 4)),
+                "--eval-examples",
+                str(args.eval_examples),
+                "--samples-every",
+                "0",
+            ]
             train_jobs.append((f"{name}-s{seed}", argv, os.path.join(run, "final", "trainer_state.pt"), []))
     models = {"base": os.path.join(ROOT, "assets", "tiny-model")}
     models.update({f"{n}-s{s}": os.path.join(out, f"{n}-s{s}", "final") for n in CONFIGS for s in args.seeds})
@@ -70,8 +85,24 @@ def plan(args) -> tuple[list[tuple], list[tuple]]:
     evals = os.path.join(out, "evals")
     ends = [models[f"{c}-s{args.seeds[0]}"] for c in VARIANCE]
     dst = os.path.join(evals, "variance.json")
-    eval_jobs.append(("variance", [py, "experiments/variance.py", "--models", models["base"], *ends,
-                                   "--prompts", str(args.variance_prompts), "--out", dst], dst, [models["base"], *ends]))
+    eval_jobs.append(
+        (
+            "variance",
+            [
+                py,
+                "experiments/variance.py",
+                "--models",
+                models["base"],
+                *ends,
+                "--prompts",
+                str(args.variance_prompts),
+                "--out",
+                dst,
+            ],
+            dst,
+            [models["base"], *ends],
+        )
+    )
     for key, path in models.items():
         config = key.rsplit("-s", 1)[0]
         if key == "base" or config in PASSK:
@@ -79,7 +110,14 @@ def plan(args) -> tuple[list[tuple], list[tuple]]:
             eval_jobs.append((f"{key}.passk", ev + ["--model", path, "--k", "1,2,4,8,16", "--out", dst], dst, [path]))
         if key == "base" or config in OOD:
             dst = os.path.join(evals, f"{key}.ood.json")
-            eval_jobs.append((f"{key}.ood", ev + ["--model", path, "--task", "synthetic-hard", "--k", "1,4,16", "--out", dst], dst, [path]))
+            eval_jobs.append(
+                (
+                    f"{key}.ood",
+                    ev + ["--model", path, "--task", "synthetic-hard", "--k", "1,4,16", "--out", dst],
+                    dst,
+                    [path],
+                )
+            )
     return train_jobs, eval_jobs
 
 
@@ -103,8 +141,12 @@ def run_all(jobs, n_jobs: int, log_dir: str) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--quick", action="store_true", help="1 seed x 20 steps, 50 eval prompts (a smoke test of the suite)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each gets cores / jobs threads)")
+    p.add_argument(
+        "--quick", action="store_true", help="1 seed x 20 steps, 50 eval prompts (a smoke test of the suite)"
+    )
+    p.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each gets cores / jobs threads)"
+    )
     p.add_argument("--out", default="", help="run directory (default runs/exp or runs/exp-quick)")
     args = p.parse_args()
     args.steps, args.seeds = (20, [0]) if args.quick else (100, [0, 1, 2])
@@ -116,8 +158,11 @@ def main() -> None:
     train_jobs, eval_jobs = plan(args)
     failed = run_all(train_jobs, args.jobs, os.path.join(args.out, "logs"))
     # an evaluation whose checkpoint is missing belongs to a training run that failed (already reported)
-    failed += run_all([j for j in eval_jobs if all(os.path.isfile(os.path.join(m, "config.json")) for m in j[3])],
-                      args.jobs, os.path.join(args.out, "logs"))
+    failed += run_all(
+        [j for j in eval_jobs if all(os.path.isfile(os.path.join(m, "config.json")) for m in j[3])],
+        args.jobs,
+        os.path.join(args.out, "logs"),
+    )
     print(f"suite: {time.time() - t0:.0f} s", flush=True)
     if failed:
         raise SystemExit(f"{len(failed)} job(s) failed: {', '.join(failed)}; logs in {args.out}/logs")

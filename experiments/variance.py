@@ -11,6 +11,7 @@
    between-thought variance S^2 = Var_i(V_i) - within / M; and the thought-advantage error of m < M
    answers per thought against the advantage from all M (the real-rollout analogue of step 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,9 @@ from tasks import get_task, render_prompt  # noqa: E402
 
 
 def simulate(ks=(4, 16, 64), ms=(1, 2, 4, 8, 16), trials: int = 2000) -> dict:
-    return {f"K{k}": {f"M{m}": thought_advantage_variance(k, m, n_trials=trials, seed=k * 100 + m) for m in ms} for k in ks}
+    return {
+        f"K{k}": {f"M{m}": thought_advantage_variance(k, m, n_trials=trials, seed=k * 100 + m) for m in ms} for k in ks
+    }
 
 
 @torch.no_grad()
@@ -37,25 +40,43 @@ def measure(path: str, task, n_prompts: int, k: int, m: int, seed: int) -> dict:
     model, tok = load_model(path), load_tokenizer(path)
     examples = task.test(n_prompts, seed)
     prompts = [render_prompt(tok, ex, task.system_prompt) for ex in examples]
-    tree = sample_tree(model, prompts, k=k, m=m, max_thought_tokens=64, max_answer_tokens=16,
-                       end_of_thought=tok.encode("</think>"), temperature=1.0, stop_ids=tok.stop_ids,
-                       seed=[seed + i for i in range(len(prompts))])
+    tree = sample_tree(
+        model,
+        prompts,
+        k=k,
+        m=m,
+        max_thought_tokens=64,
+        max_answer_tokens=16,
+        end_of_thought=tok.encode("</think>"),
+        temperature=1.0,
+        stop_ids=tok.stop_ids,
+        seed=[seed + i for i in range(len(prompts))],
+    )
     texts = [decode_completion(tok, tree.thoughts[a // m] + ans) for a, ans in enumerate(tree.answers)]
     r = torch.tensor([task.reward(t, examples[a // (k * m)]) for a, t in enumerate(texts)], dtype=torch.float64)
     r = r.view(n_prompts, k, m)
-    within = r.var(dim=2, unbiased=True).mean(dim=1)                 # (P,) noise of one answer
-    between_raw = r.mean(dim=2).var(dim=1, unbiased=True)            # (P,) spread of thought values
-    between = (between_raw - within / m).clamp(min=0)                # (P,) minus the answer noise
-    full, _ = grpo_ma_advantages(r)                                  # (P, K) advantage from all M answers
+    within = r.var(dim=2, unbiased=True).mean(dim=1)  # (P,) noise of one answer
+    between_raw = r.mean(dim=2).var(dim=1, unbiased=True)  # (P,) spread of thought values
+    between = (between_raw - within / m).clamp(min=0)  # (P,) minus the answer noise
+    full, _ = grpo_ma_advantages(r)  # (P, K) advantage from all M answers
     err = {}
     for sub in [s for s in (1, 2, 4, 8) if s < m]:
         a, _ = grpo_ma_advantages(r[..., :sub])
         err[f"M{sub}"] = float(((a - full) ** 2).mean())
     informative = (r.flatten(1).std(dim=1) > 0).double().mean()
-    return {"model": path, "prompts": n_prompts, "K": k, "M": m, "reward_mean": float(r.mean()),
-            "between_raw": float(between_raw.mean()), "between": float(between.mean()), "within": float(within.mean()),
-            "within_over_between": float(within.mean() / between.mean()) if between.mean() > 0 else float("inf"),
-            "frac_prompts_with_signal": float(informative), "adv_error_vs_all_answers": err}
+    return {
+        "model": path,
+        "prompts": n_prompts,
+        "K": k,
+        "M": m,
+        "reward_mean": float(r.mean()),
+        "between_raw": float(between_raw.mean()),
+        "between": float(between.mean()),
+        "within": float(within.mean()),
+        "within_over_between": float(within.mean() / between.mean()) if between.mean() > 0 else float("inf"),
+        "frac_prompts_with_signal": float(informative),
+        "adv_error_vs_all_answers": err,
+    }
 
 
 def main() -> None:
@@ -68,7 +89,10 @@ def main() -> None:
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args()
     task = get_task("synthetic")
-    res = {"simulation": simulate(), "rollouts": [measure(m, task, args.prompts, args.k, args.m, args.seed) for m in args.models]}
+    res = {
+        "simulation": simulate(),
+        "rollouts": [measure(m, task, args.prompts, args.k, args.m, args.seed) for m in args.models],
+    }
     print(json.dumps(res, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -1,6 +1,7 @@
 """Shared pytest setup: the repo root on sys.path (so `import model` works however pytest is
 started), transformers kept offline and quiet, and a factory fixture for tiny HF checkpoints
 (the plain functions live in tests/helpers.py)."""
+
 import os
 import sys
 from pathlib import Path
@@ -22,4 +23,5 @@ def hf_checkpoint(tmp_path):
 
     def make(family: str, tied: bool = False, **kw) -> Path:
         return make_hf_checkpoint(tmp_path, family, tied, **kw)
+
     return make

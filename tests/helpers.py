@@ -2,6 +2,7 @@
 transformers (the reference implementation), with EVERY parameter randomised, because HF's
 default init (zero biases, unit norm weights) hides whole classes of bugs (a dropped q/k/v bias
 matches to 0.0, interleaved RoPE to ~5e-3)."""
+
 from pathlib import Path
 
 import torch
@@ -9,22 +10,50 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def make_hf_model(family: str, tied: bool = False, *, vocab_size: int = 128, hidden_size: int = 64,
-                  intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
-                  num_key_value_heads: int = 2, head_dim: int | None = None, seed: int = 0, **config_kw):
+def make_hf_model(
+    family: str,
+    tied: bool = False,
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int | None = None,
+    seed: int = 0,
+    **config_kw,
+):
     """A tiny transformers *ForCausalLM in float32 and eval mode, every parameter randomised
     (weights and biases N(0, 0.05), norm weights 1 + 0.1 N(0, 1)). family: llama (Llama 3 with
     llama3 RoPE scaling, rope_theta 5e5) | qwen2 (q/k/v bias) | qwen3 (q/k norm, explicit head_dim)."""
     import transformers
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-              num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-              num_key_value_heads=num_key_value_heads, tie_word_embeddings=tied,
-              max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if family == "llama":
         # a small original context (64) puts the head_dim-16 frequencies in all three llama3 bands
-        kw |= dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64})
+        kw |= dict(
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
         cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
     elif family == "qwen2":
         kw |= dict(rope_theta=1000000.0)
@@ -45,8 +74,9 @@ def make_hf_model(family: str, tied: bool = False, *, vocab_size: int = 128, hid
     return model.float().eval()
 
 
-def make_hf_checkpoint(tmp_path: Path, family: str, tied: bool = False, *, max_shard_size: str | None = None,
-                       name: str | None = None, **kw) -> Path:
+def make_hf_checkpoint(
+    tmp_path: Path, family: str, tied: bool = False, *, max_shard_size: str | None = None, name: str | None = None, **kw
+) -> Path:
     """Save make_hf_model(family, tied, **kw) with save_pretrained into tmp_path/name and return
     that directory (max_shard_size, e.g. "20KB", gives a sharded checkpoint with an index)."""
     path = Path(tmp_path) / (name or f"{family}-{'tied' if tied else 'untied'}")
@@ -59,6 +89,7 @@ def make_hf_checkpoint(tmp_path: Path, family: str, tied: bool = False, *, max_s
 def hf_logits(path: Path, input_ids: torch.Tensor) -> torch.Tensor:
     """Reference logits: transformers loads `path` itself (float32, eval)."""
     import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids).logits
@@ -91,12 +122,14 @@ def bottom_right_causal(B: int, T: int, S: int) -> torch.Tensor:
     return (cols <= (S - T) + rows).expand(B, 1, T, S)
 
 
-def make_char_tokenizer(path: Path, chars: str = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz.,:?\n",
-                        thinking: bool = True) -> Path:
+def make_char_tokenizer(
+    path: Path, chars: str = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz.,:?\n", thinking: bool = True
+) -> Path:
     """A character-level tokenizer.json like the bundled tiny model's: WordLevel over single
     characters, a decoder that joins without spaces, Qwen specials (<|endoftext|>, <|im_start|>,
     <|im_end|>) and, like Qwen3, <think> / </think> as added but not special tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     vocab = {c: i for i, c in enumerate(["<unk>", *dict.fromkeys(chars)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m:.)"), behavior="isolated")  # (?m) = dot-all
@@ -110,10 +143,20 @@ def make_char_tokenizer(path: Path, chars: str = "0123456789+-*/=() abcdefghijkl
 
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eom_id|>", "<|eot_id|>"]
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "2+2=4 and 3*3=9; café, naïve, 東京.",
-          "def f(x):\n    return x * 2\n", "Think step by step, then answer."] * 4
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "2+2=4 and 3*3=9; café, naïve, 東京.",
+    "def f(x):\n    return x * 2\n",
+    "Think step by step, then answer.",
+] * 4
 
 
 def make_bpe_tokenizer(path: Path, family: str, vocab_size: int = 400) -> Path:
@@ -122,20 +165,27 @@ def make_bpe_tokenizer(path: Path, family: str, vocab_size: int = 400) -> Path:
     (header tokens, and a TemplateProcessing post-processor that prepends <|begin_of_text|>
     exactly like the real Llama 3 tokenizer.json, to expose double-BOS bugs)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     specials = LLAMA3_SPECIALS if family == "llama3" else QWEN_SPECIALS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     if family == "qwen3":
         tok.add_tokens(["<think>", "</think>"])
     if family == "llama3":
         bos = tok.token_to_id("<|begin_of_text|>")
         tok.post_processor = processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
-            special_tokens=[("<|begin_of_text|>", bos)])
+            single="<|begin_of_text|> $A",
+            pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+            special_tokens=[("<|begin_of_text|>", bos)],
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     Path(path).mkdir(parents=True, exist_ok=True)

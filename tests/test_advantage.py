@@ -8,18 +8,34 @@ import random
 import pytest
 import torch
 
-from advantage import (agrae_advantages, dynamic_sampling_keep, gradient_spike_score, group_advantages,
-                       grpo_ma_advantages, grpo_ma_token_advantages, grpo_ma_token_weights,
-                       gtpo_conflict_weights, gtpo_entropy_gate, gtpo_entropy_shift, kl3,
-                       noise_corrected_rewards, overlong_penalty, policy_loss, select_hard_examples,
-                       thought_advantage_variance, token_weights, two_grpo_advantages)
+from advantage import (
+    agrae_advantages,
+    dynamic_sampling_keep,
+    gradient_spike_score,
+    group_advantages,
+    grpo_ma_advantages,
+    grpo_ma_token_advantages,
+    grpo_ma_token_weights,
+    gtpo_conflict_weights,
+    gtpo_entropy_gate,
+    gtpo_entropy_shift,
+    kl3,
+    noise_corrected_rewards,
+    overlong_penalty,
+    policy_loss,
+    select_hard_examples,
+    thought_advantage_variance,
+    token_weights,
+    two_grpo_advantages,
+)
 
 T = torch.tensor
 
 
 def close(a, b, tol=1e-5):
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
-                          atol=tol, rtol=tol)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=tol
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,7 +69,7 @@ def test_group_advantages_zero_mean_and_unit_sample_variance():
     r = torch.rand(6, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     adv = group_advantages(r, eps=0.0)
     assert close(adv.sum(-1), torch.zeros(6), 1e-12)
-    assert close((adv ** 2).sum(-1), torch.full((6,), 4.0), 1e-10)  # unbiased: sum A^2 = G - 1
+    assert close((adv**2).sum(-1), torch.full((6,), 4.0), 1e-10)  # unbiased: sum A^2 = G - 1
 
 
 def test_grpo_ma_thoughts_tie_answers_differ():
@@ -191,12 +207,23 @@ def test_gtpo_conflict_weights_hand_example():
     adv = T([1.0, -1, 1, 0, 1, 1, 1, 1])  # group 1: rows 0,2 positive, 1 negative, 3 zero; group 2 all positive
     # prefix: t0 token 5 in pos and neg -> rows 0,1,2; t1: pos {6,1}, neg {6} -> rows 0,1; t2: pos {7,9} neg {8} stop
     # suffix (from each last token): 9,9,9 -> rows 0,1,2; next 7 / 8 / 1 -> stop. Row 3 (A=0) never conflicts.
-    want = T([[2.0, 2, 1, 2], [0, 0, 1, 0], [2, 1, 2, 0], [1, 1, 1, 1],
-              [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    want = T(
+        [
+            [2.0, 2, 1, 2],
+            [0, 0, 1, 0],
+            [2, 1, 2, 0],
+            [1, 1, 1, 1],
+            [1, 1, 1, 1],
+            [1, 1, 1, 1],
+            [1, 1, 1, 0],
+            [1, 1, 1, 1],
+        ]
+    )
     assert torch.equal(gtpo_conflict_weights(ids, mask, adv, 4), want)
     # Both runs cover every token: w_pos once (design.md), not w_pos**2 as in the released code.
-    assert torch.equal(gtpo_conflict_weights(T([[3, 4], [3, 4]]), torch.ones(2, 2), T([1.0, -1]), 2),
-                       T([[2.0, 2], [0, 0]]))
+    assert torch.equal(
+        gtpo_conflict_weights(T([[3, 4], [3, 4]]), torch.ones(2, 2), T([1.0, -1]), 2), T([[2.0, 2], [0, 0]])
+    )
 
 
 def brute_conflict_weights(ids, mask, adv, group_size, w_pos, w_neg):
@@ -404,8 +431,9 @@ def test_policy_loss_ignores_nonfinite_padding():
     logp = T([[-1.0, float("-inf")]], dtype=torch.float64, requires_grad=True)
     old = T([[-1.2, float("nan")]], dtype=torch.float64)
     for seq in (False, True):
-        loss, _ = policy_loss(logp, old, T([[1.0, 1.0]]), T([[1.0, 0.0]]), sequence_ratio=seq,
-                              ref_logp=T([[0.0, float("nan")]]), beta=0.1)
+        loss, _ = policy_loss(
+            logp, old, T([[1.0, 1.0]]), T([[1.0, 0.0]]), sequence_ratio=seq, ref_logp=T([[0.0, float("nan")]]), beta=0.1
+        )
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
@@ -429,8 +457,9 @@ def test_gspo_sequence_ratio_value_and_gradient():
     assert close(m["ratio_mean"], (s[:, None] * mask).sum() / mask.sum(), 1e-6)
     # With GSPO's tiny clip range a positive-advantage row with s > 1 + 4e-4 gets no gradient.
     logp = T([[0.0, 0.0]], dtype=torch.float64, requires_grad=True)
-    loss, m = policy_loss(logp, T([[-0.01, -0.03]]), T([[1.0, 1.0]]), T([[0.5, 0.5]]), sequence_ratio=True,
-                          clip_low=3e-4, clip_high=4e-4)
+    loss, m = policy_loss(
+        logp, T([[-0.01, -0.03]]), T([[1.0, 1.0]]), T([[0.5, 0.5]]), sequence_ratio=True, clip_low=3e-4, clip_high=4e-4
+    )
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.equal(grad, torch.zeros(1, 2)) and close(loss, -(1 + 4e-4), 1e-12) and m["clip_frac_high"] == 1.0
 
@@ -476,8 +505,9 @@ def test_thought_advantage_variance_floor_in_k_and_one_over_m():
     must not fall with K (a floor) and must fall as 1/M, toward the delta-method limit
     M * err -> E[q(1-q)] / Var(q) * (K-1)/K, with q ~ U(.1,.9): E[q(1-q)] = .25 - .8**2/12 = .196667,
     Var(q) = .053333, ratio 3.6875 (reference §1.6; the (K-1)/K is torch.std's unbiased rescale)."""
-    err = {(k, m): thought_advantage_variance(k, m, n_trials=32768 // k, seed=0)
-           for k in (16, 64, 256) for m in (1, 8, 64)}
+    err = {
+        (k, m): thought_advantage_variance(k, m, n_trials=32768 // k, seed=0) for k in (16, 64, 256) for m in (1, 8, 64)
+    }
     for m in (1, 8, 64):  # 16x more thoughts do not reduce the error: the floor
         assert 0.95 < err[256, m] / err[16, m] < 1.15
     for k in (16, 64, 256):

@@ -1,4 +1,5 @@
 """Evaluation: unbiased pass@k, the held-out report, the CLI and the plots."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,10 @@ def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     run.mkdir()
-    rows = [{"step": s, "reward/mean": s / 10, "entropy": 1.0, "grad_norm": 0.5, "len/completion_mean": 20, "kl": None}
-            for s in range(1, 5)] + [{"step": 4, "eval/accuracy": 0.5, "eval/mean@4": 0.4}]
+    rows = [
+        {"step": s, "reward/mean": s / 10, "entropy": 1.0, "grad_norm": 0.5, "len/completion_mean": 20, "kl": None}
+        for s in range(1, 5)
+    ] + [{"step": 4, "eval/accuracy": 0.5, "eval/mean@4": 0.4}]
     (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
     out = plot_runs([str(run)], str(tmp_path / "p.png"))
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -71,6 +74,7 @@ def test_plot_groups_seeds_and_maps_steps_to_time_and_tokens(tmp_path):
     """Guards against seed runs not being averaged, or eval points landing at the wrong time/tokens."""
     pytest.importorskip("matplotlib")
     from eval import run_label, x_of_step
+
     assert run_label("runs/exp/grpo_t4a1-s2/") == "grpo_t4a1" and run_label("runs/my-s0x") == "my-s0x"
     rows = [{"step": 0, "eval/accuracy": 0.1}]
     rows += [{"step": s, "loss": 0.0, "time/step_s": 0.5 * s, "tokens/generated": 100} for s in (1, 2, 3)]
@@ -93,8 +97,12 @@ def test_plot_groups_seeds_and_maps_steps_to_time_and_tokens(tmp_path):
 def test_cli_prints_a_table_and_writes_json(tmp_path):
     """Guards against the documented `eval.py --model ... --n --k --out` command breaking."""
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "eval.py", "--model", BUNDLED, "--examples", "8", "--n", "2", "--k", "1,2",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "eval.py", "--model", BUNDLED, "--examples", "8", "--n", "2", "--k", "1,2", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "greedy_accuracy" in r.stdout and "pass@2" in r.stdout
     assert json.loads(out.read_text())["results"]["examples"] == 8

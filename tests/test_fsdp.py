@@ -1,5 +1,6 @@
 """FSDP2 (--fsdp) under torchrun on CPU (gloo): the update equals one process, rank 0 writes a plain
 HF checkpoint that load_model reads, and resume under FSDP continues bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -18,19 +19,67 @@ BUNDLED = os.path.join(ROOT, "assets", "tiny-model")  # tied embeddings: the sha
 # per rank (gradient accumulation without reduce-scatter), mu = 2 (the no-grad scoring pass), a clip below the
 # gradient norm (the norm over sharded DTensor gradients), a checkpoint every step. eval-examples 4 makes rank 0
 # alone run greedy evaluation, which hangs unless the weights are gathered first.
-ARGS = ["--algo", "grpo", "--model", BUNDLED, "--max-steps", "2", "--prompts-per-step", "4", "--thoughts", "4",
-        "--max-thought-tokens", "40", "--max-answer-tokens", "8", "--eval-every", "0", "--eval-examples", "4",
-        "--eval-samples", "0", "--save-every", "1", "--micro-batch-rows", "3", "--mu", "2", "--grad-clip", "0.1"]
+ARGS = [
+    "--algo",
+    "grpo",
+    "--model",
+    BUNDLED,
+    "--max-steps",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--thoughts",
+    "4",
+    "--max-thought-tokens",
+    "40",
+    "--max-answer-tokens",
+    "8",
+    "--eval-every",
+    "0",
+    "--eval-examples",
+    "4",
+    "--eval-samples",
+    "0",
+    "--save-every",
+    "1",
+    "--micro-batch-rows",
+    "3",
+    "--mu",
+    "2",
+    "--grad-clip",
+    "0.1",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
 
 
 def torchrun(out: str, port: int, *extra: str) -> None:
     """2 ranks of train.py --fsdp; a hang (ranks out of step in a collective) fails after 150 s."""
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(port),
-                          "train.py", "--fsdp", *ARGS, *extra, "--out", out], cwd=ROOT, env=ENV, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master-port",
+            str(port),
+            "train.py",
+            "--fsdp",
+            *ARGS,
+            *extra,
+            "--out",
+            out,
+        ],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         _, err = p.communicate(timeout=150)
     except subprocess.TimeoutExpired:
@@ -49,7 +98,9 @@ def runs(tmp_path_factory) -> dict[str, str]:
     """The same 2 steps in one process and under FSDP on 2 ranks."""
     d = tmp_path_factory.mktemp("fsdp")
     one, fsdp = str(d / "one"), str(d / "fsdp")
-    subprocess.run([sys.executable, "train.py", *ARGS, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "train.py", *ARGS, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True
+    )
     torchrun(fsdp, 29534)
     return dict(one=one, fsdp=fsdp, dir=str(d))
 
@@ -60,7 +111,10 @@ def test_fsdp_equals_one_process_and_saves_plain_checkpoints(runs):
     checkpoint is a full HF directory that load_model reads, equal to one process's within 1e-5."""
     start = load_model(BUNDLED).state_dict()
     for ckpt in ("step-1", "step-2", "final"):
-        w1, w2 = load_model(os.path.join(runs["one"], ckpt)).state_dict(), load_model(os.path.join(runs["fsdp"], ckpt)).state_dict()
+        w1, w2 = (
+            load_model(os.path.join(runs["one"], ckpt)).state_dict(),
+            load_model(os.path.join(runs["fsdp"], ckpt)).state_dict(),
+        )
         assert w1.keys() == w2.keys()
         assert any(not torch.equal(w1[k], start[k]) for k in w1)  # the steps did move the weights
         for k in w1:
@@ -78,7 +132,10 @@ def test_fsdp_resume_is_bitwise(runs):
     torchrun(out, 29535, "--resume", os.path.join(runs["fsdp"], "step-1"))
     wa, wb = (load_model(os.path.join(d, "final")).state_dict() for d in (runs["fsdp"], out))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    oa, ob = (torch.load(os.path.join(d, "final", "trainer_state.pt"), weights_only=False)["optimizer"] for d in (runs["fsdp"], out))
+    oa, ob = (
+        torch.load(os.path.join(d, "final", "trainer_state.pt"), weights_only=False)["optimizer"]
+        for d in (runs["fsdp"], out)
+    )
     assert oa["state"].keys() == ob["state"].keys()
     assert all(torch.equal(oa["state"][p][s], ob["state"][p][s]) for p in oa["state"] for s in oa["state"][p])
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}
@@ -87,8 +144,21 @@ def test_fsdp_resume_is_bitwise(runs):
 
 def test_fsdp_checkpoint_resumed_without_fsdp_is_one_clear_error(runs):
     """Guards against a name-keyed (FSDP) optimizer state being fed to a plain optimizer: a clear message."""
-    r = subprocess.run([sys.executable, "train.py", *ARGS, "--resume", os.path.join(runs["fsdp"], "step-1"),
-                        "--out", os.path.join(runs["dir"], "plain")], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            *ARGS,
+            "--resume",
+            os.path.join(runs["fsdp"], "step-1"),
+            "--out",
+            os.path.join(runs["dir"], "plain"),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1
     assert "saved with --fsdp" in r.stderr and "Traceback" not in r.stderr
 
@@ -98,7 +168,9 @@ def test_fsdp_with_shared_prompts_equals_one_process(tmp_path):
     attending to them) before one backward give the single-process update."""
     one, fsdp = str(tmp_path / "one"), str(tmp_path / "fsdp")
     extra = ["--share-prompt", "--max-steps", "1"]
-    subprocess.run([sys.executable, "train.py", *ARGS, *extra, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "train.py", *ARGS, *extra, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True
+    )
     torchrun(fsdp, 29536, *extra)
     w1, w2 = load_model(os.path.join(one, "final")).state_dict(), load_model(os.path.join(fsdp, "final")).state_dict()
     start = load_model(BUNDLED).state_dict()

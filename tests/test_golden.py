@@ -10,6 +10,7 @@ CPU kernel may sum in a run-dependent order and change the last bits, and a gold
 bit-stable. The CPU capability and torch version the file was made with are stored beside the
 numbers; on another machine (other kernels) the test is skipped rather than compared loosely.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +25,18 @@ from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "golden_runs.json")
-COMMON = ["--max-steps", "3", "--eval-every", "0", "--eval-examples", "16", "--eval-samples", "2", "--samples-every", "0"]
+COMMON = [
+    "--max-steps",
+    "3",
+    "--eval-every",
+    "0",
+    "--eval-examples",
+    "16",
+    "--eval-samples",
+    "2",
+    "--samples-every",
+    "0",
+]
 RUNS = {  # the default preset (GRPO-MA tree), the gated path (GTPO), the resampling path (DAPO)
     "grpo_ma": [],
     "gtpo": ["--algo", "gtpo", "--prompts-per-step", "8"],

@@ -1,5 +1,6 @@
 """model.py: logits parity with transformers for every family, the cache protocol, checkpoint
 load/save (strict errors, shards, both config layouts, atomic save) and the log-prob helpers."""
+
 import json
 import os
 
@@ -93,6 +94,7 @@ def test_bf16_logits_bitwise_equal_transformers(family, hf_checkpoint):
     Both run the same op sequence on the same CPU kernels, so the logits are bitwise equal
     (measured); scaling in float32 first changes them by ~0.02."""
     import transformers
+
     path = hf_checkpoint(family, True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     x = ids()
@@ -111,6 +113,7 @@ def test_load_shares_tied_parameter_and_leaves_nothing_on_meta(hf_checkpoint, mo
     def spy(tensor, *a, **k):
         init_devices.append(tensor.device.type)
         return normal_(tensor, *a, **k)
+
     monkeypatch.setattr(torch.nn.init, "normal_", spy)
     m = M.load_model(path)
     assert init_devices and set(init_devices) == {"meta"}
@@ -120,6 +123,7 @@ def test_load_shares_tied_parameter_and_leaves_nothing_on_meta(hf_checkpoint, mo
 
 
 # ----------------------------------------------------------------------------- cache protocol
+
 
 @pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen2-gqa-tied", "qwen3-mqa-untied"])
 def test_cache_prefill_chunk_decode_equals_full_forward(variant, hf_checkpoint):
@@ -178,6 +182,7 @@ def test_gradient_checkpointing_same_gradients(hf_checkpoint):
         m.zero_grad()
         F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
         return [p.grad.clone() for p in m.parameters()]
+
     plain = grads()
     m.gradient_checkpointing = True
     for a, b in zip(plain, grads()):
@@ -185,6 +190,7 @@ def test_gradient_checkpointing_same_gradients(hf_checkpoint):
 
 
 # ----------------------------------------------------------------------------- save / round trip
+
 
 @pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen2-gqa-tied", "qwen3-mqa-untied"])
 def test_save_model_round_trip(variant, hf_checkpoint, tmp_path):
@@ -219,13 +225,19 @@ def test_save_model_atomic_and_copies_tokenizer(hf_checkpoint, tmp_path, monkeyp
     out.mkdir()
     (out / "stale.txt").write_text("old")
     M.save_model(m, out, tokenizer_dir=tok_dir)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def boom(*a, **k):
         raise OSError("disk full")
+
     monkeypatch.setattr(M, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         M.save_model(m, out)
@@ -234,6 +246,7 @@ def test_save_model_atomic_and_copies_tokenizer(hf_checkpoint, tmp_path, monkeyp
 
 
 # ----------------------------------------------------------------------------- strict errors
+
 
 def _edit_config(path, **changes):
     cfg = json.loads((path / "config.json").read_text())
@@ -250,24 +263,50 @@ def _edit_tensors(path, fn):
 BAD = {
     "missing dir": (lambda p: p.rename(p.with_name("gone")), FileNotFoundError, "model directory not found"),
     "missing config": (lambda p: (p / "config.json").unlink(), FileNotFoundError, r"config\.json: missing"),
-    "unknown model_type": (lambda p: _edit_config(p, model_type="gpt2"), ValueError, "model_type 'gpt2' is not supported"),
+    "unknown model_type": (
+        lambda p: _edit_config(p, model_type="gpt2"),
+        ValueError,
+        "model_type 'gpt2' is not supported",
+    ),
     "sliding window": (lambda p: _edit_config(p, use_sliding_window=True), ValueError, "sliding-window"),
     "hidden_act": (lambda p: _edit_config(p, hidden_act="gelu"), ValueError, "hidden_act 'gelu'"),
-    "yarn rope": (lambda p: _edit_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
-                  ValueError, "rope type 'yarn' is not supported"),
-    "missing tensor": (lambda p: _edit_tensors(p, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
-                       ValueError, r"lacks 1 tensor\(s\).*model\.layers\.1\.mlp\.up_proj\.weight"),
-    "unexpected tensor": (lambda p: _edit_tensors(p, lambda t: t.update({"model.extra.weight": torch.zeros(2)})),
-                          ValueError, r"model\.safetensors: unexpected tensor 'model\.extra\.weight'"),
-    "wrong shape": (lambda p: _edit_tensors(p, lambda t: t.update({"model.norm.weight": torch.ones(65)})),
-                    ValueError, r"'model\.norm\.weight' has shape \(65,\), config\.json implies \(64,\)"),
-    "truncated": (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]),
-                  ValueError, r"model\.safetensors: unreadable safetensors file, truncated"),
-    "missing shard": (lambda p: (p / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})),
-        FileNotFoundError, r"index\.json: names shard 'model-00002-of-00002\.safetensors', which is missing"),
-    "llama3 keys": (lambda p: _edit_config(p, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6}),
-                    ValueError, r"config\.json: rope_scaling .* only 'llama3' scaling with keys"),
+    "yarn rope": (
+        lambda p: _edit_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+        ValueError,
+        "rope type 'yarn' is not supported",
+    ),
+    "missing tensor": (
+        lambda p: _edit_tensors(p, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+        ValueError,
+        r"lacks 1 tensor\(s\).*model\.layers\.1\.mlp\.up_proj\.weight",
+    ),
+    "unexpected tensor": (
+        lambda p: _edit_tensors(p, lambda t: t.update({"model.extra.weight": torch.zeros(2)})),
+        ValueError,
+        r"model\.safetensors: unexpected tensor 'model\.extra\.weight'",
+    ),
+    "wrong shape": (
+        lambda p: _edit_tensors(p, lambda t: t.update({"model.norm.weight": torch.ones(65)})),
+        ValueError,
+        r"'model\.norm\.weight' has shape \(65,\), config\.json implies \(64,\)",
+    ),
+    "truncated": (
+        lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]),
+        ValueError,
+        r"model\.safetensors: unreadable safetensors file, truncated",
+    ),
+    "missing shard": (
+        lambda p: (p / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})
+        ),
+        FileNotFoundError,
+        r"index\.json: names shard 'model-00002-of-00002\.safetensors', which is missing",
+    ),
+    "llama3 keys": (
+        lambda p: _edit_config(p, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6}),
+        ValueError,
+        r"config\.json: rope_scaling .* only 'llama3' scaling with keys",
+    ),
     "bad json": (lambda p: (p / "config.json").write_text("{"), ValueError, r"config\.json: not valid JSON"),
 }
 
@@ -288,21 +327,40 @@ def test_model_config_validation():
     """Guards ModelConfig: combinations transformers would build differently (Qwen2 without its
     hard-coded bias, q/k norm outside Qwen3, unsupported RoPE scaling) are refused, and
     to_hf/from_hf round-trips every field."""
-    base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    base = dict(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     with pytest.raises(ValueError, match="attention_bias=True"):
         M.ModelConfig(**base, model_type="qwen2")
     with pytest.raises(ValueError, match="qk_norm"):
         M.ModelConfig(**base, model_type="llama", qk_norm=True)
     with pytest.raises(ValueError, match="llama3"):
         M.ModelConfig(**base, model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
-    cfg = M.ModelConfig(**base, model_type="llama", rope_theta=5e5, tie_word_embeddings=True, eos_token_id=[1, 2],
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    cfg = M.ModelConfig(
+        **base,
+        model_type="llama",
+        rope_theta=5e5,
+        tie_word_embeddings=True,
+        eos_token_id=[1, 2],
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     assert M.ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
 # ----------------------------------------------------------------------------- log-probs
+
 
 def test_token_logprobs_and_entropy_match_reference():
     """Guards THE log-prob function: values must equal log_softmax(logits / T) gathered at the

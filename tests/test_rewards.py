@@ -7,24 +7,36 @@ import time
 
 import pytest
 
-from rewards import (answers_match, code_reward, combine_rewards, countdown_reward, exact_reward,
-                     extract_answer, extract_boxed, extract_code, format_reward, math_reward,
-                     parse_number, score_batch, strip_end_tokens)
+from rewards import (
+    answers_match,
+    code_reward,
+    combine_rewards,
+    countdown_reward,
+    exact_reward,
+    extract_answer,
+    extract_boxed,
+    extract_code,
+    format_reward,
+    math_reward,
+    parse_number,
+    score_batch,
+    strip_end_tokens,
+)
 
 EXTRACTION = [  # (completion, extracted answer)
     (r"so \boxed{42}.", "42"),
-    (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}"),           # nested braces
-    (r"first \boxed{1} then \boxed{2}", "2"),                         # the last box wins
+    (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}"),  # nested braces
+    (r"first \boxed{1} then \boxed{2}", "2"),  # the last box wins
     (r"\fbox{7}", "7"),
     (r"\boxed 9", "9"),
     ("<answer> 12 </answer>", " 12 "),
     ("<answer>1</answer> and <answer>3</answer>", "3"),
     ("Natalia sold 48+24 = 72 clips.\n#### 72", "72"),
     ("#### 1,000\nextra words", "1,000"),
-    ("It costs 3 dollars, then 5.5 dollars.", "5.5"),                # last number
+    ("It costs 3 dollars, then 5.5 dollars.", "5.5"),  # last number
     ("the total is 1,234,567.", "1,234,567"),
-    ("<think>the answer is 5</think>It is 6", "6"),                   # only after </think>
-    ("<think>\\boxed{5}</think> no number here", None),               # box in the scratchpad
+    ("<think>the answer is 5</think>It is 6", "6"),  # only after </think>
+    ("<think>\\boxed{5}</think> no number here", None),  # box in the scratchpad
     (r"\boxed{unclosed", None),
     ("no digits at all", None),
 ]
@@ -45,15 +57,41 @@ def test_extract_boxed_braces() -> None:
 
 
 EQUIVALENT = [  # (prediction, reference)
-    ("1,234", "1234"), ("2.50", "2.5"), ("-3", "-3.0"), ("3/4", "0.75"), (r"\frac{3}{4}", "0.75"),
-    (r"\dfrac{1}{2}", "1/2"), (r"\tfrac12", "0.5"), (r"-\frac{1}{2}", "-0.5"), (r"\frac{-1}{2}", "-1/2"),
-    (r"50\%", "50"), ("50%", "50"), (r"\text{5}", "5"), ("$5$", "5"), (r"1\,000", "1000"),
-    ("1{,}000", "1000"), (r"18 \text{ dollars}", "18"), ("x = 7", "7"), (r"90^\circ", "90"),
-    ("5.", "5"), (r"\left( 1, 2 \right)", "(1,2)"), (r"x^2 + 1", "x^2+1"), (".5", "0.5"),
+    ("1,234", "1234"),
+    ("2.50", "2.5"),
+    ("-3", "-3.0"),
+    ("3/4", "0.75"),
+    (r"\frac{3}{4}", "0.75"),
+    (r"\dfrac{1}{2}", "1/2"),
+    (r"\tfrac12", "0.5"),
+    (r"-\frac{1}{2}", "-0.5"),
+    (r"\frac{-1}{2}", "-1/2"),
+    (r"50\%", "50"),
+    ("50%", "50"),
+    (r"\text{5}", "5"),
+    ("$5$", "5"),
+    (r"1\,000", "1000"),
+    ("1{,}000", "1000"),
+    (r"18 \text{ dollars}", "18"),
+    ("x = 7", "7"),
+    (r"90^\circ", "90"),
+    ("5.", "5"),
+    (r"\left( 1, 2 \right)", "(1,2)"),
+    (r"x^2 + 1", "x^2+1"),
+    (".5", "0.5"),
 ]
 NOT_EQUIVALENT = [
-    ("0.333", "1/3"), ("3", "-3"), ("1,5", "15"), ("12", "1.2"), ("1/0", "0"), (r"\frac{1}{0}", "1"),
-    ("2", "22"), ("x+1", "x+2"), ("", "0"), ("9" * 100, "9" * 100 + "0"), ("0.5", "50%"),
+    ("0.333", "1/3"),
+    ("3", "-3"),
+    ("1,5", "15"),
+    ("12", "1.2"),
+    ("1/0", "0"),
+    (r"\frac{1}{0}", "1"),
+    ("2", "22"),
+    ("x+1", "x+2"),
+    ("", "0"),
+    ("9" * 100, "9" * 100 + "0"),
+    ("0.5", "50%"),
 ]
 
 
@@ -102,18 +140,21 @@ def test_math_reward_answer_after_think() -> None:
     assert math_reward("no think block: 72", ex) == 1.0
 
 
-@pytest.mark.parametrize("completion,score", [
-    ("<think>add them</think>42", 1.0),
-    ("add them</think>42", 1.0),                 # <think> was in the prompt
-    ("<think>add them</think>42<|im_end|>", 1.0),
-    ("<think></think>42", 0.5),                  # empty thought
-    ("<think>add them</think>  ", 0.5),          # empty answer
-    ("<think>add them", 0.0),                    # never closed
-    ("42", 0.0),
-    ("<think>a</think>b</think>c", 0.0),         # two closes
-    ("<think>a<think>b</think>c", 0.0),          # two opens
-    ("x<think>a</think>b", 0.0),                 # open not at the start
-])
+@pytest.mark.parametrize(
+    "completion,score",
+    [
+        ("<think>add them</think>42", 1.0),
+        ("add them</think>42", 1.0),  # <think> was in the prompt
+        ("<think>add them</think>42<|im_end|>", 1.0),
+        ("<think></think>42", 0.5),  # empty thought
+        ("<think>add them</think>  ", 0.5),  # empty answer
+        ("<think>add them", 0.0),  # never closed
+        ("42", 0.0),
+        ("<think>a</think>b</think>c", 0.0),  # two closes
+        ("<think>a<think>b</think>c", 0.0),  # two opens
+        ("x<think>a</think>b", 0.0),  # open not at the start
+    ],
+)
 def test_format_reward(completion: str, score: float) -> None:
     """Guards against rewarding broken structure (repeated/misplaced tags) and against the
     documented partial credit drifting."""
@@ -127,24 +168,24 @@ def test_exact_reward_synthetic() -> None:
     assert exact_reward("<think>7+8=15\n</think>425", ex) == 1.0
     assert exact_reward("<think>x</think> 425\n<|im_end|>", ex) == 1.0
     assert exact_reward("<think>x</think>0425", ex) == 0.0
-    assert exact_reward("425", ex) == 0.0                     # no thought
+    assert exact_reward("425", ex) == 0.0  # no thought
     assert exact_reward("<think>425</think>4 25", ex) == 0.0
     assert strip_end_tokens(" 7 <|eot_id|></s> ") == "7"
 
 
 COUNTDOWN = [  # (answer text, nums, target, reward); rule: every number exactly once
     ("(1 + 2) * 3", [1, 2, 3], 9, 1.0),
-    ("3 * (1 + 2) = 9", [3, 1, 2], 9, 1.0),         # trailing "= target" ignored
-    ("(6 / 4) * 2", [2, 4, 6], 3, 1.0),             # exact fractions
+    ("3 * (1 + 2) = 9", [3, 1, 2], 9, 1.0),  # trailing "= target" ignored
+    ("(6 / 4) * 2", [2, 4, 6], 3, 1.0),  # exact fractions
     ("7 / 2 * 2", [2, 2, 7], 7, 1.0),
     ("6 × 2 ÷ 3", [6, 2, 3], 4, 1.0),
-    ("1 + 2", [1, 2, 3], 3, 0.0),                   # 3 unused: exactly-once rule
-    ("1 + 2 + 3 + 3", [1, 2, 3], 9, 0.0),           # 3 used twice
-    ("(1 + 2) * 4", [1, 2, 3], 12, 0.0),            # 4 is not given
-    ("1 + 2 + 3", [1, 2, 3], 7, 0.0),               # wrong value
-    ("3 / (2 - 2) + 1", [3, 2, 2, 1], 1, 0.0),      # division by zero
-    ("-1 + 2 + 3", [1, 2, 3], 4, 0.0),              # no unary minus
-    ("2 ** 3 + 1", [2, 3, 1], 9, 0.0),              # no powers
+    ("1 + 2", [1, 2, 3], 3, 0.0),  # 3 unused: exactly-once rule
+    ("1 + 2 + 3 + 3", [1, 2, 3], 9, 0.0),  # 3 used twice
+    ("(1 + 2) * 4", [1, 2, 3], 12, 0.0),  # 4 is not given
+    ("1 + 2 + 3", [1, 2, 3], 7, 0.0),  # wrong value
+    ("3 / (2 - 2) + 1", [3, 2, 2, 1], 1, 0.0),  # division by zero
+    ("-1 + 2 + 3", [1, 2, 3], 4, 0.0),  # no unary minus
+    ("2 ** 3 + 1", [2, 3, 1], 9, 0.0),  # no powers
     ("(1 + 2", [1, 2], 3, 0.0),
     ("1 2 + 3", [1, 2, 3], 6, 0.0),
     ("__import__('os')", [1], 1, 0.0),
@@ -178,7 +219,9 @@ def test_combine_rewards_weighted_sum() -> None:
     """Guards against weights applied to the wrong reward or per-reward metrics misaligned."""
     completions = ["<think>t</think>\\boxed{3}", "<think>t</think>\\boxed{4}", "no format 3"]
     examples = [{"answer": "3"}] * 3
-    total, per = combine_rewards(completions, examples, {"correct": (math_reward, 1.0), "format": (format_reward, 0.25)})
+    total, per = combine_rewards(
+        completions, examples, {"correct": (math_reward, 1.0), "format": (format_reward, 0.25)}
+    )
     assert per == {"correct": [1.0, 0.0, 1.0], "format": [1.0, 1.0, 0.0]}
     assert total == [1.25, 0.25, 1.0]
     with pytest.raises(ValueError):

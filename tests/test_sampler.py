@@ -2,6 +2,7 @@
 forks, holes, chunks, compaction, the static path) equals a clean full forward, tree sampling
 shares its prefixes and reports the trainer's log-probs, sampling matches its target
 distribution, seeds are per prompt, and misuse is a clear error. Tiny random models, CPU."""
+
 from collections import Counter
 
 import pytest
@@ -46,21 +47,24 @@ def full_logprobs(model, prompt: list[int], completion: list[int], temperature: 
     """The trainer's view: log-probs of `completion` from one plain causal forward of prompt + completion."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(ids)[0, len(prompt) - 1:-1]
+        logits = model(ids)[0, len(prompt) - 1 : -1]
     return token_logprobs(logits, torch.tensor(completion), temperature)
 
 
 def record_forwards(model, monkeypatch) -> list[tuple[int, int]]:
     """Wrap model.forward to log the (B, T) shape of every call."""
     shapes, forward = [], model.forward
+
     def wrapped(input_ids, *args, **kw):
         shapes.append(tuple(input_ids.shape))
         return forward(input_ids, *args, **kw)
+
     monkeypatch.setattr(model, "forward", wrapped)
     return shapes
 
 
 # ----------------------------------------------------------------------------- greedy vs transformers
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_transformers_generate(models, tmp_path, family):
@@ -68,19 +72,28 @@ def test_greedy_matches_transformers_generate(models, tmp_path, family):
     with per-row positions, a key mask), and against stop ids that end the wrong row or drop the
     stop token: token-for-token equality with HF generate on a left-padded batch."""
     import transformers
+
     ours = models[family]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(make_hf_checkpoint(tmp_path, family, tied=family == "qwen3"),
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        make_hf_checkpoint(tmp_path, family, tied=family == "qwen3"), dtype=torch.float32
+    ).eval()
     hf.generation_config.eos_token_id = None
     T = max(map(len, PROMPTS))
     ids = torch.tensor([[0] * (T - len(p)) + p for p in PROMPTS])
     am = torch.arange(T) >= torch.tensor([T - len(p) for p in PROMPTS])[:, None]  # left padding
 
     def hf_new(**kw) -> list[list[int]]:
-        out = hf.generate(ids, attention_mask=am.long(), max_new_tokens=16, do_sample=False,
-                          repetition_penalty=1.0, pad_token_id=0, **kw)[:, T:].tolist()
+        out = hf.generate(
+            ids,
+            attention_mask=am.long(),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.0,
+            pad_token_id=0,
+            **kw,
+        )[:, T:].tolist()
         stop = kw.get("eos_token_id")
-        return [r[:r.index(stop) + 1] if stop in r else r for r in out]  # up to and including the stop
+        return [r[: r.index(stop) + 1] if stop in r else r for r in out]  # up to and including the stop
 
     g = generate(ours, PROMPTS, max_new_tokens=16, temperature=0)
     assert g.tokens == hf_new()
@@ -89,11 +102,12 @@ def test_greedy_matches_transformers_generate(models, tmp_path, family):
     stop = next(t for t in g.tokens[0][3:] if t not in g.tokens[1] + g.tokens[2])
     s = generate(ours, PROMPTS, max_new_tokens=16, temperature=0, stop_ids=[stop])
     assert s.tokens == hf_new(eos_token_id=stop)
-    assert s.tokens[0] == g.tokens[0][:g.tokens[0].index(stop) + 1] and s.tokens[1:] == g.tokens[1:]
+    assert s.tokens[0] == g.tokens[0][: g.tokens[0].index(stop) + 1] and s.tokens[1:] == g.tokens[1:]
     assert s.finish == ["stop", "length", "length"]
 
 
 # ----------------------------------------------------------------------------- the cache
+
 
 def test_cached_decode_matches_full_forward(models):
     """Guards against wrong positions, masks or cache slots in prefill + decode: every decode
@@ -108,7 +122,7 @@ def test_cached_decode_matches_full_forward(models):
         for t in range(5):
             steps.append(decode_step(model, cache, feed[:, t], torch.ones(2, dtype=torch.bool)))
         for i, p in enumerate(prompts):
-            ref = model(torch.tensor([p + feed[i].tolist()]))[0, len(p) - 1:]  # (6, V)
+            ref = model(torch.tensor([p + feed[i].tolist()]))[0, len(p) - 1 :]  # (6, V)
             torch.testing.assert_close(torch.stack([s[i] for s in steps]), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -192,19 +206,19 @@ def test_static_decode_path_matches_dynamic(models, monkeypatch):
 
 # ----------------------------------------------------------------------------- log-probs and trees
 
+
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (0.7, 5)])
 def test_logprobs_match_trainer_forward(models, temperature, top_k):
     """Guards against sampler log-probs that are not those of the distribution sampled from (wrong
     temperature, a missing renormalisation after top-k) or that drift from the trainer's full
     forward (one log-prob function): equal to token_logprobs of a full forward within 1e-5."""
     model = models["qwen3"]
-    g = generate(model, PROMPTS, max_new_tokens=12, n=2, temperature=temperature, top_k=top_k,
-                 stop_ids=[3, 40], seed=0)
+    g = generate(model, PROMPTS, max_new_tokens=12, n=2, temperature=temperature, top_k=top_k, stop_ids=[3, 40], seed=0)
     for i, (toks, lps) in enumerate(zip(g.tokens, g.logprobs)):
         prompt = PROMPTS[i // 2]
         ids = torch.tensor([prompt + toks])
         with torch.no_grad():
-            logits = model(ids)[0, len(prompt) - 1:-1]
+            logits = model(ids)[0, len(prompt) - 1 : -1]
         if top_k:
             logits = logits.masked_fill(logits < logits.topk(top_k).values[:, -1:], float("-inf"))
         ref = token_logprobs(logits, torch.tensor(toks), temperature)
@@ -217,14 +231,24 @@ def test_tree_logprobs_match_full_forward_and_prefix_is_computed_once(peaky, mon
     a full forward of prompt + thought + answer, and only the prompt (batch P) and one marker chunk
     (batch P*K) are ever fed more than one token at a time."""
     P, K, M, Tt, Ta = 2, 4, 3, 12, 6
-    probe = sample_tree(peaky, PROMPTS[:P], k=K, m=M, max_thought_tokens=Tt, max_answer_tokens=Ta,
-                        end_of_thought=[0, 0, 0], seed=[1, 2])
+    probe = sample_tree(
+        peaky, PROMPTS[:P], k=K, m=M, max_thought_tokens=Tt, max_answer_tokens=Ta, end_of_thought=[0, 0, 0], seed=[1, 2]
+    )
     assert probe.thought_truncated == [True] * (P * K)
     # a two-token marker that thought 1 emits: it ends there, the others are (mostly) cut off
     marker = probe.thoughts[1][2:4]
     shapes = record_forwards(peaky, monkeypatch)
-    tree = sample_tree(peaky, PROMPTS[:P], k=K, m=M, max_thought_tokens=Tt, max_answer_tokens=Ta,
-                       end_of_thought=marker, stop_ids=[91], seed=[1, 2])
+    tree = sample_tree(
+        peaky,
+        PROMPTS[:P],
+        k=K,
+        m=M,
+        max_thought_tokens=Tt,
+        max_answer_tokens=Ta,
+        end_of_thought=marker,
+        stop_ids=[91],
+        seed=[1, 2],
+    )
     shapes = list(shapes)  # the sampler's forwards only
     assert tree.thoughts[1] == probe.thoughts[1][:4] and not tree.thought_truncated[1]
     assert any(tree.thought_truncated) and "stop" in tree.answer_finish
@@ -234,7 +258,7 @@ def test_tree_logprobs_match_full_forward_and_prefix_is_computed_once(peaky, mon
     assert len(tree.answers) == P * K * M
     for a, (ans, lp) in enumerate(zip(tree.answers, tree.answer_logprobs)):
         full = full_logprobs(peaky, PROMPTS[a // (K * M)], tree.thoughts[a // M] + ans)
-        torch.testing.assert_close(torch.tensor(lp), full[-len(ans):], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(lp), full[-len(ans) :], atol=1e-5, rtol=0)
     multi = [s for s in shapes if s[1] > 1]
     assert multi == [(P, len(PROMPTS[0])), (P * K, len(marker) + 1)]
     assert all(T == 1 for B, T in shapes if B > P * K)
@@ -247,15 +271,26 @@ def test_tree_without_thought_phase_is_group_sampling(models):
     (the trainer's GRPO path): identical to generate(n=K*M) with the same seeds."""
     model = models["llama"]
     ref = generate(model, PROMPTS, max_new_tokens=7, n=6, stop_ids=[9], seed=[3, 4, 5])
-    for tree in (sample_tree(model, PROMPTS, k=3, m=2, max_thought_tokens=5, max_answer_tokens=7,
-                             stop_ids=[9], seed=[3, 4, 5]),
-                 sample_tree(model, PROMPTS, k=3, m=2, max_thought_tokens=0, max_answer_tokens=7,
-                             end_of_thought=[1], stop_ids=[9], seed=[3, 4, 5])):
+    for tree in (
+        sample_tree(model, PROMPTS, k=3, m=2, max_thought_tokens=5, max_answer_tokens=7, stop_ids=[9], seed=[3, 4, 5]),
+        sample_tree(
+            model,
+            PROMPTS,
+            k=3,
+            m=2,
+            max_thought_tokens=0,
+            max_answer_tokens=7,
+            end_of_thought=[1],
+            stop_ids=[9],
+            seed=[3, 4, 5],
+        ),
+    ):
         assert tree.answers == ref.tokens and tree.answer_logprobs == ref.logprobs and tree.answer_finish == ref.finish
         assert tree.thoughts == [[]] * 9 and tree.thought_truncated == [False] * 9
 
 
 # ----------------------------------------------------------------------------- sampling statistics
+
 
 def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Pearson statistic of integer samples against probs (V,); bins with expected count < 5 merged."""
@@ -289,9 +324,16 @@ def target(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -
     return torch.where(keep, p, 0) / p[keep].sum()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,wrong", [
-    (1.0, 0, 1.0, (0.8, 0, 1.0)), (0.6, 0, 1.0, (1.0, 0, 1.0)), (1.3, 6, 1.0, (1.3, 0, 1.0)),
-    (1.0, 0, 0.7, (1.0, 0, 1.0)), (0.8, 8, 0.8, (0.8, 8, 1.0))])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,wrong",
+    [
+        (1.0, 0, 1.0, (0.8, 0, 1.0)),
+        (0.6, 0, 1.0, (1.0, 0, 1.0)),
+        (1.3, 6, 1.0, (1.3, 0, 1.0)),
+        (1.0, 0, 0.7, (1.0, 0, 1.0)),
+        (0.8, 8, 0.8, (0.8, 8, 1.0)),
+    ],
+)
 def test_sample_next_matches_target_distribution(temperature, top_k, top_p, wrong):
     """Guards against a biased sampler (wrong temperature, top-k / top-p applied in the wrong order
     or not renormalised, inverse-CDF off by one, zero-probability tokens drawn): 40k draws pass a
@@ -328,10 +370,13 @@ def test_greedy_is_argmax(models):
     log-probs other than the documented temperature-1 ones."""
     tok, lp = sample_next(torch.tensor([[0.1, 3.0, -1.0], [2.0, 1.0, 0.0]]), torch.tensor([0.999, 0.999]), 0.0)
     assert tok.tolist() == [1, 0]
-    torch.testing.assert_close(lp, torch.log_softmax(torch.tensor([[0.1, 3.0, -1.0], [2.0, 1.0, 0.0]]), -1)[[0, 1], [1, 0]])
+    torch.testing.assert_close(
+        lp, torch.log_softmax(torch.tensor([[0.1, 3.0, -1.0], [2.0, 1.0, 0.0]]), -1)[[0, 1], [1, 0]]
+    )
 
 
 # ----------------------------------------------------------------------------- seeds
+
 
 def test_same_seed_same_samples_and_per_prompt_seeds_ignore_the_batch(models):
     """Guards against shared or global random state: the same seed gives the same samples, another
@@ -344,8 +389,9 @@ def test_same_seed_same_samples_and_per_prompt_seeds_ignore_the_batch(models):
     alone = generate(model, [PROMPTS[1]], max_new_tokens=10, n=3, stop_ids=[5, 6, 7], seed=[42])
     batched = generate(model, [PROMPTS[0], PROMPTS[1]], max_new_tokens=10, n=3, stop_ids=[5, 6, 7], seed=[1, 42])
     assert batched.tokens[3:] == alone.tokens and batched.finish[3:] == alone.finish
-    torch.testing.assert_close(torch.tensor(sum(batched.logprobs[3:], [])), torch.tensor(sum(alone.logprobs, [])),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(sum(batched.logprobs[3:], [])), torch.tensor(sum(alone.logprobs, [])), atol=1e-5, rtol=0
+    )
     kw = dict(k=2, m=2, max_thought_tokens=6, max_answer_tokens=4, end_of_thought=[3])
     t_alone = sample_tree(model, [PROMPTS[1]], seed=[42], **kw)
     t_batched = sample_tree(model, [PROMPTS[2], PROMPTS[1]], seed=[9, 42], **kw)
@@ -353,6 +399,7 @@ def test_same_seed_same_samples_and_per_prompt_seeds_ignore_the_batch(models):
 
 
 # ----------------------------------------------------------------------------- stops, limits, errors
+
 
 def test_stop_ids_and_length_limit(models):
     """Guards against tokens after a stop id, a dropped stop token, wrong finish reasons, and
@@ -400,5 +447,5 @@ def test_bfloat16_and_autocast(models, tmp_path):
         auto = sample_tree(model32, PROMPTS, **kw)
     for tree in (sample_tree(model16, PROMPTS, **kw), auto):
         for a, (ans, lp) in enumerate(zip(tree.answers, tree.answer_logprobs)):
-            full = full_logprobs(model32, PROMPTS[a // 4], tree.thoughts[a // 2] + ans)[-len(ans):]
+            full = full_logprobs(model32, PROMPTS[a // 4], tree.thoughts[a // 2] + ans)[-len(ans) :]
             assert (torch.tensor(lp) - full).abs().mean() < 0.02  # measured ~3e-3

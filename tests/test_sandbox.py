@@ -60,14 +60,17 @@ def test_code_reward_entry_point_and_list_tests() -> None:
     assert code_reward(completion, {"tests": ["assert inc(1) == 2", "assert inc(2) == 4"]}) == 0.0
 
 
-@pytest.mark.parametrize("code", [
-    "import os\nos._exit(0)",                     # exit 0 before the tests
-    "import sys\nsys.exit(0)",
-    "raise SystemExit(0)",
-    'x = """',                                    # try to swallow the tests into a string
-    "import os\nos.write(3, b'0' * 32)\nos._exit(0)",  # forge the nonce channel without the nonce
-    "def f(): return 1\n\x00",                    # NUL byte in the source
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos._exit(0)",  # exit 0 before the tests
+        "import sys\nsys.exit(0)",
+        "raise SystemExit(0)",
+        'x = """',  # try to swallow the tests into a string
+        "import os\nos.write(3, b'0' * 32)\nos._exit(0)",  # forge the nonce channel without the nonce
+        "def f(): return 1\n\x00",  # NUL byte in the source
+    ],
+)
 def test_not_finishing_the_tests_fails(code: str) -> None:
     """Guards against rewarding a zero exit instead of tests that ran to the end."""
     report = run(code, "assert False, 'the tests ran'")
@@ -104,9 +107,11 @@ def test_memory_bomb_is_contained() -> None:
 def test_process_limit_bounded_fork() -> None:
     """Guards against RLIMIT_NPROC not applying (root ignores it, hence the uid switch or user
     namespace): a BOUNDED loop of 40 forks must be stopped at the limit of 16 processes."""
-    code = ("import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
-            "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n"
-            "    n += 1\nprint('forked', n)")
+    code = (
+        "import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n"
+        "    n += 1\nprint('forked', n)"
+    )
     report = run(code, nproc=16)
     assert report["passed"], report
     forked = int(report["output"].split("forked")[1])
@@ -116,14 +121,18 @@ def test_process_limit_bounded_fork() -> None:
 def test_fork_bomb_is_contained() -> None:
     """Guards against a fork bomb taking the machine down or surviving the run. Runs only after a
     bounded probe shows the process limit holds here."""
-    probe = run("import os\nn = 0\nfor _ in range(30):\n    try:\n        if os.fork() == 0:\n"
-                "            import time; time.sleep(3); os._exit(0)\n        n += 1\n    except OSError:\n"
-                "        break\nprint('forked', n)", nproc=8)
+    probe = run(
+        "import os\nn = 0\nfor _ in range(30):\n    try:\n        if os.fork() == 0:\n"
+        "            import time; time.sleep(3); os._exit(0)\n        n += 1\n    except OSError:\n"
+        "        break\nprint('forked', n)",
+        nproc=8,
+    )
     if not (probe["passed"] and int(probe["output"].split("forked")[1]) < 8):
         pytest.skip(f"the process limit does not hold here: {probe}")
     start = time.perf_counter()
-    report = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                 nproc=8, timeout_s=1.5)
+    report = run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", nproc=8, timeout_s=1.5
+    )
     assert not report["passed"]
     assert time.perf_counter() - start < 4.0
     assert processes_with(f"NANORL_SANDBOX={report['run_id']}") == []
@@ -153,7 +162,8 @@ def test_filesystem_outside_workdir_is_protected(tmp_path: Path, isolation: dict
     if isolation.get("mount_namespace"):  # without it world-writable dirs stay writable (documented)
         targets.append(Path("/tmp") / f"nanorl-pwned-{secrets.token_hex(4)}")
     code = "import os\n" + "".join(
-        f"try:\n    open({str(t)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n" for t in targets)
+        f"try:\n    open({str(t)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n" for t in targets
+    )
     code += "open('inside.txt', 'w').write('ok')\nassert open('inside.txt').read() == 'ok'\n"
     try:
         report = run(code)
@@ -175,11 +185,13 @@ def test_parent_environment_is_not_visible(monkeypatch: pytest.MonkeyPatch, isol
         others = "[p for p in os.listdir('/proc') if p.isdigit()] + " + str([bystander.pid, os.getpid()])
         if not (isolation.get("pid_namespace") or isolation.get("uid_switch")):
             others = "[]"  # same uid, same PID namespace: other processes' environ is readable (documented)
-        code = (f"import os\nseen = str(dict(os.environ))\n"
-                f"for pid in {others} + ['self']:\n"
-                "    try:\n        seen += open(f'/proc/{pid}/environ', 'rb').read().decode('latin-1')\n"
-                "    except OSError:\n        pass\n"
-                f"print('FOUND' if {secret!r} in seen else 'CLEAN')\n")
+        code = (
+            f"import os\nseen = str(dict(os.environ))\n"
+            f"for pid in {others} + ['self']:\n"
+            "    try:\n        seen += open(f'/proc/{pid}/environ', 'rb').read().decode('latin-1')\n"
+            "    except OSError:\n        pass\n"
+            f"print('FOUND' if {secret!r} in seen else 'CLEAN')\n"
+        )
         report = run(code)
         assert report["passed"], report
         assert "CLEAN" in report["output"]
@@ -219,9 +231,11 @@ def test_no_network(isolation: dict) -> None:
     """Guards against code reaching the network (loopback included) where a network namespace exists."""
     if not isolation.get("net_namespace"):
         pytest.skip("no network namespace on this machine")
-    code = ("import socket\nfor addr in [('127.0.0.1', 22), ('1.1.1.1', 53)]:\n    s = socket.socket()\n"
-            "    s.settimeout(0.5)\n    try:\n        s.connect(addr)\n        print('CONNECTED')\n"
-            "    except OSError:\n        pass\n")
+    code = (
+        "import socket\nfor addr in [('127.0.0.1', 22), ('1.1.1.1', 53)]:\n    s = socket.socket()\n"
+        "    s.settimeout(0.5)\n    try:\n        s.connect(addr)\n        print('CONNECTED')\n"
+        "    except OSError:\n        pass\n"
+    )
     report = run(code)
     assert report["passed"] and "CONNECTED" not in report["output"], report
 

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 from rewards import code_reward, countdown_reward, exact_reward, math_reward
-from tasks import (SYNTHETIC_CHARS, SYSTEM_PROMPT, addition_examples, get_task, load_jsonl,
-                   render_prompt, sft_completion)
+from tasks import SYNTHETIC_CHARS, SYSTEM_PROMPT, addition_examples, get_task, load_jsonl, render_prompt, sft_completion
 
 
 def test_synthetic_deterministic_by_seed() -> None:
@@ -45,8 +44,9 @@ def test_sft_completion_format() -> None:
     assert sft_completion({"a": 357, "b": 68}) == "<think>7+8=15\n5+6+1=12\n3+0+1=4\n</think>425"
     assert sft_completion({"a": 95, "b": 7}) == "<think>5+7=12\n9+0+1=10\n</think>102"
     assert sft_completion({"a": 0, "b": 0}) == "<think>0+0=0\n</think>0"
-    longest = max(len(sft_completion(e).split("</think>")[0]) - len("<think>")
-                  for e in addition_examples(2000, 0, digits=(3,)))
+    longest = max(
+        len(sft_completion(e).split("</think>")[0]) - len("<think>") for e in addition_examples(2000, 0, digits=(3,))
+    )
     assert longest < 40
     with pytest.raises(ValueError):
         sft_completion({"prompt": "x", "answer": "1"})
@@ -90,17 +90,28 @@ def write_jsonl(path: Path, rows: list) -> str:
 
 def test_load_formats(tmp_path: Path) -> None:
     """Guards against wrong reference answers from each file format, and unknown fields breaking loading."""
-    gsm = load_jsonl(write_jsonl(tmp_path / "g.jsonl", [
-        {"question": "How many?", "answer": "48/2 = 24\n#### 1,024", "extra": 1}]), "gsm8k")
+    gsm = load_jsonl(
+        write_jsonl(tmp_path / "g.jsonl", [{"question": "How many?", "answer": "48/2 = 24\n#### 1,024", "extra": 1}]),
+        "gsm8k",
+    )
     assert gsm == [{"prompt": "How many?", "answer": "1,024", "solution": "48/2 = 24\n#### 1,024"}]
-    math = load_jsonl(write_jsonl(tmp_path / "m.jsonl", [
-        {"problem": "P", "solution": r"so \boxed{\frac{1}{2}} or \boxed{\dfrac{1}{\sqrt{4}}}"}]), "math")
+    math = load_jsonl(
+        write_jsonl(
+            tmp_path / "m.jsonl",
+            [{"problem": "P", "solution": r"so \boxed{\frac{1}{2}} or \boxed{\dfrac{1}{\sqrt{4}}}"}],
+        ),
+        "math",
+    )
     assert math[0]["answer"] == r"\dfrac{1}{\sqrt{4}}"
-    code = load_jsonl(write_jsonl(tmp_path / "c.jsonl", [
-        {"prompt": "Write f.", "tests": ["assert f() == 1"], "entry_point": "f"}]), "code")
+    code = load_jsonl(
+        write_jsonl(tmp_path / "c.jsonl", [{"prompt": "Write f.", "tests": ["assert f() == 1"], "entry_point": "f"}]),
+        "code",
+    )
     assert code[0]["tests"] == ["assert f() == 1"] and code[0]["entry_point"] == "f"
     assert code[0]["prompt"].startswith("Write f.") and "```python" in code[0]["prompt"]
-    generic = load_jsonl(write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "answer": 7}, "", {"prompt": "q", "answer": "8"}]), "jsonl")
+    generic = load_jsonl(
+        write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "answer": 7}, "", {"prompt": "q", "answer": "8"}]), "jsonl"
+    )
     assert [e["answer"] for e in generic] == ["7", "8"]
     assert load_jsonl(str(tmp_path / "g.jsonl"), "jsonl") == gsm  # detected from the fields
 
@@ -153,8 +164,7 @@ def test_file_task_split_and_sampling(tmp_path: Path) -> None:
     assert sorted(int(e["answer"]) for e in train[:27]) == [i for i in range(30) if i % 10 != 9]
     assert train == task.train(54, 0) and train != task.train(54, 1)
     assert {e["prompt"] for e in train}.isdisjoint({e["prompt"] for e in test})
-    separate = get_task("gsm8k", data=str(tmp_path / "g.jsonl"),
-                        test_data=write_jsonl(tmp_path / "t.jsonl", rows[:2]))
+    separate = get_task("gsm8k", data=str(tmp_path / "g.jsonl"), test_data=write_jsonl(tmp_path / "t.jsonl", rows[:2]))
     assert len(separate.test(10, 0)) == 2 and len({e["prompt"] for e in separate.train(60, 0)}) == 30
     code = get_task("jsonl", data=write_jsonl(tmp_path / "c.jsonl", [{"prompt": "p", "tests": "assert True"}] * 10))
     assert code.reward is code_reward
@@ -163,6 +173,7 @@ def test_file_task_split_and_sampling(tmp_path: Path) -> None:
 def test_render_prompt() -> None:
     """Guards against a dropped system prompt, an added one where none was asked for (the tiny
     model), or a template rendered without the generation prompt."""
+
     class FakeTokenizer:
         def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
             assert add_generation_prompt

@@ -1,6 +1,7 @@
 """model.py's tokenizer: hand-written chat templates against the official Jinja templates, encoding
 without a second BOS, atomic special tokens, stop ids and pad id. Tokenizers are built in the test
 (ByteLevel BPE with Qwen / Llama 3 specials, and a character-level one like the bundled model's)."""
+
 import json
 
 import pytest
@@ -272,14 +273,22 @@ CONVERSATIONS = {
     "user only": [{"role": "user", "content": "2+2?"}],
     "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
     "multi-turn with thought": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}, {"role": "user", "content": "3+3?"}],
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        {"role": "user", "content": "3+3?"},
+    ],
     "finished answer with thought": [
-        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}],
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+    ],
     "finished plain answer": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
     "whitespace and late system": [
-        {"role": "user", "content": "  hi there \n"}, {"role": "assistant", "content": "\nhello "},
-        {"role": "system", "content": " New rule. "}, {"role": "user", "content": "ok"}],
+        {"role": "user", "content": "  hi there \n"},
+        {"role": "assistant", "content": "\nhello "},
+        {"role": "system", "content": " New rule. "},
+        {"role": "user", "content": "ok"},
+    ],
 }
 
 
@@ -290,6 +299,7 @@ def jinja_render(template: str, messages: list[dict], **kw) -> str:
 
     def raise_exception(msg):
         raise jinja2.exceptions.TemplateError(msg)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
     env.globals["raise_exception"] = raise_exception
@@ -309,13 +319,16 @@ def test_chat_templates_match_official_jinja(conv, gen, toks):
     system turn, Qwen3 thinking kept in history (or not pre-filled when thinking is off), an
     untrimmed Llama 3 content or a wrong header/date block all change the prompt the model sees."""
     msgs = CONVERSATIONS[conv]
-    assert toks["qwen2"].apply_chat_template(msgs, add_generation_prompt=gen) == \
-        jinja_render(QWEN25_TEMPLATE, msgs, add_generation_prompt=gen)
+    assert toks["qwen2"].apply_chat_template(msgs, add_generation_prompt=gen) == jinja_render(
+        QWEN25_TEMPLATE, msgs, add_generation_prompt=gen
+    )
     for thinking in (True, False):
-        assert toks["qwen3"].apply_chat_template(msgs, add_generation_prompt=gen, enable_thinking=thinking) == \
-            jinja_render(QWEN3_TEMPLATE, msgs, add_generation_prompt=gen, enable_thinking=thinking)
-    assert toks["llama3"].apply_chat_template(msgs, add_generation_prompt=gen) == \
-        jinja_render(LLAMA31_TEMPLATE, msgs, add_generation_prompt=gen, bos_token="<|begin_of_text|>")
+        assert toks["qwen3"].apply_chat_template(
+            msgs, add_generation_prompt=gen, enable_thinking=thinking
+        ) == jinja_render(QWEN3_TEMPLATE, msgs, add_generation_prompt=gen, enable_thinking=thinking)
+    assert toks["llama3"].apply_chat_template(msgs, add_generation_prompt=gen) == jinja_render(
+        LLAMA31_TEMPLATE, msgs, add_generation_prompt=gen, bos_token="<|begin_of_text|>"
+    )
 
 
 def test_chat_templates_documented_strings(toks):
@@ -324,16 +337,20 @@ def test_chat_templates_documented_strings(toks):
     user = [{"role": "user", "content": "2+2?"}]
     assert toks["qwen2"].apply_chat_template(user) == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert toks["qwen3"].apply_chat_template(CONVERSATIONS["multi-turn with thought"]) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
-        "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert toks["qwen3"].apply_chat_template(user, enable_thinking=False) == (
-        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert toks["llama3"].apply_chat_template(user) == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
         "Today Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n2+2?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     with pytest.raises(ValueError, match="role 'tool' is not supported"):
         toks["qwen3"].apply_chat_template([{"role": "tool", "content": "x"}])
 
@@ -345,6 +362,7 @@ def test_template_selection_and_flags(toks, tmp_path):
     assert (toks["qwen3"].template, toks["qwen3"].thinking) == ("chatml", True)
     assert toks["llama3"].template == "llama3"
     from tokenizers import Tokenizer, models
+
     Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     plain = M.load_tokenizer(tmp_path)
     assert plain.template is None and plain.stop_ids == []
@@ -367,8 +385,10 @@ def test_special_tokens_atomic_and_round_trip(fam, toks):
     """Guards encoding of rendered prompts: each special token must become its single id (never
     split into characters), and decode(encode(text)) must give the text back, unicode included."""
     tok = toks[fam]
-    text = tok.apply_chat_template(CONVERSATIONS["multi-turn with thought"] +
-                                   [{"role": "assistant", "content": "café 東京 = 6"}], add_generation_prompt=False)
+    text = tok.apply_chat_template(
+        CONVERSATIONS["multi-turn with thought"] + [{"role": "assistant", "content": "café 東京 = 6"}],
+        add_generation_prompt=False,
+    )
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     specials = ["<|im_start|>", "<|im_end|>"] if fam != "llama3" else ["<|start_header_id|>", "<|eot_id|>"]

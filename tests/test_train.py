@@ -1,5 +1,6 @@
 """The training loop: every preset runs, resume is exact, micro-batches and ranks do not change the
 update, saves are atomic, bad flags are one clear message, and the default setup learns."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,19 @@ def tiny(tmp_path_factory) -> str:
     write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
     vocab = load_tokenizer(tok_dir).vocab_size
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-                      attention_bias=True, model_type="qwen2", max_position_embeddings=256)
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        model_type="qwen2",
+        max_position_embeddings=256,
+    )
     model_dir = os.path.join(path, "model")
     save_model(Transformer(cfg), model_dir, tokenizer_dir=tok_dir)
     return model_dir
@@ -39,9 +50,22 @@ def tiny(tmp_path_factory) -> str:
 def small(tiny: str, out: str, **kw) -> TrainConfig:
     """A few-second run: 4 prompts, short completions, one held-out eval of 8 prompts."""
     algo = kw.pop("algo", "grpo")
-    base = dict(algo=algo, model=tiny, out=out, max_steps=2, prompts_per_step=4, thoughts=4, answers=1,
-                max_thought_tokens=12, max_answer_tokens=6, eval_every=0, eval_examples=8, eval_samples=2,
-                samples_every=1, micro_batch_rows=64)
+    base = dict(
+        algo=algo,
+        model=tiny,
+        out=out,
+        max_steps=2,
+        prompts_per_step=4,
+        thoughts=4,
+        answers=1,
+        max_thought_tokens=12,
+        max_answer_tokens=6,
+        eval_every=0,
+        eval_examples=8,
+        eval_samples=2,
+        samples_every=1,
+        micro_batch_rows=64,
+    )
     preset = {k: v for k, v in PRESETS[algo].items() if k not in ("prompts_per_step", "thoughts", "lr")}
     return TrainConfig(**{**base, **preset, **kw})
 
@@ -59,9 +83,24 @@ def test_every_preset_runs(tiny, tmp_path, algo):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    for key in ("reward/mean", "reward/std", "frac_zero_std_groups", "loss", "grad_norm", "gss", "clip_frac", "kl",
-                "entropy", "len/completion_mean", "truncated_frac", "logp_gap", "time/sample_s", "time/score_s",
-                "time/update_s", "tokens_per_s"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "frac_zero_std_groups",
+        "loss",
+        "grad_norm",
+        "gss",
+        "clip_frac",
+        "kl",
+        "entropy",
+        "len/completion_mean",
+        "truncated_frac",
+        "logp_gap",
+        "time/sample_s",
+        "time/score_s",
+        "time/update_s",
+        "tokens_per_s",
+    ):
         assert key in steps[0], key
     assert all(abs(r["logp_gap"]) < 1e-4 for r in steps)  # sampler and trainer agree in float32
     assert any("eval/accuracy" in r for r in rows)
@@ -90,7 +129,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny, tmp_path):
     outs = []
     for rows in (64, 3):
         out = str(tmp_path / f"mb{rows}")
-        train.main(small(BUNDLED, out, algo="grpo_ma", answers=2, max_steps=1, micro_batch_rows=rows, max_thought_tokens=40))
+        train.main(
+            small(BUNDLED, out, algo="grpo_ma", answers=2, max_steps=1, micro_batch_rows=rows, max_thought_tokens=40)
+        )
         outs.append(weights(os.path.join(out, "final")))
     start = weights(BUNDLED)
     assert any(not torch.equal(start[k], outs[0][k]) for k in start)  # the step did move the weights
@@ -106,15 +147,24 @@ def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
     and entropy must equal a plain forward of that one sequence, prompt + thought + answer."""
     from model import token_entropy, token_logprobs
     from sampler import Tree
+
     model = load_model(tiny)
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     P, K = 2, 3
     prompts = [rand(5), rand(8)]
-    thoughts = [rand(2 + (i * 5) % 7) if m > 1 and i != 4 else [] for i in range(P * K)]  # an empty one: answers jump to the prompt
+    thoughts = [
+        rand(2 + (i * 5) % 7) if m > 1 and i != 4 else [] for i in range(P * K)
+    ]  # an empty one: answers jump to the prompt
     answers = [rand(1 + (a * 3) % 5) for a in range(P * K * m)]
-    tree = Tree(thoughts, [[0.0] * len(t) for t in thoughts], [False] * (P * K), answers,
-                [[0.0] * len(a) for a in answers], ["stop"] * len(answers))
+    tree = Tree(
+        thoughts,
+        [[0.0] * len(t) for t in thoughts],
+        [False] * (P * K),
+        answers,
+        [[0.0] * len(a) for a in answers],
+        ["stop"] * len(answers),
+    )
     batch = train.pack(prompts, tree, K, m, pad_id=0, device=torch.device("cpu"), share_prompt=share_prompt)
     assert (batch.prompt_ids is not None) == share_prompt and batch.packed_ids.shape[0] == P * K
     rows = torch.tensor([4, 1, 2])  # a micro-batch out of order, across two prompts: the index re-basing runs
@@ -134,8 +184,8 @@ def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
             # logical columns of this sequence's thought and answer j
             cols = torch.nonzero(batch.thought[r] | (batch.answer_id[r] == j)).flatten()
             n_th = len(th)
-            ref_lp = torch.cat([lp[len(prompt) - 1:len(prompt) - 1 + n_th], lp[len(prompt) - 1 + n_th:]])
-            ref_ent = torch.cat([ent[len(prompt) - 1:len(prompt) - 1 + n_th], ent[len(prompt) - 1 + n_th:]])
+            ref_lp = torch.cat([lp[len(prompt) - 1 : len(prompt) - 1 + n_th], lp[len(prompt) - 1 + n_th :]])
+            ref_ent = torch.cat([ent[len(prompt) - 1 : len(prompt) - 1 + n_th], ent[len(prompt) - 1 + n_th :]])
             torch.testing.assert_close(full_lp[r, cols], ref_lp, atol=2e-5, rtol=0)
             torch.testing.assert_close(full_ent[r, cols], ref_ent, atol=2e-5, rtol=0)
     assert (full_lp[~completion] == 0).all()
@@ -146,8 +196,18 @@ def test_shared_prompt_packing_gives_the_same_update(tiny, tmp_path):
     outs = []
     for share in (False, True):
         out = str(tmp_path / f"share{share}")
-        train.main(small(BUNDLED, out, algo="grpo_ma", answers=2, max_steps=1, share_prompt=share, max_thought_tokens=40,
-                         micro_batch_rows=5))
+        train.main(
+            small(
+                BUNDLED,
+                out,
+                algo="grpo_ma",
+                answers=2,
+                max_steps=1,
+                share_prompt=share,
+                max_thought_tokens=40,
+                micro_batch_rows=5,
+            )
+        )
         outs.append(weights(os.path.join(out, "final")))
     for k in outs[0]:  # Adam's first step is about lr * sign(grad): a layout bug moves weights by ~3e-4
         torch.testing.assert_close(outs[0][k], outs[1][k], atol=2e-5, rtol=0)
@@ -159,13 +219,53 @@ def test_two_processes_equal_one(tiny, tmp_path, share_prompt):
     the same global batch (rollout seeds come from the global prompt index, token counts are summed);
     with --share-prompt each micro-batch runs two forwards (prompts, then rows) before one backward."""
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    args = ["--algo", "grpo", "--model", BUNDLED, "--max-steps", "1", "--prompts-per-step", "4", "--thoughts", "4",
-            "--max-thought-tokens", "40", "--max-answer-tokens", "8", "--eval-every", "0", "--eval-examples", "4",
-            "--eval-samples", "0", "--micro-batch-rows", "3"] + ["--share-prompt"] * share_prompt
+    args = [
+        "--algo",
+        "grpo",
+        "--model",
+        BUNDLED,
+        "--max-steps",
+        "1",
+        "--prompts-per-step",
+        "4",
+        "--thoughts",
+        "4",
+        "--max-thought-tokens",
+        "40",
+        "--max-answer-tokens",
+        "8",
+        "--eval-every",
+        "0",
+        "--eval-examples",
+        "4",
+        "--eval-samples",
+        "0",
+        "--micro-batch-rows",
+        "3",
+    ] + ["--share-prompt"] * share_prompt
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "train.py", *args, "--out", one], cwd=ROOT, check=True, env=env, capture_output=True)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", "29533",
-                        "train.py", *args, "--out", two], cwd=ROOT, env=env, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "train.py", *args, "--out", one], cwd=ROOT, check=True, env=env, capture_output=True
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master-port",
+            "29533",
+            "train.py",
+            *args,
+            "--out",
+            two,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     w1, w2 = weights(os.path.join(one, "final")), weights(os.path.join(two, "final"))
     assert any(not torch.equal(w1[k], weights(BUNDLED)[k]) for k in w1)  # the step did move the weights
@@ -181,6 +281,7 @@ def test_interrupted_save_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch)
 
     def crash(obj, f, *a, **kw):
         raise KeyboardInterrupt("killed mid-save")
+
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         train.main(small(tiny, out, max_steps=3, save_every=1, resume=out))
@@ -193,11 +294,13 @@ def test_interrupted_save_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch)
 def test_non_finite_steps_are_skipped_then_stop(tiny, tmp_path, monkeypatch):
     """Guards against silently applying NaN updates: each is skipped and counted, and a run of them stops."""
     import advantage
+
     real = advantage.policy_loss
 
     def nan_loss(*a, **kw):
         loss, m = real(*a, **kw)
         return loss * float("nan"), m
+
     monkeypatch.setattr(train, "policy_loss", nan_loss)
     out = str(tmp_path / "nan")
     with pytest.raises(SystemExit, match="consecutive non-finite"):
@@ -215,13 +318,16 @@ def test_help_lists_every_flag():
         assert "--" + name.replace("_", "-") in r.stdout, name
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--algo", "ppo"], "--algo must be one of"),
-    (["--answers", "4", "--sequence-ratio"], "--sequence-ratio (GSPO) needs --answers 1"),
-    (["--advantage", "two_grpo", "--thoughts", "4", "--answers", "1"], "--advantage two_grpo needs --thoughts 2"),
-    (["--temperature", "0"], "--temperature must be > 0"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--algo", "ppo"], "--algo must be one of"),
+        (["--answers", "4", "--sequence-ratio"], "--sequence-ratio (GSPO) needs --answers 1"),
+        (["--advantage", "two_grpo", "--thoughts", "4", "--answers", "1"], "--advantage two_grpo needs --thoughts 2"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
 def test_bad_flags_are_one_clear_error(argv, message):
     """Guards against impossible flag combinations being silently accepted or ending in a traceback."""
     r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True)
@@ -232,7 +338,10 @@ def test_bad_flags_are_one_clear_error(argv, message):
 def test_presets_fill_only_unset_flags():
     """Guards against a preset overriding a flag the user typed (or not applying at all)."""
     from cli import parse_config
-    cfg, explicit = parse_config(TrainConfig, ["--algo", "dapo", "--clip-high", "0.3"], presets=PRESETS, preset_field="algo")
+
+    cfg, explicit = parse_config(
+        TrainConfig, ["--algo", "dapo", "--clip-high", "0.3"], presets=PRESETS, preset_field="algo"
+    )
     assert cfg.clip_high == 0.3 and cfg.aggregation == "token_mean" and cfg.dynamic_sampling
     assert explicit == {"algo", "clip_high"}
     cfg, _ = parse_config(TrainConfig, ["--algo", "two_grpo"], presets=PRESETS, preset_field="algo")
