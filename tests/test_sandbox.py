@@ -5,12 +5,14 @@ contains them is active on this machine, and skip otherwise."""
 import os
 import secrets
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from rewards import CODE_OUTPUT_BYTES, code_reward, code_rewards, run_sandboxed
+from rewards import code_reward, code_rewards
+from sandbox import CODE_OUTPUT_BYTES, _private_ancestor, run_sandboxed
 
 FAST = {"timeout_s": 2.0, "cpu_s": 2}
 
@@ -58,6 +60,46 @@ def test_code_reward_entry_point_and_list_tests() -> None:
     assert code_reward(completion, {"tests": "def check(c):\n    assert c(1) == 3", "entry_point": "inc"}) == 0.0
     assert code_reward(completion, {"tests": ["assert inc(1) == 2", "assert inc(2) == 3"]}) == 1.0
     assert code_reward(completion, {"tests": ["assert inc(1) == 2", "assert inc(2) == 4"]}) == 0.0
+
+
+def test_sandbox_codecs_importable() -> None:
+    """Guards against the issue where `"x".encode("cp1252")` / `"idna"` raised LookupError in the
+    sandbox (the uid switch left a pyenv Python reachable only by a rewritten sys.path, while the
+    `encodings` package, imported at startup, looks for its codec modules under its own old path),
+    so a correct solution scored 0; and against other standard-library modules (submodules of
+    packages loaded at startup included) failing to import."""
+    completion = (
+        "<think>codecs</think>```python\n"
+        "import json, decimal, fractions, unicodedata, importlib.metadata, collections.abc, ctypes.util\n"
+        "def encode(s, codec):\n    return s.encode(codec)\n"
+        "def describe(c):\n    return json.dumps([unicodedata.name(c), str(decimal.Decimal('1.10') + 1), "
+        "str(fractions.Fraction(1, 3))])\n```"
+    )
+    tests = [
+        "assert encode('caf\u00e9', 'cp1252') == b'caf\\xe9'",
+        "assert encode('b\u00fccher.de', 'idna') == b'xn--bcher-kva.de'",
+        "assert encode('\u00e9', 'latin-1') == b'\\xe9' and encode('\u00e9', 'utf-16-le') == b'\\xe9\\x00'",
+        "assert json.loads(describe('\u00e9')) == ['LATIN SMALL LETTER E WITH ACUTE', '2.10', '1/3']",
+    ]
+    assert code_reward(completion, {"tests": tests}) == 1.0
+
+
+def test_exposed_python_shows_nothing_else(isolation: dict) -> None:
+    """Guards against the way a privately installed Python (pyenv under /root) is made importable
+    opening what hides it: in the private directory only the path to the installation may be
+    visible, and the installation must stay read-only."""
+    private = _private_ancestor(sys.base_prefix)
+    if not (private and isolation.get("uid_switch") and isolation.get("mount_namespace")):
+        pytest.skip("the Python installation is not exposed on this machine")
+    first = os.path.relpath(sys.base_prefix, private).split(os.sep)[0]
+    code = (
+        f"import os\nassert os.listdir({private!r}) == [{first!r}], os.listdir({private!r})\n"
+        f"for d in [{private!r}, {sys.base_prefix!r}, os.path.dirname(os.__file__)]:\n"
+        "    try:\n        open(os.path.join(d, 'pwned'), 'w')\n        print('WROTE', d)\n"
+        "    except OSError:\n        pass\n"
+    )
+    report = run(code)
+    assert report["passed"] and "WROTE" not in report["output"], report
 
 
 @pytest.mark.parametrize(
