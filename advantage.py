@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 # ----------------------------------------------------------------------------------------------
-# 1. Group advantages: GRPO / Dr. GRPO, GRPO-MA, 2-GRPO, A-GRAE, noise-corrected rewards
+# 1. Group advantages: GRPO / Dr. GRPO, GRPO-MA, 2-GRPO, A-GRAE, noise-corrected rewards, DaGRPO
 
 
 def _degenerate(rewards: Tensor) -> Tensor:
@@ -107,18 +107,143 @@ def agrae_advantages(
     return torch.where(adv > 0, adv * torch.clamp(P_bar / alpha, max=1.0), adv)
 
 
+def _check_noise_rates(name: str, rho_plus: float | Tensor, rho_minus: float | Tensor) -> None:
+    """Raise unless 0 <= rho_plus, rho_minus < 1 and rho_plus + rho_minus < 1 (nan fails too)."""
+    rho_p, rho_m = torch.as_tensor(rho_plus, dtype=torch.float64), torch.as_tensor(rho_minus, dtype=torch.float64)
+    ok = (rho_p >= 0) & (rho_p < 1) & (rho_m >= 0) & (rho_m < 1) & (rho_p + rho_m < 1)
+    if not bool(ok.all()):
+        raise ValueError(
+            f"{name}: need flip rates rho_plus, rho_minus in [0, 1) with rho_plus + rho_minus < 1 (got {rho_plus}, "
+            f"{rho_minus}); at rho_plus + rho_minus >= 1 the noisy reward carries no (or inverted) signal."
+        )
+
+
 def noise_corrected_rewards(rewards: Tensor, rho_plus: float | Tensor, rho_minus: float | Tensor) -> Tensor:
     """Noise-corrected GRPO (arXiv 2510.18924): r_hat = (r - rho_plus) / (1 - rho_plus - rho_minus).
 
     rewards: observed 0/1 rewards, any shape; rho_plus = P(r=1 | truly wrong), rho_minus =
-    P(r=0 | truly right), scalars or broadcastable tensors. E[r_hat] is the clean reward. Centre the
-    result with group_advantages(..., std_normalize=False) (Dr. GRPO): a std normalisation would
-    cancel the correction. Equal rewards stay equal, so degenerate groups stay 0.
+    P(r=0 | truly right), scalars or broadcastable tensors (e.g. [P, 1] per-prompt rates).
+    E[r | r*] = rho_plus + (1 - rho_plus - rho_minus) * r*, so E[r_hat | r*] = r* (the clean reward).
+    Centre the result with group_advantages(..., std_normalize=False) (Dr. GRPO): the z-score is
+    affine-invariant, so with one rate pair per group a std normalisation cancels the correction
+    (exactly at eps = 0; with eps the two differ only by eps scaling as 1 - rho_plus - rho_minus).
+    With global constant rates the centred correction is a constant rescale by 1 / (1 - rho_plus -
+    rho_minus), which Adam mostly ignores (reference bibliography §3.4, a derivation, not the paper's
+    claim). Equal rewards stay equal, so degenerate groups stay 0.
     """
-    rho_p, rho_m = torch.as_tensor(rho_plus), torch.as_tensor(rho_minus)
-    if bool((rho_p < 0).any() | (rho_m < 0).any() | (rho_p + rho_m >= 1).any()):
-        raise ValueError("noise_corrected_rewards: need rho_plus, rho_minus >= 0 and rho_plus + rho_minus < 1.")
+    _check_noise_rates("noise_corrected_rewards", rho_plus, rho_minus)
     return (rewards - rho_plus) / (1 - rho_plus - rho_minus)
+
+
+def _check_binary(name: str, **tensors: Tensor) -> None:
+    for arg, t in tensors.items():
+        if not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"{name}: {arg} must hold only 0/1 values (a verifier's right/wrong).")
+
+
+def flip_rewards(
+    rewards: Tensor, rho_plus: float | Tensor, rho_minus: float | Tensor, generator: torch.Generator
+) -> Tensor:
+    """Inject class-conditional Bernoulli reward noise, for controlled noise experiments.
+
+    rewards: clean 0/1 rewards, any shape (and dtype) -> same shape and dtype. A wrong (0) becomes 1
+    with probability rho_plus, a right (1) becomes 0 with probability rho_minus, independently per
+    entry; the rates may be broadcastable tensors. One uniform is drawn per entry from `generator`
+    (on the rewards' device) whatever the rates, so zero rates return the rewards unchanged.
+    """
+    _check_noise_rates("flip_rewards", rho_plus, rho_minus)
+    _check_binary("flip_rewards", rewards=rewards)
+    u = torch.rand(rewards.shape, generator=generator, dtype=torch.float64, device=rewards.device)
+    rho_p = torch.as_tensor(rho_plus, dtype=torch.float64, device=rewards.device)
+    rho_m = torch.as_tensor(rho_minus, dtype=torch.float64, device=rewards.device)
+    flip = torch.where(rewards == 1, u < rho_m, u < rho_p)
+    return torch.where(flip, rewards == 0, rewards == 1).to(rewards.dtype)
+
+
+def estimate_noise_rates(noisy_reward: Tensor, correct: Tensor) -> tuple[float, float]:
+    """Flip rates from a labelled calibration sample: ([N] noisy 0/1 reward, [N] true 0/1) -> (rho_plus, rho_minus).
+
+    rho_plus = #(noisy 1, truly wrong) / #(truly wrong), rho_minus = #(noisy 0, truly right) / #(truly right),
+    the maximum-likelihood rates, each with standard error sqrt(rho (1 - rho) / n_class). Draw the sample
+    from the policy being trained (the rates drift with it). Any matching shapes work.
+    """
+    if noisy_reward.shape != correct.shape:
+        raise ValueError(
+            f"estimate_noise_rates: noisy_reward {tuple(noisy_reward.shape)} and correct {tuple(correct.shape)} differ."
+        )
+    _check_binary("estimate_noise_rates", noisy_reward=noisy_reward, correct=correct)
+    noisy, right = noisy_reward.double(), correct.bool()
+    for present, what in ((~right, "truly wrong (correct == 0)"), (right, "truly right (correct == 1)")):
+        if not bool(present.any()):
+            raise ValueError(
+                f"estimate_noise_rates: the calibration sample has no {what} examples, so a flip rate cannot be "
+                "estimated; add labelled examples of both classes."
+            )
+    return float(noisy[~right].mean()), float(1 - noisy[right].mean())
+
+
+def pairwise_distinct_advantages(
+    rewards: Tensor, scores: Tensor, delta: float, *, std_normalize: bool = False, eps: float = 1e-6
+) -> Tensor:
+    """DaGRPO's distinctiveness mask (Xie et al., arXiv 2512.06337), as a RECONSTRUCTION: [P, G] x2 -> [P, G].
+
+    No official code exists and the method text could not be read; the abstract states only that "a
+    fine-grained score dynamically masks sample pairs with low distinctiveness". Reconstruction
+    (reference bibliography §1.5): Dr. GRPO's advantage is a sum over pairs, r_i - mean_j r_j =
+    (1/G) sum_j (r_i - r_j); DaGRPO drops the pairs whose fine-grained scores are too close:
+        A_i = (1/G) sum_j m_ij (r_i - r_j),   m_ij = 1[|s_i - s_j| >= delta]   (j == i adds 0 anyway)
+    so a close-call right/wrong pair (sloppy right vs. nearly-right wrong) pushes neither way.
+    scores: [P, G] fine-grained quality (e.g. in [0, 1]); the score and delta are UNVERIFIED (a
+    third-party reading uses delta = 0.1). delta = 0 keeps every pair and returns
+    group_advantages(rewards, std_normalize=False) bit for bit. std_normalize divides by the
+    unmasked group std (GRPO form, also [D]). Groups stay centred (the summand is antisymmetric);
+    degenerate groups, and rows whose pairs are all masked, get exactly 0.
+    """
+    if rewards.shape != scores.shape or rewards.dim() < 1:
+        raise ValueError(
+            f"pairwise_distinct_advantages: rewards {tuple(rewards.shape)} and scores {tuple(scores.shape)} "
+            "must both be [P, G]."
+        )
+    if not delta >= 0:  # also rejects nan
+        raise ValueError(f"pairwise_distinct_advantages: delta must be >= 0, got {delta}.")
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    s = scores if scores.is_floating_point() else scores.float()
+    G = r.shape[-1]
+    keep = (s[..., :, None] - s[..., None, :]).abs() >= delta  # (P, G, G) m_ij
+    keep = keep | torch.eye(G, dtype=torch.bool, device=r.device)  # the j == i term is 0 whatever m_ii
+    masked = ((r[..., :, None] - r[..., None, :]) * keep).sum(-1) / G  # (P, G)
+    # Rows that keep every pair take Dr. GRPO's own expression, so delta = 0 is bit-exact group_advantages.
+    adv = torch.where(keep.all(-1), r - r.mean(-1, keepdim=True), masked)
+    if std_normalize and G > 1:
+        adv = adv / (r.std(-1, keepdim=True) + eps)
+    return adv.masked_fill(_degenerate(r), 0.0)
+
+
+def splice_anchor_rewards(
+    rewards: Tensor, correct: Tensor, *, anchor_reward: float = 1.0, max_correct: int = 0
+) -> tuple[Tensor, Tensor]:
+    """DaGRPO-style anchors (RECONSTRUCTION, as LUFFY): [P, G] rewards, [P, G] 0/1 correct -> (rewards, is_anchor).
+
+    A group with at most max_correct correct completions gets an anchor: its LAST completion is replaced
+    by the example's verified reference solution (an off-policy sample), whose reward is anchor_reward.
+    The group size stays G. The advantage is then computed over the mixed group with the usual formula
+    (LUFFY normalises over all n samples, anchor included), e.g. an all-wrong group of G gives the anchor
+    (G-1)/G and every rollout -1/G under Dr. GRPO / pairwise_distinct_advantages(delta=0), or
+    (G-1)/G / std = +2.47 at G = 8 under GRPO. The trainer swaps in the anchor's tokens where is_anchor
+    [P, G] is True, passes them to policy_loss as off_policy, and for the distinctiveness mask gives the
+    anchor the top score (scores.masked_fill(is_anchor, 1.0), an inference).
+    """
+    if rewards.shape != correct.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"splice_anchor_rewards: rewards {tuple(rewards.shape)} and correct {tuple(correct.shape)} "
+            "must both be [P, G]."
+        )
+    _check_binary("splice_anchor_rewards", correct=correct)
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    trigger = correct.sum(-1) <= max_correct  # (P,) no (or too few) valid positive samples
+    is_anchor = torch.zeros_like(r, dtype=torch.bool)
+    is_anchor[:, -1] = trigger
+    return r.masked_fill(is_anchor, anchor_reward), is_anchor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,6 +460,8 @@ def policy_loss(
     beta: float = 0.0,
     sequence_ratio: bool = False,
     mask: Tensor | None = None,
+    off_policy: Tensor | None = None,
+    off_policy_gamma: float = 0.1,
 ) -> tuple[Tensor, dict[str, float]]:
     """loss = -sum(weight * (min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A) - beta*KL3)).
 
@@ -346,22 +473,38 @@ def policy_loss(
     which is GSPO's gradient for uniform row weights and stays right for per-token advantages.
     mask: tokens that exist (default weight != 0); used for the GSPO mean and the metrics, and must
     cover every token with non-zero weight. For packed GRPO-MA rows the GSPO mean spans the whole row.
+    off_policy: [B, T] bool, tokens not sampled from pi_old (e.g. an injected reference solution, see
+    splice_anchor_rewards). There LUFFY's policy shaping (arXiv 2504.14945; its code's
+    off_policy_reshape="p_div_p_0.1") replaces the clipped ratio term: obj = f(p) * A with
+    f(p) = p / (p + off_policy_gamma), p = exp(logp), gradient through p (d f / d logp = gamma p / (p + gamma)^2,
+    so low-probability expert tokens still learn), no clip and no old_logp (unused there, may be garbage).
+    They are left out of GSPO's sequence mean; the KL term, if any, still covers them. None (default)
+    is the plain loss, bit for bit.
     Metrics (floats, no grad) are means over this call's masked tokens, i.e. partial for one
-    micro-batch: the trainer averages them weighted by metrics["num_tokens"].
+    micro-batch: the trainer averages them weighted by metrics["num_tokens"]. Off-policy tokens count
+    as ratio 1, never clipped; with off_policy given, "off_policy_frac" (of the masked tokens) and
+    "off_policy_p_mean" (mean p over this call's off-policy tokens) are added.
     """
     if beta != 0.0 and ref_logp is None:
         raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
+    if off_policy is not None and not off_policy_gamma > 0:
+        raise ValueError(f"policy_loss: off_policy_gamma must be > 0, got {off_policy_gamma}.")
     mask = weight != 0 if mask is None else mask.bool()
+    off = None if off_policy is None else off_policy.bool() & mask
+    on = mask if off is None else mask & ~off  # tokens sampled from pi_old: the PPO ratio applies
     # Zero the differences off the mask before exp: padded log-probs may be -inf or garbage, and
     # exp(inf) * 0 would put nan into the loss and its gradient.
-    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+    log_ratio = torch.where(on, logp - old_logp.detach(), torch.zeros_like(logp))
     if sequence_ratio:
-        n = mask.sum(-1, keepdim=True).clamp(min=1)
+        n = on.sum(-1, keepdim=True).clamp(min=1)
         log_s = log_ratio.detach().sum(-1, keepdim=True) / n  # (B, 1) log of the geometric mean ratio
         ratio = torch.exp(log_s + log_ratio - log_ratio.detach())
     else:
         ratio = torch.exp(log_ratio)
     obj = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    if off is not None:
+        p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
+        obj = torch.where(off, p / (p + off_policy_gamma) * adv, obj)
     kl = None
     if ref_logp is not None:
         zero = torch.zeros_like(logp)
@@ -385,6 +528,9 @@ def policy_loss(
         if kl is not None:
             names.append("kl")
             vals.append((kl.detach() * mask).sum() / n_tok)
+        if off is not None:
+            names += ["off_policy_frac", "off_policy_p_mean"]
+            vals += [off.sum() / n_tok, (p.detach() * off).sum() / off.sum().clamp(min=1)]
         metrics = dict(zip(names, torch.stack([v.float() for v in vals]).tolist()))  # one device sync
     return loss, metrics
 
@@ -423,10 +569,44 @@ def thought_advantage_variance(
     return float(((a_hat - z) ** 2).mean())
 
 
-def select_hard_examples(pass_rates: Tensor, fraction: float) -> Tensor:
-    """Hard-example selection (Pikus et al., arXiv 2508.14094): [N] pass rates (estimated with K base
-    model samples) -> indices of the hardest floor(N * fraction), hardest first, ties in data order."""
+SELECTIONS = ("hardest", "medium", "easiest", "random")
+
+
+def select_hard_examples(
+    pass_rates: Tensor, fraction: float, *, mode: str = "hardest", generator: torch.Generator | None = None
+) -> Tensor:
+    """Difficulty-based data selection (Pikus, Tiwari, Ye, arXiv 2508.14094): [N] pass rates -> [n] indices.
+
+    pass_rates: [N] success rate of each candidate prompt over K samples of the STARTING model.
+    n = floor(N * fraction) (the released code's int(len * size)); fraction = 1 keeps every example,
+    a fraction that keeps none is an error. Modes, as the released code's get_*_subset (src/src_utils.py):
+      hardest  the n lowest pass rates, hardest first (the paper's choice, 10% of the pool)
+      medium   the n around the median: ranks [(N - n) // 2, (N - n) // 2 + n) of the hardest-first order
+      easiest  the n highest pass rates, easiest first
+      random   a uniform draw of n without replacement from `generator` (required), in drawn order
+    Ties are broken by data order (stable sorts), so equal pass rates keep the earlier index; with a
+    small K many prompts tie at 0 and the "hardest 10%" is then the first of them in the file.
+    The paper's "learnable percentage" (training steps with non-zero within-group reward std) builds on
+    the per-step fraction of mixed groups, dynamic_sampling_keep(rewards).float().mean().
+    """
+    if mode not in SELECTIONS:
+        raise ValueError(f"select_hard_examples: unknown mode {mode!r}; choose one of {', '.join(SELECTIONS)}.")
+    if pass_rates.dim() != 1:
+        raise ValueError(f"select_hard_examples: pass_rates must be [N], got shape {tuple(pass_rates.shape)}.")
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"select_hard_examples: fraction must be in [0, 1], got {fraction}.")
-    n = math.floor(pass_rates.numel() * fraction + 1e-9)  # 100 * 0.29 is 28.999..., still 29
-    return torch.argsort(pass_rates, stable=True)[:n]
+        raise ValueError(f"select_hard_examples: fraction must be in (0, 1], got {fraction}.")
+    N = pass_rates.numel()
+    n = math.floor(N * fraction + 1e-9)  # 100 * 0.29 is 28.999..., still 29
+    if n == 0:
+        raise ValueError(f"select_hard_examples: fraction {fraction} of {N} examples keeps none; raise the fraction.")
+    if mode == "random":
+        if generator is None:
+            raise ValueError(
+                "select_hard_examples: mode 'random' needs a torch.Generator (generator=...), for a seeded draw."
+            )
+        return torch.randperm(N, generator=generator, device=pass_rates.device)[:n]
+    if mode == "easiest":
+        return torch.argsort(pass_rates, descending=True, stable=True)[:n]
+    order = torch.argsort(pass_rates, stable=True)  # hardest first
+    start = (N - n) // 2 if mode == "medium" else 0
+    return order[start : start + n]

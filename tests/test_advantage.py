@@ -11,6 +11,8 @@ import torch
 from advantage import (
     agrae_advantages,
     dynamic_sampling_keep,
+    estimate_noise_rates,
+    flip_rewards,
     gradient_spike_score,
     group_advantages,
     grpo_ma_advantages,
@@ -22,8 +24,10 @@ from advantage import (
     kl3,
     noise_corrected_rewards,
     overlong_penalty,
+    pairwise_distinct_advantages,
     policy_loss,
     select_hard_examples,
+    splice_anchor_rewards,
     thought_advantage_variance,
     token_weights,
     two_grpo_advantages,
@@ -173,6 +177,188 @@ def test_noise_corrected_rewards():
     assert torch.equal(group_advantages(noise_corrected_rewards(torch.ones(1, 4), 0.2, 0.1)), torch.zeros(1, 4))
     with pytest.raises(ValueError):
         noise_corrected_rewards(T([1.0]), 0.6, 0.4)
+
+
+def test_noise_rates_out_of_range_are_errors():
+    """Guards against silently inverting a channel with no signal (rho_plus + rho_minus >= 1), negative
+    or >= 1 rates, and nan rates slipping through comparisons that are all False."""
+    r = T([[1.0, 0, 1, 0]])
+    g = torch.Generator().manual_seed(0)
+    for rho_p, rho_m in ((0.6, 0.4), (0.7, 0.5), (-0.1, 0.2), (1.0, 0.0), (0.0, 1.0), (float("nan"), 0.1)):
+        with pytest.raises(ValueError):
+            noise_corrected_rewards(r, rho_p, rho_m)
+        with pytest.raises(ValueError):
+            flip_rewards(r, rho_p, rho_m, g)
+    with pytest.raises(ValueError):  # per-prompt rates: one bad group is enough
+        noise_corrected_rewards(T([[1.0, 0], [1, 0]]), T([[0.2], [0.5]]), T([[0.1], [0.5]]))
+
+
+def test_zero_noise_is_the_identity():
+    """Guards against flips at rate 0 (u <= rho instead of u < rho), a dtype change, and a correction
+    that is not the identity when there is no noise."""
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(0, 2, (64, 8), generator=g).float()
+    assert torch.equal(flip_rewards(r, 0.0, 0.0, g), r)
+    assert torch.equal(flip_rewards(r.long(), 0.0, 0.0, g), r.long())
+    assert torch.equal(flip_rewards(r.bool(), 0.0, 0.0, g), r.bool())
+    assert torch.equal(noise_corrected_rewards(r, 0.0, 0.0), r)
+    with pytest.raises(ValueError):  # flips are defined for 0/1 rewards only
+        flip_rewards(T([[0.5, 1.0]]), 0.1, 0.1, g)
+
+
+def test_flip_rewards_flips_each_class_at_its_own_rate():
+    """Guards against swapped rates (flipping wrong answers at rho_minus), flipping both ways for one class,
+    an unseeded draw, and per-prompt rates not broadcasting. 100k per class: SE <= .0016, tolerance 5 SE."""
+    n = 100_000
+    clean = torch.cat([torch.zeros(n), torch.ones(n)])
+    noisy = flip_rewards(clean, 0.2, 0.1, torch.Generator().manual_seed(1))
+    assert torch.equal(noisy, flip_rewards(clean, 0.2, 0.1, torch.Generator().manual_seed(1)))  # seeded
+    rho_p, rho_m = estimate_noise_rates(noisy, clean)
+    assert abs(rho_p - 0.2) < 5 * math.sqrt(0.2 * 0.8 / n) and abs(rho_m - 0.1) < 5 * math.sqrt(0.1 * 0.9 / n)
+    # per-prompt rates [P, 1]: group 0 has no noise at all, group 1 flips half of its wrong answers
+    noisy = flip_rewards(torch.zeros(2, n), T([[0.0], [0.5]]), 0.0, torch.Generator().manual_seed(2))
+    assert torch.equal(noisy[0], torch.zeros(n)) and abs(noisy[1].mean().item() - 0.5) < 5 * math.sqrt(0.25 / n)
+
+
+def test_estimate_noise_rates_hand_values_and_missing_class():
+    """Guards against swapped outputs or arguments, rho_minus counted as a keep rate, and a nan rate
+    (0/0) when the calibration sample lacks a class."""
+    noisy = T([1.0, 1, 0, 0, 0, 1, 1, 1, 1, 1])
+    correct = T([0.0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    rho_p, rho_m = estimate_noise_rates(noisy, correct)  # 2 of 4 wrong read as right; 1 of 6 right as wrong
+    assert rho_p == 0.5 and close(rho_m, 1 / 6, 1e-12)
+    with pytest.raises(ValueError, match="truly right"):
+        estimate_noise_rates(T([0.0, 1, 1]), T([0.0, 0, 0]))
+    with pytest.raises(ValueError, match="truly wrong"):
+        estimate_noise_rates(T([0.0, 1, 1]), T([1.0, 1, 1]))
+    with pytest.raises(ValueError):
+        estimate_noise_rates(T([0.0, 1]), T([0.0, 1, 1]))
+
+
+def test_noise_correction_is_unbiased_by_simulation():
+    """Guards against a biased correction (wrong sign or denominator): with 200k injected flips the corrected
+    means match the clean ones to 5 standard errors, while the uncorrected ones miss by > 25 SE, both for
+    the per-sample reward (E[r_hat | r*] = r*) and for the Dr. GRPO advantage (noisy = (1 - rho+ - rho-) x clean)."""
+    rho_p, rho_m, J = 0.2, 0.1, 0.7
+    n = 100_000
+    clean = torch.cat([torch.zeros(n), torch.ones(n)]).double()
+    noisy = flip_rewards(clean, rho_p, rho_m, torch.Generator().manual_seed(3))
+    r_hat = noise_corrected_rewards(noisy, rho_p, rho_m)
+    for label in (0.0, 1.0):
+        sel = clean == label
+        tol = 5 * r_hat[sel].std().item() / math.sqrt(n)  # ~.007
+        assert abs(r_hat[sel].mean().item() - label) < tol
+        assert abs(noisy[sel].mean().item() - label) > 5 * tol  # uncorrected: off by rho_p or rho_m
+    # Dr. GRPO advantage over 50k groups of 4 with clean rewards [1, 0, 0, 0] (200k samples)
+    P = 50_000
+    clean = T([1.0, 0, 0, 0], dtype=torch.float64).repeat(P, 1)
+    noisy = flip_rewards(clean, rho_p, rho_m, torch.Generator().manual_seed(4))
+    corrected = group_advantages(noise_corrected_rewards(noisy, rho_p, rho_m), std_normalize=False)
+    uncorrected = group_advantages(noisy, std_normalize=False)
+    want = group_advantages(clean[:1], std_normalize=False)[0]  # [.75, -.25, -.25, -.25]
+    tol = 5 * corrected.std(0) / math.sqrt(P)  # (4,) ~.009
+    assert ((corrected.mean(0) - want).abs() < tol).all()
+    assert ((uncorrected.mean(0) - J * want).abs() < tol * J).all()  # the shrunk contrast, as derived
+    assert ((uncorrected.mean(0) - want).abs() > 5 * tol).all()  # off by .3 * want: 34-120 SE
+
+
+def test_std_normalisation_cancels_noise_correction():
+    """Guards against pairing the correction with GRPO's std normalisation, where it does nothing: the
+    z-score of r_hat equals the z-score of r (exactly at eps = 0), so the correction goes with Dr. GRPO
+    centring, where with global rates it is the constant rescale 1 / (1 - rho+ - rho-)."""
+    r = torch.randint(0, 2, (40, 8), generator=torch.Generator().manual_seed(5)).double()
+    r_hat = noise_corrected_rewards(r, 0.2, 0.1)
+    assert close(group_advantages(r_hat, eps=0.0), group_advantages(r, eps=0.0), 1e-12)
+    assert close(group_advantages(r_hat), group_advantages(r), 1e-5)  # eps rescales by .7: a 3e-7 relative gap
+    assert close(group_advantages(r_hat, std_normalize=False), group_advantages(r, std_normalize=False) / 0.7, 1e-12)
+
+
+def test_pairwise_distinct_delta_zero_is_dr_grpo_bit_exact():
+    """Guards against the pair sum drifting from Dr. GRPO when nothing is masked (delta = 0 must give
+    group_advantages bit for bit, with or without std) and against a pair formula other than
+    (1/G) sum_j (r_i - r_j) = r_i - mean r."""
+    g = torch.Generator().manual_seed(6)
+    for G in (1, 3, 5, 8):
+        r = torch.rand(20, G, generator=g)
+        r[0] = 0.3  # a degenerate group with an inexact float mean
+        s = torch.rand(20, G, generator=g)
+        for std_normalize in (False, True):
+            got = pairwise_distinct_advantages(r, s, 0.0, std_normalize=std_normalize)
+            assert torch.equal(got, group_advantages(r, std_normalize=std_normalize)), (G, std_normalize)
+        pair_sum = (r[:, :, None] - r[:, None, :]).double().sum(-1) / G
+        assert close(pairwise_distinct_advantages(r, s, 0.0), pair_sum, 1e-6)
+    ints = T([[1, 0, 0, 0]])  # integer rewards are accepted, as in group_advantages
+    assert torch.equal(pairwise_distinct_advantages(ints, torch.zeros(1, 4), 0.0), T([[0.75, -0.25, -0.25, -0.25]]))
+
+
+def test_pairwise_distinct_hand_values():
+    """Guards against masking samples instead of pairs, a strict > at the threshold, renormalising by the
+    kept-pair count instead of G, and a mask that is not symmetric (groups must stay centred)."""
+    # Reference §5: pair (1, 2) has gap .05 < .1 and is dropped; cross pairs (0,2), (0,3), (1,3) stay.
+    # A = 1/4 * [(1-0)+(1-0), (1-0), -(1-0), -(1-0)-(1-0)]
+    r, s = T([[1.0, 1, 0, 0]]), T([[0.9, 0.55, 0.5, 0.1]])
+    assert close(pairwise_distinct_advantages(r, s, 0.1), [[0.5, 0.25, -0.25, -0.5]], 1e-7)
+    # GRPO form: the same over the unmasked std of [1, 1, 0, 0], .57735
+    assert close(
+        pairwise_distinct_advantages(r, s, 0.1, std_normalize=True), [[0.866025, 0.433013, -0.433013, -0.866025]]
+    )
+    # G = 3, graded rewards: only pair (0, 2) has |s_i - s_j| = 1 >= .75 -> [1/3, 0, -1/3] (Dr. GRPO: [.5, 0, -.5])
+    assert close(
+        pairwise_distinct_advantages(T([[1.0, 0.5, 0]]), T([[0.0, 0.5, 1.0]]), 0.75), [[1 / 3, 0, -1 / 3]], 1e-7
+    )
+    # Exact gaps of .25 (binary fractions): delta = .25 keeps them all (>=), delta = .5 drops adjacent pairs,
+    # leaving only the cross pair (0, 3): A = [1/4, 0, 0, -1/4]
+    r, s = T([[1.0, 0, 1, 0]]), T([[0.75, 0.5, 0.25, 0.0]])
+    assert torch.equal(pairwise_distinct_advantages(r, s, 0.25), T([[0.5, -0.5, 0.5, -0.5]]))
+    assert torch.equal(pairwise_distinct_advantages(r, s, 0.5), T([[0.25, 0.0, 0.0, -0.25]]))
+    g = torch.Generator().manual_seed(7)
+    adv = pairwise_distinct_advantages(torch.rand(30, 6, generator=g), torch.rand(30, 6, generator=g), 0.3)
+    assert close(adv.sum(-1), torch.zeros(30), 1e-6)
+    with pytest.raises(ValueError):
+        pairwise_distinct_advantages(r, s, -0.1)
+    with pytest.raises(ValueError):
+        pairwise_distinct_advantages(r, s[:, :3], 0.1)
+
+
+def test_pairwise_distinct_degenerate_and_fully_masked_groups_are_exactly_zero():
+    """Guards against 0/(0+eps) noise on all-equal groups, nan at G = 1, and rounding residue when every
+    pair of a row is masked (the row must carry no signal at all)."""
+    g = torch.Generator().manual_seed(8)
+    for std_normalize in (False, True):
+        for delta in (0.0, 0.2):
+            r = torch.full((1, 6), 0.3)
+            got = pairwise_distinct_advantages(r, torch.rand(1, 6, generator=g), delta, std_normalize=std_normalize)
+            assert torch.equal(got, torch.zeros(1, 6))
+            assert torch.equal(pairwise_distinct_advantages(T([[0.7]]), T([[0.1]]), delta), torch.zeros(1, 1))
+        same = pairwise_distinct_advantages(
+            T([[0.9, 0.2, 0.1]]), torch.full((1, 3), 0.5), 0.1, std_normalize=std_normalize
+        )
+        assert torch.equal(same, torch.zeros(1, 3))
+
+
+def test_splice_anchor_rewards_and_anchor_advantage():
+    """Guards against anchoring groups that already have a correct sample, triggering on rewards instead of
+    correctness, growing the group, and the anchor not getting the positive (G-1)/G advantage."""
+    rewards = T([[-0.1, 0, 0, 0], [1.0, 0, 0, 0]])  # group 0: all wrong (one with a format penalty)
+    correct = T([[0.0, 0, 0, 0], [1, 0, 0, 0]])
+    spliced, is_anchor = splice_anchor_rewards(rewards, correct)
+    assert torch.equal(spliced, T([[-0.1, 0, 0, 1.0], [1.0, 0, 0, 0]]))
+    assert is_anchor.tolist() == [[False, False, False, True], [False] * 4]
+    zeros = torch.zeros(1, 4)
+    spliced, _ = splice_anchor_rewards(zeros, zeros)
+    # Dr. GRPO / pairwise(delta = 0): the anchor gets (G-1)/G, each wrong rollout -1/G
+    assert torch.equal(pairwise_distinct_advantages(spliced, torch.zeros(1, 4), 0.0), T([[-0.25, -0.25, -0.25, 0.75]]))
+    assert torch.equal(group_advantages(spliced, std_normalize=False), T([[-0.25, -0.25, -0.25, 0.75]]))
+    # GRPO at G = 8 (reference §1.5): .875 / .353553 = 2.474874, wrong rollouts -.125 / .353553
+    spliced, _ = splice_anchor_rewards(torch.zeros(1, 8), torch.zeros(1, 8))
+    assert close(group_advantages(spliced), [[-0.353553] * 7 + [2.474874]])
+    # With the distinctiveness mask and the anchor scored 1.0: the wrong rollout scored .95 is too close
+    # to the reference to be pushed down; the anchor contrasts only with rollouts 0 and 2.
+    spliced, is_anchor = splice_anchor_rewards(zeros, zeros)
+    scores = T([[0.2, 0.95, 0.3, 0.0]]).masked_fill(is_anchor, 1.0)
+    assert close(pairwise_distinct_advantages(spliced, scores, 0.1), [[-0.25, 0.0, -0.25, 0.5]], 1e-7)
+    spliced, is_anchor = splice_anchor_rewards(rewards, correct, anchor_reward=0.9, max_correct=1)
+    assert is_anchor[:, -1].tolist() == [True, True] and close(spliced[:, -1], [0.9, 0.9], 1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,6 +650,71 @@ def test_gspo_sequence_ratio_value_and_gradient():
     assert torch.equal(grad, torch.zeros(1, 2)) and close(loss, -(1 + 4e-4), 1e-12) and m["clip_frac_high"] == 1.0
 
 
+def test_policy_loss_off_policy_shaping_value_and_gradient():
+    """Guards against feeding injected reference tokens through the PPO ratio (old_logp is garbage there),
+    a missing or detached shaping f(p) = p/(p+gamma), clipping them, and touching on-policy tokens:
+    d/dlogp [p/(p+g)] = g p/(p+g)^2."""
+    # token 0: off-policy p = .5, A = 2; token 1: off-policy p = .1, A = -1; token 2: on-policy ratio 1.1, A = 1
+    logp = T([[math.log(0.5), math.log(0.1), 0.0]], dtype=torch.float64, requires_grad=True)
+    old = T([[float("nan"), float("-inf"), -math.log(1.1)]], dtype=torch.float64)
+    adv = T([[2.0, -1.0, 1.0]], dtype=torch.float64)
+    w = T([[0.5, 0.5, 1.0]], dtype=torch.float64)
+    off = T([[True, False, False]]) | T([[False, True, False]])
+    loss, m = policy_loss(logp, old, adv, w, off_policy=off)
+    # f(.5) = 5/6, f(.1) = .5 -> obj [5/3, -.5, 1.1], loss = -(.5*5/3 - .5*.5 + 1.1) = -1.683333
+    assert close(loss, -(0.5 * 5 / 3 - 0.25 + 1.1), 1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # -w*A*g*p/(p+g)^2: -.5*2*(.05/.36) = -.138889; -.5*-1*(.01/.04) = .125; on-policy -w*A*rho = -1.1
+    assert close(grad, [[-0.5 * 2 * 0.05 / 0.36, 0.125, -1.1]], 1e-12)
+    assert close([m["off_policy_frac"], m["off_policy_p_mean"], m["ratio_mean"]], [2 / 3, 0.3, 3.1 / 3], 1e-7)
+    assert m["clip_frac"] == 0.0
+    # gamma is a knob: g = .5 at p = .5 -> f = .5, df/dlogp = .25/1 = .25
+    logp = T([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(logp, T([[0.0]]), T([[1.0]]), T([[1.0]]), off_policy=T([[True]]), off_policy_gamma=0.5)
+    assert close(loss, -0.5, 1e-12) and close(torch.autograd.grad(loss, logp)[0], [[-0.25]], 1e-12)
+    with pytest.raises(ValueError):
+        policy_loss(logp, logp, T([[1.0]]), T([[1.0]]), off_policy=T([[True]]), off_policy_gamma=0.0)
+
+
+def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
+    """Guards against an all-False off_policy changing the loss, anchor rows leaking into other rows, and
+    GSPO's sequence mean averaging over off-policy tokens (their old_logp is meaningless)."""
+    table = tiny_policy(3)
+    ids, mask, adv, g = batch(3)
+    old = (seq_logp(table, ids) + 0.2 * torch.randn(mask.shape, generator=g, dtype=torch.float64)).detach()
+    w = token_weights(mask, "token_mean")
+    for seq in (False, True):
+        base, _ = policy_loss(seq_logp(table, ids), old, adv, w, sequence_ratio=seq)
+        none_off, _ = policy_loss(seq_logp(table, ids), old, adv, w, sequence_ratio=seq, off_policy=mask < 0)
+        assert torch.equal(base, none_off)
+        # row 0 becomes an anchor: the other rows' terms are unchanged, row 0 gets -sum(w * A * f(p))
+        off = torch.zeros_like(mask, dtype=torch.bool)
+        off[0] = True
+        bad_old = old.clone()
+        bad_old[0] = float("nan")
+        logp = seq_logp(table, ids)
+        loss, _ = policy_loss(logp, bad_old, adv, w, sequence_ratio=seq, off_policy=off)
+        rest, _ = policy_loss(logp[1:], old[1:], adv[1:], w[1:], sequence_ratio=seq)
+        p = logp[0].exp()
+        assert close(loss, rest - (w[0] * adv[0] * p / (p + 0.1)).sum(), 1e-12)
+        (grad,) = torch.autograd.grad(loss, table)
+        assert torch.isfinite(grad).all()
+    # a mixed row under GSPO: s = exp(mean of the ON-policy log-ratios) = exp((.1 + .3) / 2)
+    logp = T([[math.log(0.5), 0.0, 0.0]], dtype=torch.float64)
+    old = T([[float("nan"), -0.1, -0.3]], dtype=torch.float64)
+    loss, _ = policy_loss(
+        logp,
+        old,
+        torch.ones(1, 3, dtype=torch.float64),
+        torch.full((1, 3), 1 / 3, dtype=torch.float64),
+        sequence_ratio=True,
+        clip_low=10.0,
+        clip_high=10.0,
+        off_policy=T([[True, False, False]]),
+    )
+    assert close(loss, -(5 / 6 + 2 * math.exp(0.2)) / 3, 1e-12)
+
+
 @pytest.mark.parametrize("agg", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
 @pytest.mark.parametrize("sequence_ratio", [False, True])
 def test_micro_batch_gradients_sum_to_full_batch(agg, sequence_ratio):
@@ -527,3 +778,45 @@ def test_select_hard_examples():
     assert len(select_hard_examples(torch.rand(100), 0.29)) == 29
     with pytest.raises(ValueError):
         select_hard_examples(rates, 1.5)
+
+
+def test_select_examples_modes_and_tie_order():
+    """Guards against a medium window off the median, easiest-first order reversed, and ties broken by an
+    unstable sort (with many prompts at pass rate 0 the selected set must be reproducible: data order)."""
+    rates = T([0.5, 0.0, 0.9, 0.0, 0.2, 0.0])  # hardest-first order [1, 3, 5, 4, 0, 2]
+    assert select_hard_examples(rates, 0.5, mode="easiest").tolist() == [2, 0, 4]
+    assert select_hard_examples(rates, 0.67, mode="easiest").tolist() == [2, 0, 4, 1]  # tie at 0: index 1 first
+    assert select_hard_examples(rates, 0.34, mode="medium").tolist() == [5, 4]  # n = 2, ranks [2, 4)
+    assert select_hard_examples(rates, 0.5, mode="medium").tolist() == [3, 5, 4]  # n = 3, ranks [1, 4)
+    tied = torch.zeros(1000)
+    for mode in ("hardest", "easiest"):
+        assert torch.equal(select_hard_examples(tied, 0.1, mode=mode), torch.arange(100))
+    assert torch.equal(select_hard_examples(tied, 0.1, mode="medium"), torch.arange(450, 550))
+
+
+def test_select_examples_fraction_one_zero_and_random():
+    """Guards against fraction = 1 dropping or duplicating examples, a selection of 0 examples passing
+    silently, an unseeded random mode, and 'random' that is not uniform (e.g. always the first n)."""
+    rates = T([0.5, 0.0, 0.9, 0.0, 0.2, 0.0])
+    g = torch.Generator().manual_seed(0)
+    for mode in ("hardest", "medium", "easiest", "random"):
+        keep = select_hard_examples(rates, 1.0, mode=mode, generator=g)
+        assert sorted(keep.tolist()) == list(range(6)), mode
+        for fraction in (0.0, 0.1):  # floor(6 * .1) = 0
+            with pytest.raises(ValueError, match="keeps none"):
+                select_hard_examples(rates, fraction, mode=mode, generator=g)
+    assert select_hard_examples(rates, 1.0, mode="medium").tolist() == [1, 3, 5, 4, 0, 2]
+    with pytest.raises(ValueError, match="generator"):
+        select_hard_examples(rates, 0.5, mode="random")
+    with pytest.raises(ValueError):
+        select_hard_examples(rates, 0.5, mode="middle")
+    with pytest.raises(ValueError):
+        select_hard_examples(rates[None], 0.5)
+    draw = [
+        select_hard_examples(rates, 0.5, mode="random", generator=torch.Generator().manual_seed(9)) for _ in range(2)
+    ]
+    assert torch.equal(draw[0], draw[1]) and len(set(draw[0].tolist())) == 3
+    counts = torch.zeros(6)
+    for _ in range(2000):
+        counts[select_hard_examples(rates, 0.5, mode="random", generator=g)] += 1
+    assert ((counts / 2000 - 0.5).abs() < 5 * math.sqrt(0.25 / 2000)).all()  # each index kept half the time
