@@ -1,13 +1,14 @@
 """eval.py: held-out evaluation (greedy accuracy, mean@n, unbiased pass@k) and plots of runs.
 
     python eval.py --model assets/tiny-model --task synthetic --n 16 --k 1,4,16
-    python eval.py --model runs/default/final --task gsm8k --data test.jsonl --out eval.json
+    python eval.py --model runs/default/final --task gsm8k --test-data test.jsonl --out eval.json
     python eval.py --plot runs/grpo runs/grpo_ma      # curves of one or more runs in one PNG
     python eval.py --plot runs/exp/t4a4-s0 runs/exp/t4a4-s1 --x time --metrics eval/accuracy,grad_norm
 
 Correctness comes from the task's own functions (tasks.py / rewards.py), the same ones the trainer
 rewards with, so the training signal and the metric cannot drift apart. Sampling goes through the
-trainer's sampler (sampler.generate).
+trainer's sampler (sampler.generate). Flags are checked when parsed and the data is read before
+the model, so a wrong flag or a bad data file fails at once, in one sentence.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from rewards import format_reward
 from sampler import generate
+from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -57,9 +59,12 @@ def evaluate(
     seed: int = 0,
     batch_prompts: int = 64,
 ) -> dict:
-    """Greedy accuracy, mean@n and pass@k (k <= n) at `temperature`, format rate, length, truncation."""
-    from tasks import render_prompt  # imported here: tasks is only needed once examples exist
-
+    """Greedy accuracy, mean@n and pass@k at `temperature`, format rate, length, truncation.
+    n = 0: greedy only (`ks` unused); otherwise every k must be in 1..n (pass@k needs k samples)."""
+    if not examples:
+        raise ValueError("evaluate: no examples; pass at least one.")
+    if n < 0 or (n > 0 and not all(1 <= k <= n for k in ks)):
+        raise ValueError(f"evaluate: need n >= 0 and every k in 1..n, got n={n}, ks={tuple(ks)}.")
     prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in examples]
     greedy_correct, sampled_correct, lengths, truncated, formats = [], [], [], [], []
     for start in range(0, len(prompts), batch_prompts):
@@ -90,8 +95,7 @@ def evaluate(
         counts = [int(sum(c)) for c in sampled_correct]
         res[f"mean@{n}"] = sum(counts) / (n * len(examples))
         for k in ks:
-            if k <= n:
-                res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
+            res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
         res.update(
             format_rate=sum(formats) / len(formats),
             len_mean=sum(lengths) / len(lengths),
@@ -194,33 +198,96 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
 class EvalConfig:
     model: str = "assets/tiny-model"  # HF checkpoint directory to evaluate
     task: str = "synthetic"  # task name (see tasks.py)
-    data: str = ""  # JSONL file for file-based tasks
-    examples: int = 200  # held-out prompts to evaluate
+    data: str = ""  # JSONL file for file-based tasks (held out: every 10th example, unless --test-data)
+    test_data: str = ""  # JSONL file of held-out examples for file-based tasks (all of it; --data then unneeded)
+    examples: int = 200  # held-out prompts to evaluate (an error if the held-out split has fewer)
     n: int = 16  # samples per prompt for mean@n and pass@k (0 = greedy only)
-    k: str = "1,4,16"  # comma-separated k values for pass@k (each <= n)
-    temperature: float = 1.0  # sampling temperature for mean@n and pass@k
-    top_p: float = 1.0  # sampling nucleus
+    k: str = ""  # comma-separated k values for pass@k, each <= n (empty = 1, 4, 16, ... below n, and n)
+    temperature: float = 1.0  # sampling temperature for mean@n and pass@k (0 = greedy)
+    top_p: float = 1.0  # sampling nucleus, in (0, 1] (1 = off)
     max_new_tokens: int = 80  # completion length limit
     seed: int = 0  # sampling seed and held-out sample seed
-    device: str = "cpu"  # cpu | cuda
+    device: str = "cpu"  # cpu | cuda | cuda:N
     out: str = ""  # write the results as JSON here (empty = print only)
+
+    def __post_init__(self) -> None:
+        """Validate, never rewrite: every impossible flag is one sentence, before any data or model is read."""
+        checks = [
+            (self.task in TASK_NAMES, f"--task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}"),
+            (self.examples >= 1, f"--examples must be >= 1 (held-out prompts to evaluate), got {self.examples}"),
+            (self.n >= 0, f"--n must be >= 0 (samples per prompt; 0 = greedy only), got {self.n}"),
+            (self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}"),
+            (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {self.top_p}"),
+            (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+            (
+                re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                f"--device must be cpu, cuda or cuda:N, got {self.device!r}",
+            ),
+            (
+                self.device == "cpu" or torch.cuda.is_available(),
+                f"--device {self.device}: no CUDA device is available; use --device cpu",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        self.pass_ks()  # raises on a bad --k
+
+    def pass_ks(self) -> tuple[int, ...]:
+        """The k values of pass@k: --k, or when empty 1, 4, 16, ... below --n, and --n itself."""
+        if not self.k.strip():
+            return tuple(4**i for i in range(self.n.bit_length()) if 4**i < self.n) + (self.n,) if self.n else ()
+        try:
+            ks = sorted({int(k) for k in self.k.split(",") if k.strip()})
+        except ValueError:
+            ks = []
+        if not ks:
+            raise ValueError(f"--k must be comma-separated integers such as 1,4,16, got {self.k!r}")
+        if ks[0] < 1:
+            raise ValueError(f"--k values must be >= 1 (pass@k draws k samples), got {ks[0]}")
+        if self.n == 0:
+            raise ValueError(f"--k {self.k} needs sampled completions but --n 0 is greedy only; raise --n or drop --k")
+        if ks[-1] > self.n:
+            raise ValueError(
+                f"--k {ks[-1]} is above --n {self.n}: pass@k needs at least k samples per prompt; "
+                f"raise --n to {ks[-1]} or drop {ks[-1]} from --k"
+            )
+        return tuple(ks)
+
+
+def load_examples(cfg: EvalConfig) -> tuple[Task, list[dict]]:
+    """The task and its first `cfg.examples` held-out examples; a bad file or too few examples is a ValueError."""
+    task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
+    check_sizes(task, test=cfg.examples, test_flag="--examples")
+    return task, task.test(cfg.examples, cfg.seed)
 
 
 def main(cfg: EvalConfig) -> dict:
     from model import load_model, load_tokenizer
-    from tasks import get_task
 
-    model = load_model(cfg.model, device=cfg.device)
-    tokenizer = load_tokenizer(cfg.model)
-    task = get_task(cfg.task, cfg.data or None)
-    examples = task.test(cfg.examples, cfg.seed)
+    # Data first, then the model: a bad file or flag fails in seconds, not after loading weights.
+    # A user's error (data, checkpoint, a prompt too long) ends in one sentence, not a traceback.
+    try:
+        task, examples = load_examples(cfg)
+        tokenizer = load_tokenizer(cfg.model)
+        model = load_model(cfg.model, device=cfg.device)
+        context = model.config.max_position_embeddings
+        if cfg.max_new_tokens >= context:
+            raise ValueError(
+                f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's context of "
+                f"{context} tokens; lower --max-new-tokens."
+            )
+        limit = f"the model's context of {context} tokens minus --max-new-tokens {cfg.max_new_tokens}"
+        check_prompt_lengths(tokenizer, examples, task.system_prompt, context - cfg.max_new_tokens, limit)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"eval.py: error: {e}") from None
     res = evaluate(
         model,
         tokenizer,
         task,
         examples,
         n=cfg.n,
-        ks=tuple(int(k) for k in cfg.k.split(",") if k),
+        ks=cfg.pass_ks(),
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         top_p=cfg.top_p,

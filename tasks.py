@@ -2,18 +2,24 @@
 
 A `Task` is a plain record of functions: the training reward, the 0/1 correctness used for
 accuracy and pass@k, and deterministic train/test example generators. Every example is a dict
-with "prompt" (the user message) and "answer" (the reference) plus task fields.
+with "prompt" (the user message) and "answer" (the reference) plus task fields; an example read
+from a file also keeps "_where" ("PATH line N") so later errors can name its line.
 
 Built in (no files): "synthetic" (the bundled default: addition with a carry scratchpad),
 "synthetic-hard" (4-digit operands, out of distribution for a model trained on "synthetic"),
-"countdown". From local JSONL (`data=`): "gsm8k", "math", "code", and "jsonl" (format detected
-from the first line). Rewards are correctness only by default (no format term); combine with
-rewards.format_reward in the trainer when wanted.
+"countdown". From local JSONL (`data=`, `test_data=`): "gsm8k", "math", "code", and "jsonl"
+(format detected from the first line). Rewards are correctness only by default (no format term);
+combine with rewards.format_reward in the trainer when wanted.
+
+Callers check sizes before they start: `check_sizes` (enough distinct examples for one step and
+for the evaluation asked for) and `check_prompt_lengths` (every prompt fits the context).
 """
 
+import codecs
 import json
 import os
 import random
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +38,10 @@ SYNTHETIC_CHARS = "\n+0123456789="
 
 TASK_NAMES = ("synthetic", "synthetic-hard", "countdown", "gsm8k", "math", "code", "jsonl")
 
+# Characters one field of a file example may hold (a prompt, answer, solution or the tests): far
+# above real data (a MATH solution is ~1-5k), low enough that a corrupt line is caught on load.
+MAX_CHARS = 100_000
+
 
 @dataclass(frozen=True)
 class Task:
@@ -41,16 +51,22 @@ class Task:
     reward: Callable[[str, dict], float]  # the training reward
     correct: Callable[[str, dict], float]  # 0/1 correctness, for accuracy and pass@k
     train: Callable[[int, int], list[dict]]  # (n, seed) -> n training examples, deterministic
-    test: Callable[[int, int], list[dict]]  # (n, seed) -> held-out examples, never in train
+    test: Callable[[int, int], list[dict]]  # (n, seed) -> n held-out examples, never in train
     system_prompt: str | None = None  # None: no system message (the tiny char-level model)
+    n_train: int | None = None  # distinct training examples (None: generated, unbounded)
+    n_test: int | None = None  # distinct held-out examples (None: generated, unbounded)
+    train_source: str = ""  # where the training examples come from, for error messages
+    test_source: str = ""  # where the held-out examples come from, for error messages
 
 
-def get_task(name: str, data: str | None = None, test_data: str | None = None) -> Task:
+def get_task(name: str, data: str | None = None, test_data: str | None = None, max_chars: int = MAX_CHARS) -> Task:
     """The task called `name`. File tasks read `data` (JSONL); their test split is every 10th
-    example of it, or all of `test_data` when given (then `data` is all training)."""
+    example of it, or all of `test_data` when given (then all of `data` is training, and `data`
+    may be None for an evaluation). A field of a file example holds at most `max_chars` characters."""
     if name in ("synthetic", "synthetic-hard", "countdown"):
-        if data is not None or test_data is not None:
-            raise ValueError(f"task '{name}' is generated and takes no data file; drop --data.")
+        for flag, value in (("--data", data), ("--test-data", test_data)):
+            if value is not None:
+                raise ValueError(f"task '{name}' is generated and takes no data file; drop {flag}.")
         if name == "countdown":
             return Task(
                 name,
@@ -71,20 +87,61 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None) -
         )
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
-    if data is None:
-        raise ValueError(f"task '{name}' reads local examples: pass --data FILE.jsonl.")
-    rows = load_jsonl(data, name)
+    if data is None and test_data is None:
+        raise ValueError(f"task '{name}' reads local examples: pass --data FILE.jsonl (and optionally --test-data).")
+    rows = load_jsonl(data, name, max_chars) if data is not None else []
     if test_data is not None:
-        train_rows, test_rows = rows, load_jsonl(test_data, name)
+        train_rows, test_rows = rows, load_jsonl(test_data, name, max_chars)
+        train_source, test_source = data or "", test_data
     else:
+        if len(rows) < 10:
+            raise ValueError(
+                f"{data}: {len(rows)} examples are too few to hold out every 10th one; "
+                "add examples or pass --test-data FILE.jsonl."
+            )
         train_rows = [row for i, row in enumerate(rows) if i % 10 != 9]
         test_rows = [row for i, row in enumerate(rows) if i % 10 == 9]
-    if not train_rows or not test_rows:
-        raise ValueError(f"{data}: too few examples for a train/test split; add lines or pass a test file.")
-    reward = code_reward if "tests" in rows[0] else math_reward
+        train_source = f"the training split of {data} (9 of every 10 examples)"
+        test_source = f"the held-out split of {data} (every 10th example)"
+    reward = code_reward if "tests" in (rows or test_rows)[0] else math_reward
     return Task(
-        name, reward, reward, _sampler(train_rows), lambda n, seed: [dict(r) for r in test_rows[:n]], SYSTEM_PROMPT
+        name,
+        reward,
+        reward,
+        _sampler(train_rows, name),
+        _first(test_rows, test_source),
+        SYSTEM_PROMPT,
+        n_train=len(train_rows),
+        n_test=len(test_rows),
+        train_source=train_source,
+        test_source=test_source,
     )
+
+
+def check_sizes(
+    task: Task,
+    train: int = 0,
+    test: int = 0,
+    *,
+    train_flag: str = "--prompts-per-step",
+    test_flag: str = "--eval-examples",
+) -> None:
+    """A one-sentence ValueError unless `task` has at least `train` distinct training examples
+    (one step's prompts: none repeats within a step, except where a step straddles two passes
+    over the data) and at least `test` held-out ones (an evaluation of `test` prompts uses that
+    many). Generated tasks are unbounded. The flags name the caller's options in the message."""
+    if train > 0 and task.n_train == 0:
+        raise ValueError(f"task '{task.name}' has no training examples: pass --data FILE.jsonl.")
+    if task.n_train is not None and train > task.n_train:
+        raise ValueError(
+            f"{train_flag} {train} needs {train} distinct training examples but {task.train_source} has "
+            f"{task.n_train}; add examples or lower {train_flag}."
+        )
+    if task.n_test is not None and test > task.n_test:
+        raise ValueError(
+            f"{test_flag} {test} asks for {test} held-out examples but {task.test_source} has {task.n_test}; "
+            f"lower {test_flag} or pass a larger --test-data FILE.jsonl."
+        )
 
 
 def render_prompt(tokenizer, example: dict, system_prompt: str | None) -> list[int]:
@@ -92,6 +149,26 @@ def render_prompt(tokenizer, example: dict, system_prompt: str | None) -> list[i
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": example["prompt"]})
     return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def check_prompt_lengths(
+    tokenizer, examples: list[dict], system_prompt: str | None, max_tokens: int, limit: str
+) -> None:
+    """A one-sentence ValueError naming the first example (by its "_where", file and line, when
+    it came from a file) whose rendered prompt is longer than `max_tokens` tokens. `limit` says
+    where the bound comes from, e.g. "the model's context of 4096 tokens minus --max-new-tokens
+    512". A prompt that repeats (a training stream) is rendered once."""
+    seen = set()
+    for i, example in enumerate(examples):
+        if example["prompt"] in seen:
+            continue
+        seen.add(example["prompt"])
+        length = len(render_prompt(tokenizer, example, system_prompt))
+        if length > max_tokens:
+            raise ValueError(
+                f"{example.get('_where', f'example {i}')}: the prompt is {length} tokens, more than the "
+                f"{max_tokens} allowed by {limit}; shorten or drop that example."
+            )
 
 
 # ---------------------------------------------------------------- synthetic: addition
@@ -175,23 +252,46 @@ def _random_expression(rng: random.Random, nums: list[int]) -> tuple[str, int]:
 # ---------------------------------------------------------------- local JSONL files
 
 
-def load_jsonl(path: str, kind: str) -> list[dict]:
-    """Examples of a JSONL file. kind: "gsm8k" (question, answer with `#### N`), "math" (problem,
-    solution with \\boxed{}), "code" (prompt, tests [, entry_point]), "jsonl" (detected from the
-    first line: tests -> code, question -> gsm8k, problem -> math, else generic prompt, answer).
-    Unknown fields are ignored; a bad line is a ValueError naming the file and line."""
+def load_jsonl(path: str, kind: str, max_chars: int = MAX_CHARS) -> list[dict]:
+    """Examples of a JSONL file in UTF-8 (a leading byte-order mark is allowed). kind: "gsm8k"
+    (question, answer with `#### N`), "math" (problem, solution with \\boxed{}), "code" (prompt,
+    tests [, entry_point]), "jsonl" (detected from the first line: tests -> code, question ->
+    gsm8k, problem -> math, else generic prompt, answer). Unknown fields are ignored; a field that
+    is read holds at most `max_chars` characters. Each example keeps "_where" ("PATH line N").
+    A bad line is a ValueError naming the file and line."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: is a directory, not a data file; pass the path of a .jsonl file.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such data file.")
+    try:
+        f = open(path, "rb")  # bytes, decoded line by line, so a decoding error can name its line
+    except OSError as e:
+        raise OSError(f"{path}: cannot open the data file ({e.strerror}).") from None
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path} line {line_no}"
+            if line_no == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # as utf-8-sig: some editors write one
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{where}: byte {e.start + 1} (0x{raw[e.start]:02x}) is not valid UTF-8; save the file as UTF-8."
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path} line {line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg}).") from None
+            except ValueError:  # json's only other ValueError: an integer longer than Python converts
+                raise ValueError(
+                    f"{where}: a number has more than {sys.get_int_max_str_digits()} digits, too long to parse; "
+                    "write it as a JSON string."
+                ) from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply to parse.") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object.")
             if kind == "jsonl":
@@ -204,67 +304,97 @@ def load_jsonl(path: str, kind: str) -> list[dict]:
                     if "problem" in row
                     else "generic"
                 )
-            examples.append(_CONVERTERS[kind](row, where))
+            example = _CONVERTERS[kind](row, where, max_chars)
+            example["_where"] = where
+            examples.append(example)
     if not examples:
         raise ValueError(f"{path}: the file has no examples.")
     return examples
 
 
-def _field(row: dict, name: str, where: str, types: tuple = (str,)) -> object:
+def _field(row: dict, name: str, where: str, max_chars: int, types: tuple = (str,)) -> object:
     if name not in row:
         raise ValueError(f"{where}: missing field '{name}'.")
-    if not isinstance(row[name], types) or isinstance(row[name], bool):
+    value = row[name]
+    if not isinstance(value, types) or isinstance(value, bool):
         raise ValueError(f"{where}: field '{name}' must be {' or '.join(t.__name__ for t in types)}.")
-    return row[name]
+    chars = sum(len(str(v)) for v in value) if isinstance(value, list) else len(str(value))
+    if chars > max_chars:
+        raise ValueError(
+            f"{where}: field '{name}' has {chars} characters, more than the {max_chars} allowed; "
+            "shorten or drop that example."
+        )
+    return value
 
 
-def _gsm8k(row: dict, where: str) -> dict:
-    solution = _field(row, "answer", where)
+def _gsm8k(row: dict, where: str, max_chars: int) -> dict:
+    solution = _field(row, "answer", where, max_chars)
     if "####" not in solution:
         raise ValueError(f"{where}: field 'answer' has no '#### N' final answer.")
     return {
-        "prompt": _field(row, "question", where),
+        "prompt": _field(row, "question", where, max_chars),
         "answer": solution.rsplit("####", 1)[1].strip(),
         "solution": solution,
     }
 
 
-def _math(row: dict, where: str) -> dict:
-    solution = _field(row, "solution", where)
+def _math(row: dict, where: str, max_chars: int) -> dict:
+    solution = _field(row, "solution", where, max_chars)
     answer = extract_boxed(solution)
     if answer is None:
         raise ValueError(f"{where}: field 'solution' has no \\boxed{{...}} final answer.")
-    return {"prompt": _field(row, "problem", where), "answer": answer, "solution": solution}
+    return {"prompt": _field(row, "problem", where, max_chars), "answer": answer, "solution": solution}
 
 
-def _code(row: dict, where: str) -> dict:
-    tests = _field(row, "tests", where, (str, list))
+def _code(row: dict, where: str, max_chars: int) -> dict:
+    tests = _field(row, "tests", where, max_chars, (str, list))
     if isinstance(tests, list) and not all(isinstance(t, str) for t in tests):
         raise ValueError(f"{where}: field 'tests' must be a string or a list of strings.")
     example = {
-        "prompt": _field(row, "prompt", where) + "\n\nGive your solution as one ```python code block.",
+        "prompt": _field(row, "prompt", where, max_chars) + "\n\nGive your solution as one ```python code block.",
         "answer": "",
         "tests": tests,
     }  # the tests are the reference; there is no answer text
     if "entry_point" in row:
-        example["entry_point"] = _field(row, "entry_point", where)
+        example["entry_point"] = _field(row, "entry_point", where, max_chars)
     return example
 
 
-def _generic(row: dict, where: str) -> dict:
-    return {"prompt": _field(row, "prompt", where), "answer": str(_field(row, "answer", where, (str, int, float)))}
+def _generic(row: dict, where: str, max_chars: int) -> dict:
+    return {
+        "prompt": _field(row, "prompt", where, max_chars),
+        "answer": str(_field(row, "answer", where, max_chars, (str, int, float))),
+    }
 
 
 _CONVERTERS = {"gsm8k": _gsm8k, "math": _math, "code": _code, "generic": _generic}
 
 
-def _sampler(rows: list[dict]) -> Callable[[int, int], list[dict]]:
-    """(n, seed) -> n examples: passes over `rows`, each shuffled by the seed (copies, so callers may mutate)."""
+def _sampler(rows: list[dict], name: str) -> Callable[[int, int], list[dict]]:
+    """(n, seed) -> n examples: passes over `rows`, each shuffled by the seed (copies, so callers
+    may mutate). n above len(rows) repeats rows, pass by pass (epochs); see check_sizes."""
 
     def sample(n: int, seed: int) -> list[dict]:
+        if not rows and n > 0:
+            raise ValueError(f"task '{name}' has no training examples: pass --data FILE.jsonl.")
         rng, out = random.Random(seed), []
         while len(out) < n:
             out.extend(rng.sample(rows, len(rows)))
         return [dict(row) for row in out[:n]]
 
     return sample
+
+
+def _first(rows: list[dict], source: str) -> Callable[[int, int], list[dict]]:
+    """(n, seed) -> the first n held-out rows (copies; the seed is unused: a fixed test set), or
+    an error when fewer exist, never a silently smaller evaluation."""
+
+    def first(n: int, seed: int) -> list[dict]:
+        if n > len(rows):
+            raise ValueError(
+                f"{n} held-out examples asked for but {source} has {len(rows)}; ask for fewer or pass a "
+                "larger --test-data FILE.jsonl."
+            )
+        return [dict(row) for row in rows[:n]]
+
+    return first

@@ -11,9 +11,9 @@ from itertools import combinations
 
 import pytest
 
-from eval import decode_completion, evaluate, pass_at_k, plot_runs
+from eval import EvalConfig, decode_completion, evaluate, main, pass_at_k, plot_runs
 from model import load_model, load_tokenizer
-from tasks import get_task
+from tasks import TASK_NAMES, get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "assets", "tiny-model")
@@ -106,3 +106,105 @@ def test_cli_prints_a_table_and_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "greedy_accuracy" in r.stdout and "pass@2" in r.stdout
     assert json.loads(out.read_text())["results"]["examples"] == 8
+
+
+# ---------------------------------------------------------------- observed bugs: flags and data checked first
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            dict(n=4, k="1,4,16"),
+            "--k 16 is above --n 4: pass@k needs at least k samples per prompt; raise --n to 16 or drop 16 from --k",
+        ),
+        (dict(k="0"), "--k values must be >= 1 (pass@k draws k samples), got 0"),
+        (dict(k="1,x"), "--k must be comma-separated integers such as 1,4,16, got '1,x'"),
+        (dict(n=0, k="1"), "--k 1 needs sampled completions but --n 0 is greedy only; raise --n or drop --k"),
+        (dict(n=-1), "--n must be >= 0 (samples per prompt; 0 = greedy only), got -1"),
+        (dict(examples=0), "--examples must be >= 1 (held-out prompts to evaluate), got 0"),
+        (dict(top_p=0.0), "--top-p must be in (0, 1] (1 = off), got 0.0"),
+        (dict(temperature=-0.5), "--temperature must be >= 0 (0 = greedy), got -0.5"),
+        (dict(max_new_tokens=0), "--max-new-tokens must be >= 1, got 0"),
+        (dict(device="gpu"), "--device must be cpu, cuda or cuda:N, got 'gpu'"),
+        (dict(task="gsm9k"), "--task must be one of " + ", ".join(TASK_NAMES) + ", got 'gsm9k'"),
+    ],
+)
+def test_eval_config_rejects_impossible_flags(flags: dict, message: str) -> None:
+    """Guards against pass@k for k > n (undefined; pass@16 was silently dropped for --n 4), --k 0,
+    a negative --n, --examples 0, --top-p 0 or a negative temperature reaching the model: each is one
+    sentence naming the flag, raised by EvalConfig itself (cli.parse_config makes it an argparse error)."""
+    with pytest.raises(ValueError) as e:
+        EvalConfig(**flags)
+    assert str(e.value) == message
+
+
+def test_default_k_follows_n() -> None:
+    """Guards against the default --k (once "1,4,16") making a plain `--n 4` an error or dropping pass@n."""
+    assert EvalConfig().pass_ks() == (1, 4, 16)
+    assert EvalConfig(n=4).pass_ks() == (1, 4) and EvalConfig(n=10).pass_ks() == (1, 4, 10)
+    assert EvalConfig(n=1).pass_ks() == (1,) and EvalConfig(n=0).pass_ks() == ()
+    assert EvalConfig(n=8, k="4,1,4").pass_ks() == (1, 4)
+
+
+def test_evaluate_rejects_k_above_n_before_generating() -> None:
+    """Guards against evaluate() silently leaving out pass@k for k > n (no model is needed to fail)."""
+    with pytest.raises(ValueError, match=r"^evaluate: need n >= 0 and every k in 1\.\.n, got n=4, ks=\(1, 16\)\.$"):
+        evaluate(None, None, None, [{"prompt": "1+2", "answer": "3"}], n=4, ks=(1, 16))
+    with pytest.raises(ValueError, match="evaluate: no examples"):
+        evaluate(None, None, None, [], n=4)
+
+
+def test_cli_flag_error_comes_before_the_model_load() -> None:
+    """Guards against a bad flag surfacing only after the (slow) model load, or as a traceback: the model
+    path does not exist, yet the error is about --k, from argparse (exit status 2)."""
+    r = subprocess.run(
+        [sys.executable, "eval.py", "--model", "no/such/model", "--n", "4", "--k", "1,4,16"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        "eval.py: error: --k 16 is above --n 4: pass@k needs at least k samples per prompt; "
+        "raise --n to 16 or drop 16 from --k"
+    )
+
+
+def write_rows(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_data_is_checked_before_the_model_is_loaded(tmp_path) -> None:
+    """Guards against a data error found only after the model loaded (here the model path does not even
+    exist), and against 8 requested held-out examples silently becoming 1: the error is one sentence."""
+    data = write_rows(tmp_path / "ten.jsonl", [{"prompt": f"{i}+1", "answer": i + 1} for i in range(10)])
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(SystemExit) as e:
+        main(EvalConfig(model=missing, task="jsonl", data=data, examples=8))
+    assert str(e.value) == (
+        f"eval.py: error: --examples 8 asks for 8 held-out examples but the held-out split of {data} "
+        "(every 10th example) has 1; lower --examples or pass a larger --test-data FILE.jsonl."
+    )
+    with pytest.raises(SystemExit) as e:
+        main(EvalConfig(model=missing, task="gsm8k", data=str(tmp_path)))
+    assert (
+        str(e.value) == f"eval.py: error: {tmp_path}: is a directory, not a data file; pass the path of a .jsonl file."
+    )
+    with pytest.raises(SystemExit, match="no-model"):  # good data: only then the checkpoint is read
+        main(EvalConfig(model=missing, task="jsonl", data=data, examples=1))
+
+
+def test_test_data_flag_evaluates_the_whole_test_file(tmp_path) -> None:
+    """Guards against eval.py having no --test-data (a test file given as --data was cut to every 10th
+    line) and against a prompt too long for the context failing inside the sampler as "prompt 0"."""
+    test = write_rows(tmp_path / "t.jsonl", [{"prompt": f"{i}+2", "answer": i + 2} for i in range(3)])
+    res = main(EvalConfig(model=BUNDLED, task="jsonl", test_data=test, examples=3, n=2, max_new_tokens=40))
+    assert res["examples"] == 3 and "pass@2" in res
+    with pytest.raises(SystemExit) as e:  # the system prompt makes these 201 tokens; the context is 256
+        main(EvalConfig(model=BUNDLED, task="jsonl", test_data=test, examples=3, n=2, max_new_tokens=80))
+    assert str(e.value) == (
+        f"eval.py: error: {test} line 1: the prompt is 201 tokens, more than the 176 allowed by the model's "
+        "context of 256 tokens minus --max-new-tokens 80; shorten or drop that example."
+    )

@@ -1,12 +1,24 @@
 """Built-in task generators, JSONL loaders and prompt rendering."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from rewards import code_reward, countdown_reward, exact_reward, math_reward
-from tasks import SYNTHETIC_CHARS, SYSTEM_PROMPT, addition_examples, get_task, load_jsonl, render_prompt, sft_completion
+from tasks import (
+    MAX_CHARS,
+    SYNTHETIC_CHARS,
+    SYSTEM_PROMPT,
+    addition_examples,
+    check_prompt_lengths,
+    check_sizes,
+    get_task,
+    load_jsonl,
+    render_prompt,
+    sft_completion,
+)
 
 
 def test_synthetic_deterministic_by_seed() -> None:
@@ -94,7 +106,8 @@ def test_load_formats(tmp_path: Path) -> None:
         write_jsonl(tmp_path / "g.jsonl", [{"question": "How many?", "answer": "48/2 = 24\n#### 1,024", "extra": 1}]),
         "gsm8k",
     )
-    assert gsm == [{"prompt": "How many?", "answer": "1,024", "solution": "48/2 = 24\n#### 1,024"}]
+    where = f"{tmp_path / 'g.jsonl'} line 1"
+    assert gsm == [{"prompt": "How many?", "answer": "1,024", "solution": "48/2 = 24\n#### 1,024", "_where": where}]
     math = load_jsonl(
         write_jsonl(
             tmp_path / "m.jsonl",
@@ -113,6 +126,7 @@ def test_load_formats(tmp_path: Path) -> None:
         write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "answer": 7}, "", {"prompt": "q", "answer": "8"}]), "jsonl"
     )
     assert [e["answer"] for e in generic] == ["7", "8"]
+    assert [e["_where"].rsplit(" ", 1)[1] for e in generic] == ["1", "3"]  # the file's line numbers
     assert load_jsonl(str(tmp_path / "g.jsonl"), "jsonl") == gsm  # detected from the fields
 
 
@@ -158,14 +172,16 @@ def test_file_task_split_and_sampling(tmp_path: Path) -> None:
     rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(30)]
     task = get_task("gsm8k", data=write_jsonl(tmp_path / "g.jsonl", rows))
     assert task.reward is math_reward and task.system_prompt == SYSTEM_PROMPT
-    test = task.test(100, 0)
+    assert (task.n_train, task.n_test) == (27, 3)
+    test = task.test(3, 0)
     assert [e["answer"] for e in test] == ["9", "19", "29"]  # every 10th example
     train = task.train(54, 0)
     assert sorted(int(e["answer"]) for e in train[:27]) == [i for i in range(30) if i % 10 != 9]
     assert train == task.train(54, 0) and train != task.train(54, 1)
     assert {e["prompt"] for e in train}.isdisjoint({e["prompt"] for e in test})
     separate = get_task("gsm8k", data=str(tmp_path / "g.jsonl"), test_data=write_jsonl(tmp_path / "t.jsonl", rows[:2]))
-    assert len(separate.test(10, 0)) == 2 and len({e["prompt"] for e in separate.train(60, 0)}) == 30
+    assert (separate.n_train, separate.n_test) == (30, 2)
+    assert len(separate.test(2, 0)) == 2 and len({e["prompt"] for e in separate.train(60, 0)}) == 30
     code = get_task("jsonl", data=write_jsonl(tmp_path / "c.jsonl", [{"prompt": "p", "tests": "assert True"}] * 10))
     assert code.reward is code_reward
 
@@ -186,3 +202,158 @@ def test_render_prompt() -> None:
     decode = lambda ids: "".join(map(chr, ids))
     assert decode(render_prompt(tok, {"prompt": "1+2"}, None)) == "user:1+2|assistant:"
     assert decode(render_prompt(tok, {"prompt": "q"}, "S")) == "system:S|user:q|assistant:"
+
+
+# ---------------------------------------------------------------- observed bugs in data loading
+
+
+def test_non_utf8_byte_names_file_and_line(tmp_path: Path) -> None:
+    """Guards against a raw UnicodeDecodeError (no file, no line) for a data file with a Latin-1 byte."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "p", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError) as e:
+        load_jsonl(str(path), "jsonl")
+    assert str(e.value) == f"{path} line 2: byte 16 (0xe9) is not valid UTF-8; save the file as UTF-8."
+
+
+def test_5000_digit_integer_names_file_and_line(tmp_path: Path) -> None:
+    """Guards against json's ValueError ("Exceeds the limit (4300 digits) ...") naming neither file nor line."""
+    path = write_jsonl(
+        tmp_path / "big.jsonl", [{"prompt": "p", "answer": 1}, '{"prompt": "p", "answer": ' + "7" * 5000 + "}"]
+    )
+    with pytest.raises(ValueError) as e:
+        load_jsonl(path, "jsonl")
+    assert str(e.value) == (
+        f"{path} line 2: a number has more than {sys.get_int_max_str_digits()} digits, too long to parse; "
+        "write it as a JSON string."
+    )
+
+
+def test_utf8_bom_is_accepted(tmp_path: Path) -> None:
+    """Guards against refusing a file saved with a UTF-8 byte-order mark (Windows editors): it reads as utf-8-sig."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "é", "answer": 1}\n{"prompt": "q", "answer": 2}\n'.encode())
+    assert [(e["prompt"], e["answer"]) for e in load_jsonl(str(path), "jsonl")] == [("é", "1"), ("q", "2")]
+
+
+def test_directory_as_data_path_says_directory(tmp_path: Path) -> None:
+    """Guards against a directory given as --data being reported as "no such data file"."""
+    with pytest.raises(IsADirectoryError) as e:
+        get_task("gsm8k", data=str(tmp_path))
+    assert str(e.value) == f"{tmp_path}: is a directory, not a data file; pass the path of a .jsonl file."
+
+
+def test_overlong_example_names_file_and_line(tmp_path: Path) -> None:
+    """Guards against a runaway line (a whole book in one prompt) loading silently: each field read
+    is bounded by max_chars (default MAX_CHARS), found while loading, naming file, line and field."""
+    assert MAX_CHARS == 100_000
+    rows = [{"question": "q", "answer": "#### 1"}, {"question": "x" * (MAX_CHARS + 1), "answer": "#### 2"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    with pytest.raises(ValueError) as e:
+        load_jsonl(path, "gsm8k")
+    assert str(e.value) == (
+        f"{path} line 2: field 'question' has {MAX_CHARS + 1} characters, more than the {MAX_CHARS} allowed; "
+        "shorten or drop that example."
+    )
+    path = write_jsonl(tmp_path / "tests.jsonl", [{"prompt": "p", "tests": ["a" * 6, "b" * 6]}])
+    with pytest.raises(ValueError, match=r"tests\.jsonl line 1: field 'tests' has 12 characters, more than the 10"):
+        get_task("code", data=path, test_data=path, max_chars=10)
+    assert len(load_jsonl(path, "code", max_chars=12)) == 1
+
+
+def test_prompt_longer_than_the_context_names_file_and_line(tmp_path: Path) -> None:
+    """Guards against a too-long prompt surfacing mid-run as the sampler's "prompt 3 exceeds the context"
+    (an index into a shuffled batch): the check names the example's file and line, and the bound's origin."""
+
+    class CharTokenizer:
+        def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+            return "".join(m["content"] for m in messages)
+
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    rows = [{"prompt": "short", "answer": 1}] * 3 + [{"prompt": "x" * 50, "answer": 2}]
+    task = get_task("jsonl", data=write_jsonl(tmp_path / "d.jsonl", rows), test_data=str(tmp_path / "d.jsonl"))
+    limit = "the model's context of 60 tokens minus --max-new-tokens 20"
+    check_prompt_lengths(CharTokenizer(), task.test(3, 0), None, 40, limit)  # short ones fit
+    with pytest.raises(ValueError) as e:
+        check_prompt_lengths(CharTokenizer(), task.train(40, 0), None, 40, limit)
+    assert str(e.value) == (
+        f"{tmp_path / 'd.jsonl'} line 4: the prompt is 50 tokens, more than the 40 allowed by the model's context "
+        "of 60 tokens minus --max-new-tokens 20; shorten or drop that example."
+    )
+    with pytest.raises(ValueError, match=r"^example 1: the prompt is 6 tokens, more than the 5 allowed by L;"):
+        check_prompt_lengths(CharTokenizer(), [{"prompt": "1+2"}, {"prompt": "10+200"}], None, 5, "L")
+
+
+@pytest.mark.parametrize(
+    "name, row",
+    [
+        ("gsm8k", {"question": "q{i}", "answer": "#### {i}"}),
+        ("math", {"problem": "q{i}", "solution": "\\boxed{{{i}}}"}),
+        ("code", {"prompt": "q{i}", "tests": "assert {i}"}),
+        ("jsonl", {"prompt": "q{i}", "answer": "{i}"}),
+    ],
+)
+def test_test_data_works_for_every_file_task(tmp_path: Path, name: str, row: dict) -> None:
+    """Guards against --test-data being ignored by some file task (the held-out split then silently
+    every 10th line of --data): with it, all of --data trains and all of the test file is held out,
+    in file order; and a test file alone is enough to evaluate."""
+    make = lambda tag, n: [{k: v.format(i=f"{tag}{i}") for k, v in row.items()} for i in range(n)]
+    data, test = write_jsonl(tmp_path / "d.jsonl", make("a", 12)), write_jsonl(tmp_path / "t.jsonl", make("b", 5))
+    task = get_task(name, data=data, test_data=test)
+    assert (task.n_train, task.n_test) == (12, 5)
+    assert [e["prompt"].split("\n")[0] for e in task.test(5, 0)] == [f"qb{i}" for i in range(5)]
+    assert sorted(e["prompt"].split("\n")[0] for e in task.train(12, 0)) == sorted(f"qa{i}" for i in range(12))
+    only_test = get_task(name, test_data=test)
+    assert only_test.n_train == 0 and len(only_test.test(5, 0)) == 5
+    with pytest.raises(ValueError, match=rf"^task '{name}' has no training examples: pass --data FILE\.jsonl\.$"):
+        check_sizes(only_test, train=1)
+    with pytest.raises(ValueError, match="no training examples"):
+        only_test.train(1, 0)
+
+
+def test_fewer_than_ten_lines_without_test_data_says_pass_test_data(tmp_path: Path) -> None:
+    """Guards against a file of under 10 examples (no held-out 10th) failing with a vague "too few"
+    that does not say --test-data fixes it."""
+    path = write_jsonl(tmp_path / "nine.jsonl", [{"prompt": f"p{i}", "answer": i} for i in range(9)])
+    with pytest.raises(ValueError) as e:
+        get_task("jsonl", data=path)
+    assert str(e.value) == (
+        f"{path}: 9 examples are too few to hold out every 10th one; add examples or pass --test-data FILE.jsonl."
+    )
+    assert get_task("jsonl", data=path, test_data=path).n_train == 9
+
+
+def test_generated_task_refuses_test_data() -> None:
+    """Guards against --test-data being silently ignored for a generated task."""
+    with pytest.raises(ValueError, match=r"^task 'countdown' is generated and takes no data file; drop --test-data\.$"):
+        get_task("countdown", test_data="t.jsonl")
+
+
+def test_too_small_data_set_is_an_error_not_a_silent_repeat(tmp_path: Path) -> None:
+    """Guards against a data set too small for the run: with 10 rows one step of 16 prompts repeated
+    rows, and an evaluation of 8 held-out prompts used 1. check_sizes names the flag; task.test
+    itself refuses to return fewer than asked."""
+    path = write_jsonl(tmp_path / "ten.jsonl", [{"prompt": f"p{i}", "answer": i} for i in range(10)])
+    task = get_task("jsonl", data=path)
+    assert (task.n_train, task.n_test) == (9, 1)
+    check_sizes(task, train=9, test=1)
+    with pytest.raises(ValueError) as e:
+        check_sizes(task, train=16)
+    assert str(e.value) == (
+        f"--prompts-per-step 16 needs 16 distinct training examples but the training split of {path} "
+        "(9 of every 10 examples) has 9; add examples or lower --prompts-per-step."
+    )
+    with pytest.raises(ValueError) as e:
+        check_sizes(task, test=8, test_flag="--examples")
+    assert str(e.value) == (
+        f"--examples 8 asks for 8 held-out examples but the held-out split of {path} (every 10th example) has 1; "
+        "lower --examples or pass a larger --test-data FILE.jsonl."
+    )
+    with pytest.raises(ValueError, match=r"^8 held-out examples asked for but the held-out split of .* has 1;"):
+        task.test(8, 0)
+    assert len({e["prompt"] for e in task.train(9, 3)}) == 9  # one pass: every row once
+    synthetic = get_task("synthetic")
+    assert synthetic.n_train is None and synthetic.n_test is None
+    check_sizes(synthetic, train=10**6, test=10**6)  # generated: unbounded
