@@ -18,9 +18,19 @@ Decisions (deliberate simplifications):
   prompt's samples do not depend on which prompts share its batch (up to float rounding of
   batch-shape-dependent kernels). A single int seed draws the per-prompt seeds from Generator(seed).
 * Thought stop rule: only the end-of-thought marker and max_thought_tokens end a thought; stop ids
-  are not checked in the thought phase. A thought cut off at the limit gets the whole marker
-  appended (even if it ended in part of it); the forced tokens' log-probs are the model's, under
-  temperature but without top-k/top-p truncation, so every token has a finite log-prob.
+  are not checked in the thought phase. The marker is either token ids (the thought ends once its
+  tokens end with them: exact, for a vocabulary where `</think>` is one added token) or a
+  `StopText`: the thought ends at the token where its decoded text first contains the marker text,
+  however the tokens spell it (Qwen2.5 writes "</think>\n" as [522, 26865, 397]), the way inference
+  engines match stop strings; text after the marker inside that last token stays in the thought.
+  A thought cut off at the limit gets the whole marker's ids appended (even if it ended in part of
+  it); the forced tokens' log-probs are the model's, under temperature but without top-k/top-p
+  truncation, so every token has a finite log-prob.
+* Text matching costs nothing per step for most rows: only tokens whose own text holds the
+  marker's last character (a bool over the vocabulary, built once) can complete it, and only for
+  those is the tail of the row decoded. It runs where the loop already looks at the host (every
+  step on CPU, every SYNC_EVERY steps on GPU); a row found there to have finished a few steps
+  earlier is cut back: its later tokens are dropped and their cache slots become holes.
 * No marker (end_of_thought=()) or max_thought_tokens=0 is plain group sampling: empty thoughts,
   each answer a whole completion of at most max_answer_tokens.
 * Greedy (temperature 0) reports temperature-1 log-probs (the point mass it samples from has 0).
@@ -33,7 +43,7 @@ Decisions (deliberate simplifications):
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -140,6 +150,33 @@ class KVCache:
         if self.k.is_cuda:  # only CUDA graphs care (and it costs a dynamo import)
             for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
                 torch._dynamo.mark_static_address(t)
+
+
+@dataclass
+class StopText:
+    """An end-of-thought marker matched on text: `text` (e.g. "</think>"), its token `ids`
+    (tokenizer.encode(text), appended to a thought cut off at the limit), and the tokenizer's
+    `decode` (ids -> text, special tokens kept). Build it once per run: it decodes each of the
+    vocab_size tokens once (~0.2 s for a 152k vocabulary) to find the tokens that can complete the
+    marker. A marker ending in a space is not supported by decoders that strip a leading space."""
+
+    text: str
+    ids: Sequence[int]
+    decode: Callable[[list[int]], str]
+    vocab_size: int
+    candidates: Tensor = field(init=False, repr=False)  # (vocab_size,) bool: the token can end the marker
+    window: int = field(init=False)  # tokens decoded per check: each token holds >= 1 byte of the text
+
+    def __post_init__(self):
+        if not self.text or not self.ids:
+            raise ValueError(
+                f"StopText: need a non-empty marker text and its token ids, got {self.text!r}, {self.ids}."
+            )
+        last = self.text[-1]
+        partial = not last.isascii()  # a multi-byte last character may end in a token that decodes to U+FFFD
+        pieces = [self.decode([i]) for i in range(self.vocab_size)]
+        self.candidates = torch.tensor([last in p or (partial and "\ufffd" in p) for p in pieces], dtype=torch.bool)
+        self.window = len(self.text.encode()) + 1  # + 1: room for a leading space a decoder might strip
 
 
 @dataclass
@@ -271,6 +308,12 @@ def sample_next(
     return tok, logp
 
 
+def host_sync_every(device: torch.device) -> int:
+    """Decode steps between looks at the host (done flags, text markers): every step on CPU, where a
+    host sync costs nothing; SYNC_EVERY on GPU."""
+    return 1 if device.type == "cpu" else SYNC_EVERY
+
+
 def decode(
     model: Transformer,
     cache: KVCache,
@@ -283,12 +326,14 @@ def decode(
     top_p: float,
     stop_ids: Sequence[int] = (),
     marker: Sequence[int] = (),
+    stop_text: StopText | None = None,
     compile: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sample up to max_steps tokens for every cache row, starting from `logits` (B, V) of each row's
-    next token; a row ends on a stop id or once its tokens end with `marker`. The last sampled token
-    is not fed to the cache. Returns, in the caller's row order: tokens (B, max_steps), logp
-    (B, max_steps), n_tokens (B,) and stopped (B,) (ended by a stop id or the marker)."""
+    next token; a row ends on a stop id, once its tokens end with `marker`, or once their text
+    contains stop_text.text. The last sampled token is not fed to the cache. Returns, in the
+    caller's row order: tokens (B, max_steps), logp (B, max_steps), n_tokens (B,) and stopped (B,)
+    (ended by a stop id or the marker)."""
     B, dev = cache.batch, logits.device
     tokens = torch.zeros(B, max_steps, dtype=torch.long, device=dev)
     logp = torch.zeros(B, max_steps, device=dev)
@@ -297,7 +342,15 @@ def decode(
     alive = torch.ones(B, dtype=torch.bool, device=dev)  # per active cache row
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
     mark = torch.tensor(list(marker), dtype=torch.long, device=dev)
-    sync_every = 1 if dev.type == "cpu" else SYNC_EVERY  # a host sync costs nothing on CPU
+    sync_every = host_sync_every(dev)
+    if stop_text is not None:
+        can_end = torch.zeros(logits.shape[-1], dtype=torch.bool)  # the model's vocab may be padded
+        n = min(len(can_end), len(stop_text.candidates))
+        can_end[:n] = stop_text.candidates[:n]
+        can_end = can_end.to(dev)
+        start_slot, start_pos = cache.length, torch.empty_like(cache.next_pos[:B])
+        start_pos[cache.rows[:B]] = cache.next_pos[:B]  # RoPE position of each caller row's first token
+        checked = 0  # steps before this one have been matched against the text
     if compile:
         cache.make_static()
     for t in range(max_steps):
@@ -311,6 +364,20 @@ def decode(
         n_tokens[rows] = torch.where(ended, t + 1, n_tokens[rows])
         stopped[rows] = stopped[rows] | ended
         alive = alive & ~hit
+        if stop_text is not None and ((t + 1) % sync_every == 0 or t + 1 == max_steps):
+            rows_hit, steps_hit = text_hits(stop_text, can_end, tokens, n_tokens, checked, t + 1)
+            checked = t + 1
+            if rows_hit:
+                r, s = torch.tensor(rows_hit, device=dev), torch.tensor(steps_hit, device=dev)
+                n_tokens[r] = torch.minimum(n_tokens[r], s + 1)
+                stopped[r] = True
+                # on GPU the marker may be found a few steps late: the row's tokens from the hit on were
+                # fed to the cache; make their slots holes and rewind its position (a no-op on CPU)
+                c = torch.argsort(cache.rows)[r]  # cache row of each caller row
+                fed = torch.arange(start_slot, cache.length, device=dev)
+                cache.key_valid[c, start_slot : cache.length] &= fed[None] < (start_slot + s)[:, None]
+                cache.next_pos[c] = start_pos[r] + s
+                alive[c[c < cache.batch]] = False
         if t + 1 == max_steps:
             break
         if (t + 1) % sync_every == 0:
@@ -330,6 +397,31 @@ def decode(
             logits = decode_step(model, cache, tok, alive)
     cache.slot = None
     return tokens, logp, n_tokens, stopped
+
+
+def text_hits(
+    stop: StopText, can_end: Tensor, tokens: Tensor, n_tokens: Tensor, lo: int, hi: int
+) -> tuple[list[int], list[int]]:
+    """Rows (caller order) whose decoded text first contains stop.text at a step in [lo, hi), and
+    that step. Only steps whose token can end the marker (can_end) are decoded, each as the tail of
+    stop.window tokens: a marker completed there lies inside it, and one completed earlier was
+    found earlier."""
+    steps = torch.arange(lo, hi, device=tokens.device)
+    maybe = (can_end[tokens[:, lo:hi]] & (steps < n_tokens[:, None])).cpu()  # (B, hi - lo); the host sync
+    rows = maybe.any(1).nonzero()[:, 0]
+    if len(rows) == 0:
+        return [], []
+    w0 = max(0, lo + 1 - stop.window)
+    tails = tokens[rows.to(tokens.device), w0:hi].tolist()
+    hit_rows, hit_steps = [], []
+    for r, tail, flags in zip(rows.tolist(), tails, maybe[rows].tolist()):
+        for j in (j for j, f in enumerate(flags) if f):
+            end = lo + j + 1 - w0  # tail[:end] ends with the token of step lo + j
+            if stop.text in stop.decode(tail[max(0, end - stop.window) : end]):
+                hit_rows.append(r)
+                hit_steps.append(lo + j)
+                break
+    return hit_rows, hit_steps
 
 
 # ----------------------------------------------------------------------------- public API
@@ -424,7 +516,7 @@ def sample_tree(
     m: int,
     max_thought_tokens: int,
     max_answer_tokens: int,
-    end_of_thought: Sequence[int] = (),
+    end_of_thought: Sequence[int] | StopText = (),
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -433,14 +525,16 @@ def sample_tree(
     compile: bool = False,
 ) -> Tree:
     """K thoughts per prompt, each ended by the end_of_thought marker (appended if cut off), then M
-    answers from each thought; the prompt and each thought are computed once and shared."""
+    answers from each thought; the prompt and each thought are computed once and shared. The
+    marker is token ids (matched exactly) or a StopText (matched on the decoded text)."""
     P, K, M = len(prompts), k, m
     if K < 1 or M < 1 or max_answer_tokens < 1 or max_thought_tokens < 0:
         raise ValueError(
             f"sample_tree: need k, m, max_answer_tokens >= 1 and max_thought_tokens >= 0, "
             f"got {k}, {m}, {max_answer_tokens}, {max_thought_tokens}."
         )
-    marker = list(end_of_thought)
+    text = end_of_thought if isinstance(end_of_thought, StopText) else None
+    marker = list(text.ids if text else end_of_thought)
     if not marker or max_thought_tokens == 0:  # no thought phase: plain group sampling, G = K*M
         g = generate(
             model,
@@ -468,7 +562,8 @@ def sample_tree(
     cache, logits = prefill(model, prompts)
     rows = torch.arange(P, device=logits.device).repeat_interleave(K)
     cache, logits = cache.fork(rows, cache.length + Tt + Lm), logits[rows]
-    tok, lp, n_tok, ended = decode(model, cache, logits, u_thought.to(logits.device), Tt, marker=marker, **sampling)
+    ends = dict(stop_text=text) if text else dict(marker=marker)
+    tok, lp, n_tok, ended = decode(model, cache, logits, u_thought.to(logits.device), Tt, **ends, **sampling)
 
     # 2. one chunk per thought: its last token, preceded by the forced marker if it was cut off
     # (left-padded to Lm + 1 where the thought ended on its own); logits give the marker log-probs

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import sampler
-from helpers import make_hf_checkpoint
-from model import load_model, token_logprobs
-from sampler import KVCache, decode_step, extend, generate, prefill, sample_next, sample_tree
+from helpers import make_char_tokenizer, make_hf_checkpoint
+from model import ModelConfig, Transformer, load_model, load_tokenizer, token_logprobs
+from sampler import KVCache, StopText, decode_step, extend, generate, prefill, sample_next, sample_tree
 
 PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]  # different lengths
 
@@ -449,3 +449,211 @@ def test_bfloat16_and_autocast(models, tmp_path):
         for a, (ans, lp) in enumerate(zip(tree.answers, tree.answer_logprobs)):
             full = full_logprobs(model32, PROMPTS[a // 4], tree.thoughts[a // 2] + ans)[-len(ans) :]
             assert (torch.tensor(lp) - full).abs().mean() < 0.02  # measured ~3e-3
+
+
+# ----------------------------------------------------------------------------- end-of-thought marker as text
+
+MARKER = "</think>"
+SPELLINGS = {  # how Qwen2.5's vocabulary writes the marker (it has no </think> token)
+    "</think>": [522, 26865, 29],
+    "</think>\n": [522, 26865, 397],
+    "</think>\n\n": [522, 26865, 1339],
+    " </think>": [690, 26865, 29],
+}
+THOUGHT = "12+30: the tens give 10+30=40, the ones 2+0=2, so 42."
+ANSWER = r" The answer is \boxed{42}."
+IM_END = 151645
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """The real Qwen2.5 tokenizer (tests/qwen_fixture.py, built once per session) loaded with
+    model.load_tokenizer, and the StopText for </think> over its vocabulary."""
+    from qwen_fixture import qwen25_dir
+
+    tok = load_tokenizer(qwen25_dir(tmp_path_factory))
+    return tok, StopText(MARKER, tok.encode(MARKER), tok.decode, tok.vocab_size)
+
+
+class Scripted(Transformer):
+    """A tiny random Transformer over Qwen2.5's padded vocabulary (151936) whose sampling is forced:
+    the token at RoPE position p is script[p - start] (a +1e4 logit: drawn at any temperature, log-prob
+    0); past the script's end it samples freely. So a prompt of length start + d reads the script
+    from index d. The cache, masks and positions are the sampler's real ones, and the weights are
+    large (N(0, 0.5)) so that a wrong cache changes the free tokens' log-probs."""
+
+    def __init__(self, script: list[int], start: int):
+        cfg = ModelConfig(
+            vocab_size=151936,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            attention_bias=True,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+        )
+        super().__init__(cfg)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        self.script, self.start = torch.tensor(script), start
+
+    def forward(self, input_ids, positions=None, logits_to_keep=0, **kw):
+        logits = super().forward(input_ids, positions=positions, logits_to_keep=logits_to_keep, **kw)
+        i = positions.expand(input_ids.shape)[:, -logits.shape[1] :] + 1 - self.start  # script index predicted
+        forced = self.script[i.clamp(0, len(self.script) - 1)]
+        bias = 1e4 * ((i >= 0) & (i < len(self.script)))
+        return logits.scatter_add_(-1, forced[..., None], bias[..., None].to(logits.dtype))
+
+
+def first_marker_end(tok, ids: list[int], marker: str = MARKER) -> int | None:
+    """The oracle: index of the first token at which the decoded text contains the marker."""
+    return next((i for i in range(len(ids)) if marker in tok.decode(ids[: i + 1])), None)
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_text_marker_ends_thought_at_the_right_token(qwen, spelling):
+    """Guards the Qwen2.5/Llama case the exact-id match misses: a model writes </think> as ordinary
+    tokens, often merged with what follows (">\\n" is 397, ">\\n\\n" 1339) or with a space before
+    (690). With a StopText the thought ends at the token that completes the marker text (that token
+    included), and the answers start right after it; the exact-id marker never stops on the other
+    spellings (the bug this fixes)."""
+    tok, stop = qwen
+    thought = tok.encode(THOUGHT)
+    assert tok.encode(spelling) == SPELLINGS[spelling]
+    script = thought + SPELLINGS[spelling] + tok.encode(ANSWER) + [IM_END]
+    model, prompt = Scripted(script, start=5), [[1, 2, 3, 4, 5]]
+    kw = dict(k=2, m=2, max_thought_tokens=40, max_answer_tokens=24, stop_ids=[IM_END], seed=0)
+    tree = sample_tree(model, prompt, end_of_thought=stop, **kw)
+    assert tree.thoughts == [thought + SPELLINGS[spelling]] * 2 and tree.thought_truncated == [False] * 2
+    assert tree.answers == [tok.encode(ANSWER) + [IM_END]] * 4 and tree.answer_finish == ["stop"] * 4
+    assert tok.decode(tree.thoughts[0]).endswith(spelling)
+    assert all(len(lp) == len(th) for lp, th in zip(tree.thought_logprobs, tree.thoughts))
+    exact = sample_tree(model, prompt, end_of_thought=tok.encode(MARKER), **kw)
+    assert exact.thought_truncated == [spelling != "</think>"] * 2
+
+
+def test_text_marker_split_across_tokens_any_way(qwen):
+    """Guards the tail decoding: every way of splitting </think> into pieces (each piece tokenized on
+    its own, 128 ways), after text that merges with its first characters or not and followed by
+    more text, ends at the token that completes it; so does a marker whose last character is split
+    into bytes (a CJK marker spelled with single-byte tokens). Several rows at once, checked every
+    step (CPU) and in windows of 8 steps (GPU)."""
+    from qwen_fixture import byte_to_unicode
+
+    tok, stop = qwen
+    rows = []
+    for cut in range(2 ** (len(MARKER) - 1)):
+        pieces, start = [], 0
+        for i in range(1, len(MARKER)):
+            if cut >> (i - 1) & 1:
+                pieces.append(MARKER[start:i])
+                start = i
+        pieces.append(MARKER[start:])
+        before = ["so 42.", "x", "a)", "ok ", "\n\n"][cut % 5]
+        rows.append(tok.encode(before) + sum((tok.encode(p) for p in pieces), []) + tok.encode("\n\nThe answer"))
+    rows += [tok.encode(t) for t in ("42.</think>", "done </think>\n\n4", ")</think>\n", "</think></think>", "<think>")]
+    ends = [first_marker_end(tok, r) for r in rows]
+    assert ends[-1] is None and all(e is not None for e in ends[:-1])
+    T = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    for every in (1, 8):
+        n_tokens, found = torch.tensor([len(r) for r in rows]), {}
+        for lo in range(0, T, every):
+            hit_rows, hit_steps = sampler.text_hits(stop, stop.candidates, tokens, n_tokens, lo, min(T, lo + every))
+            for r, s in zip(hit_rows, hit_steps):
+                assert r not in found
+                found[r], n_tokens[r] = s, s + 1  # as decode() does: the row's later steps are not checked
+        assert [found.get(i) for i in range(len(rows))] == ends
+    b2u = byte_to_unicode()
+    byte_ids = [tok.token_to_id(b2u[b]) for b in "好答".encode()]  # one token per UTF-8 byte
+    cjk = StopText("答", tok.encode("答"), tok.decode, tok.vocab_size)
+    assert sampler.text_hits(cjk, cjk.candidates, torch.tensor([byte_ids]), torch.tensor([6]), 0, 6) == ([0], [5])
+
+
+def test_cut_off_thought_gets_marker_ids_appended(qwen):
+    """Guards the thought limit in text mode: a thought that has not completed the marker text when
+    it reaches max_thought_tokens (here it stopped inside it, at "</th") gets the marker's token ids
+    appended with the model's log-probs, and its answers continue after them."""
+    tok, stop = qwen
+    thought = tok.encode(THOUGHT + " </th")
+    script = thought + tok.encode("ink> never") + tok.encode(ANSWER) * 2
+    model = Scripted(script, start=3)
+    Tt = len(thought)
+    tree = sample_tree(
+        model, [[7, 8, 9]], k=2, m=2, max_thought_tokens=Tt, max_answer_tokens=6, end_of_thought=stop, seed=1
+    )
+    assert tree.thought_truncated == [True, True]
+    assert tree.thoughts == [thought + [522, 26865, 29]] * 2
+    assert all(len(lp) == Tt + 3 and all(-1e9 < x <= 0 for x in lp) for lp in tree.thought_logprobs)  # finite
+    assert tree.answers == [script[Tt + 3 : Tt + 9]] * 4  # the marker took 3 positions
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_text_marker_found_late_is_cut_back(qwen, monkeypatch, static):
+    """Guards the GPU schedule, where the text is checked only every SYNC_EVERY steps, so a row may
+    have decoded (and fed to the cache) a few tokens past its marker before it is seen: the row must
+    be cut back to the marker (tokens dropped, their cache slots holes, its position rewound), so
+    thoughts, answers and every log-prob equal the every-step (CPU) schedule. Prompts of different
+    lengths read the script from different offsets, so the marker ends at step 28 (found 3 steps
+    late), 31 (on a check), 33 (the last step) or not at all (cut off); the answers end in freely
+    sampled tokens, which see the whole cache. Also on the static (compile=True) path, run eagerly."""
+    tok, stop = qwen
+    script = tok.encode(THOUGHT) + [522, 26865, 1339] + tok.encode(ANSWER)
+    e = first_marker_end(tok, script)  # 35
+    prompts = [[5] * 4, [6] * 6, [7] * 8, [8] * 11]  # offsets 0, 2, 4, 7 into the script
+    kw = dict(k=2, m=2, max_thought_tokens=e - 1, max_answer_tokens=len(script) - e + 2, end_of_thought=stop)
+    kw |= dict(temperature=1.0, seed=[1, 2, 3, 4], compile=static)
+    model = Scripted(script, start=4)
+    if static:
+        monkeypatch.setattr(sampler, "compiled_decode_step", lambda: sampler.decode_step_static)
+    ref = sample_tree(model, prompts, **kw)
+    assert ref.thought_truncated == [True] * 2 + [False] * 6
+    assert [len(t) - 1 for t in ref.thoughts[2::2]] == [e - 2, e - 4, e - 7]  # the steps the marker ends at
+    assert sampler.SYNC_EVERY == 8 and [(e - d) % 8 for d in (2, 4, 7)] == [1, 7, 4]
+    monkeypatch.setattr(sampler, "host_sync_every", lambda device: sampler.SYNC_EVERY)
+    late = sample_tree(model, prompts, **kw)
+    assert late.thoughts == ref.thoughts and late.answers == ref.answers
+    assert late.thought_truncated == ref.thought_truncated and late.answer_finish == ref.answer_finish
+    for a, b in zip(late.thought_logprobs + late.answer_logprobs, ref.thought_logprobs + ref.answer_logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for i, th in enumerate(ref.thoughts):  # the free tokens came from the right cache
+        ans, lp = ref.answers[2 * i], ref.answer_logprobs[2 * i]
+        ids = torch.tensor([prompts[i // 2] + th + ans])
+        with torch.no_grad():
+            logits = model(ids, positions=torch.arange(ids.shape[1]), logits_to_keep=len(ans) + 1)[0, :-1]
+        torch.testing.assert_close(torch.tensor(lp), token_logprobs(logits, torch.tensor(ans)), atol=1e-4, rtol=0)
+
+
+def test_text_marker_on_single_token_marker_is_bit_identical_to_ids(tmp_path):
+    """Guards the bundled model's path: where </think> is one added token, matching it as text ends
+    every thought where the exact ids do, with the same tokens and the very same log-probs."""
+    tok = load_tokenizer(make_char_tokenizer(tmp_path))
+    model = load_model(make_hf_checkpoint(tmp_path, "qwen2", vocab_size=tok.vocab_size), dtype=torch.float32)
+    marker = tok.encode(MARKER)
+    assert len(marker) == 1
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in ("12+34=?", "7*8?")]
+    probe = sample_tree(
+        model, prompts, k=4, m=2, max_thought_tokens=12, max_answer_tokens=6, end_of_thought=[0], seed=5
+    )
+    frequent = Counter(t for th in probe.thoughts for t in th[:-1]).most_common(1)[0][0]  # stands in for </think>
+    with torch.no_grad():  # make the </think> token as likely as the frequent one, so thoughts end early
+        model.lm_head.weight[marker[0]] = model.lm_head.weight[frequent]
+    kw = dict(k=4, m=2, max_thought_tokens=12, max_answer_tokens=6, stop_ids=tok.stop_ids, seed=[3, 4])
+    ids = sample_tree(model, prompts, end_of_thought=marker, **kw)
+    text = sample_tree(model, prompts, end_of_thought=StopText(MARKER, marker, tok.decode, tok.vocab_size), **kw)
+    assert 0 < sum(ids.thought_truncated) < len(ids.thoughts)
+    assert text == ids  # dataclass equality: every list, log-probs included, exactly
+
+
+def test_stop_text_needs_text_and_ids():
+    """Guards misuse: an empty marker or one without ids (needed for cut-off thoughts) is an error."""
+    decode = lambda ids: "".join(map(chr, ids))
+    with pytest.raises(ValueError, match="non-empty marker text and its token ids"):
+        StopText("", [1], decode, 10)
+    with pytest.raises(ValueError, match="non-empty marker text and its token ids"):
+        StopText(MARKER, [], decode, 10)

