@@ -17,31 +17,39 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _field_help(cls: type) -> dict[str, str]:
-    """Trailing `# comment` of each `name: type = default  # comment` line of the class body."""
-    helps = {}
+def _field_docs(cls: type) -> tuple[dict[str, str], dict[str, str]]:
+    """From the class source: each field's trailing `# comment` (its help) and the `# -- family`
+    header above it (its group in --help; fields before the first header go under "options")."""
+    helps, groups, group = {}, {}, "options"
     for line in inspect.getsource(cls).splitlines():
+        header = re.match(r"\s+# -- (.*)$", line)
+        if header:
+            group = header.group(1).strip()
         m = re.match(r"\s+(\w+)\s*:[^=]*=.*?#\s*(.*)$", line)
         if m:
-            helps[m.group(1)] = m.group(2).strip()
-    return helps
+            helps[m.group(1)], groups[m.group(1)] = m.group(2).strip(), group
+    return helps, groups
 
 
 def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    helps = _field_help(cls)
+    """One flag per field, grouped by family; a choice field (in `cls.CHOICES`) lists its values."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    helps, groups = _field_docs(cls)
+    choices = getattr(cls, "CHOICES", {})
+    sections: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default)
+        title = groups.get(f.name, "options")
+        section = sections.get(title) or sections.setdefault(title, parser.add_argument_group(title))
         # SUPPRESS: a flag the user did not type is absent from the namespace (see parse_config).
         text = (helps.get(f.name, "") + f" (default: {f.default!r})").replace("%", "%%")  # argparse formats help with %
         kw: dict[str, Any] = dict(default=argparse.SUPPRESS, help=text)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            section.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), **kw)
+            metavar = "{" + ",".join(choices[f.name]) + "}" if f.name in choices else kind.__name__.upper()
+            section.add_argument(flag, type=kind, metavar=metavar, **kw)
     return parser
 
 

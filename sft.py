@@ -17,6 +17,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -31,19 +32,31 @@ THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode ke
 
 @dataclass
 class SFTConfig:
+    # -- run
     out: str = "assets/tiny-model"  # where the checkpoint (HF layout + tokenizer) is written
     task: str = "synthetic"  # task whose reference completions are the training data
+    # -- optimisation
     steps: int = 200  # optimizer steps (fixed, not time-based, so the result is reproducible)
     batch_size: int = 64  # examples per step
     lr: float = 3e-3  # AdamW learning rate (linear warm-up, then constant)
     warmup: int = 50  # warm-up steps
     seed: int = 0  # initialisation and data seed
+    # -- model shape
     hidden_size: int = 128  # model width
     layers: int = 4  # transformer blocks
     heads: int = 4  # attention heads (head_dim = hidden / heads)
     kv_heads: int = 2  # key/value heads (grouped-query attention)
     intermediate_size: int = 352  # SwiGLU hidden size
+    # -- evaluation
     eval_examples: int = 200  # held-out prompts for the final greedy accuracy
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(task=("synthetic", "synthetic-hard"))
+
+    def __post_init__(self) -> None:
+        if self.task not in self.CHOICES["task"]:
+            raise ValueError(
+                f"--task must be one of {', '.join(self.CHOICES['task'])} (tasks with reference completions)"
+            )
 
 
 def build_char_tokenizer(chars: str) -> Tokenizer:

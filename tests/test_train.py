@@ -3,6 +3,7 @@ update, saves are atomic, bad flags are one clear message, and the default setup
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,8 @@ import sys
 import pytest
 import torch
 
+import cli
+import sft
 import train
 from model import ModelConfig, Transformer, load_model, load_tokenizer, save_model
 from sft import build_char_tokenizer, write_tokenizer
@@ -311,11 +314,25 @@ def test_non_finite_steps_are_skipped_then_stop(tiny, tmp_path, monkeypatch):
 
 
 def test_help_lists_every_flag():
-    """Guards against `train.py --help` crashing (argparse %-formatting of help text) or missing a field."""
+    """Guards against `train.py --help` crashing (argparse %-formatting of help text), missing a field,
+    losing a field's help text, or hiding the family a flag belongs to and the values a choice flag takes."""
     r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    for name in TrainConfig.__dataclass_fields__:
-        assert "--" + name.replace("_", "-") in r.stdout, name
+    helps, groups = cli._field_docs(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in r.stdout, f.name
+        assert helps.get(f.name), f"{f.name} has no help comment"
+    families = ("run", "rollouts", "rewards", "advantages", "loss", "optimisation", "logging and checkpoints")
+    assert set(groups.values()) == set(families)
+    sections = [line[:-1] for line in r.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert [s for s in sections if s in families] == list(families)
+    for name, allowed in TrainConfig.CHOICES.items():
+        assert f"--{name.replace('_', '-')} {{{','.join(allowed)}}}" in r.stdout, name
+    for script, cls in (("eval.py", None), ("sft.py", sft.SFTConfig)):
+        out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        if cls is not None:
+            assert set(cli._field_docs(cls)[1].values()) <= {line[:-1] for line in out.stdout.splitlines()}
 
 
 @pytest.mark.parametrize(

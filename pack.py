@@ -1,0 +1,252 @@
+"""pack.py: a step's rollouts as training rows, and the log-probs of their tokens.
+
+A tree of rollouts (K thoughts per prompt, M answers per thought) becomes one row per thought:
+thought | answer_1 .. answer_M, the thought's tokens once, with tree attention so each answer sees
+only the prompt, its thought and itself. With a shared prompt (the default) each distinct prompt
+runs once and its K rows attend to its keys and values. `token_stats` runs the model on those rows
+and returns every completion token's log-prob (and entropy) in the logical layout where the
+advantages and weights of the loss live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model import token_entropy, token_logprobs
+from sampler import chunk_mask
+
+
+@dataclass
+class Batch:
+    """A step's rollouts in two layouts, both one row per thought.
+
+    Logical: its completion tokens thought | answer_1 .. answer_M from column 0, right-padded to T.
+    The advantages, weights and masks of the loss live here.
+    Packed, what the model runs on: prompt | thought | answer_1 | ... | answer_M, the thought once,
+    with tree attention (an answer sees the prompt, the thought and itself, not the other answers)
+    and RoPE positions as if each answer's sequence stood alone. With --share-prompt the prompt is
+    not in the row: each distinct prompt is run once (prompt_ids) and the rows of its K thoughts
+    attend to its keys and values, so gradients still reach it. token_stats maps packed log-probs
+    to logical positions.
+    """
+
+    ids: torch.Tensor  # (B, T) completion token ids, logical
+    thought: torch.Tensor  # (B, T) bool: thought tokens (trained once, with the thought advantage)
+    answer_id: torch.Tensor  # (B, T) long: j for tokens of answer j, -1 elsewhere
+    sampler_logp: torch.Tensor  # (B, T) float32: log-probs reported by the sampler
+    packed_ids: torch.Tensor  # (B, T') token ids
+    packed_pos: torch.Tensor  # (B, T') RoPE positions
+    packed_attn: torch.Tensor | None  # (B, 1, T', T') bool tree attention within the row; None = plain causal
+    jumps: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row, token, source slot) of segments not predicted
+    # by the token before them: answer j > 0 (its thought's end), and with shared prompts a row's first
+    # token (source -1: the prompt's last token, in the prompt pass)
+    to_logical: torch.Tensor  # (B, T') long: b * T + t of the logical token at this slot, -1 = none (prompt, padding)
+    prompt_ids: torch.Tensor | None = None  # (P, Lp) left-padded shared prompts (--share-prompt), else None
+    prompt_valid: torch.Tensor | None = None  # (P, Lp) bool: not padding
+    prompt_of: torch.Tensor | None = None  # (B,) long: the prompt_ids row each packed row continues
+
+
+def pack(
+    prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: torch.device, share_prompt: bool = False
+) -> Batch:
+    """Build the packed rows segment by segment (prompt unless shared, thought, each answer); each
+    segment records its logical position and the slot that predicts its first token. The logical
+    layout is then a scatter of the packed one."""
+    B = len(tree.thoughts)
+    T = max(len(tree.thoughts[b]) + sum(map(len, tree.answers[b * m : (b + 1) * m])) for b in range(B))
+    packs = []  # per packed row: ids, positions, answer index (-1 none), sampler log-prob, logical index, jumps
+    for b in range(B):
+        prompt = prompts[b // k]
+        lead = [] if share_prompt else list(prompt)  # the prompt tokens this row runs itself
+        row = (lead, list(range(len(lead))), [-1] * len(lead), [0.0] * len(lead), [-1] * len(lead), [])
+
+        thought, n = tree.thoughts[b], len(prompt)
+        _add_segment(row, thought, list(tree.thought_logprobs[b]), n, -1, b * T, len(lead) - 1)
+        source, col = len(row[0]) - 1, len(thought)  # the slot that predicts each answer's first token
+        for j in range(m):
+            a = tree.answers[b * m + j]
+            _add_segment(row, a, list(tree.answer_logprobs[b * m + j]), n + len(thought), j, b * T + col, source)
+            col += len(a)
+        packs.append(row)
+    Tp = max(len(p[0]) for p in packs)
+
+    def packed(field: int, fill, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((B, Tp), fill, dtype=dtype)
+        for r, p in enumerate(packs):
+            out[r, : len(p[field])] = torch.tensor(p[field], dtype=dtype)
+        return out
+
+    ids, pos, ans = (packed(f, fill, torch.long) for f, fill in ((0, pad_id), (1, 0), (2, -1)))
+    lp, to_logical = packed(3, 0.0, torch.float32), packed(4, -1, torch.long)
+    used = to_logical >= 0
+
+    def logical(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.full((B * T,), fill, dtype=x.dtype).index_put_((to_logical[used],), x[used]).view(B, T)
+
+    attn = None
+    if m > 1:  # tree attention: causal, and an answer token sees no other answer's tokens
+        causal = torch.ones(Tp, Tp, dtype=torch.bool).tril()
+        attn = (causal & ((ans[:, None, :] == -1) | (ans[:, None, :] == ans[:, :, None])))[:, None].to(device)
+    jumps = tuple(
+        torch.tensor([(r, t, src) for r, p in enumerate(packs) for t, src in p[5]], dtype=torch.long)
+        .view(-1, 3)
+        .T.to(device)
+    )
+    batch = Batch(
+        logical(ids, pad_id).to(device),
+        logical(used & (ans == -1), False).to(device),
+        logical(ans, -1).to(device),
+        logical(lp, 0.0).to(device),
+        ids.to(device),
+        pos.to(device),
+        attn,
+        jumps,
+        to_logical.to(device),
+    )
+    if share_prompt:
+        Lp = max(map(len, prompts))
+        batch.prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts], device=device)
+        batch.prompt_valid = (
+            torch.arange(Lp, device=device) >= torch.tensor([Lp - len(p) for p in prompts], device=device)[:, None]
+        )
+        batch.prompt_of = torch.arange(B, device=device) // k
+    return batch
+
+
+def _add_segment(
+    row: tuple, tokens: list[int], logprobs: list[float], start_pos: int, j: int, logical: int, source: int
+) -> None:
+    """Append one segment (a thought, or answer j) to a packed row under construction."""
+    ids, pos, ans, lp, to, jumps = row
+    if tokens and (source != len(ids) - 1 or source < 0):  # predicted from elsewhere than the slot before
+        jumps.append((len(ids), source))
+    ids += tokens
+    pos += range(start_pos, start_pos + len(tokens))
+    ans += [j] * len(tokens)
+    lp += logprobs
+    to += range(logical, logical + len(tokens))
+
+
+def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """A micro-batch: the rows `rows` (long indices), trimmed to their longest packed row (and, with
+    shared prompts, to the prompts they continue, trimmed to the longest); jumps and indices re-based."""
+    B, T = batch.ids.shape
+    new = torch.full((B,), -1, dtype=torch.long, device=rows.device).index_put_(
+        (rows,), torch.arange(len(rows), device=rows.device)
+    )
+    width = int((batch.to_logical[rows] >= 0).nonzero()[:, 1].max()) + 1  # a packed row ends with a completion token
+    jb, jt, js = batch.jumps
+    keep = new[jb] >= 0
+    to_logical = batch.to_logical[rows, :width]
+    mb = Batch(
+        batch.ids[rows],
+        batch.thought[rows],
+        batch.answer_id[rows],
+        batch.sampler_logp[rows],
+        batch.packed_ids[rows, :width],
+        batch.packed_pos[rows, :width],
+        None if batch.packed_attn is None else batch.packed_attn[rows, :, :width, :width],
+        (new[jb[keep]], jt[keep], js[keep]),
+        torch.where(to_logical >= 0, new[to_logical // T] * T + to_logical % T, -1),
+    )
+    if batch.prompt_ids is not None:
+        prompts, mb.prompt_of = torch.unique(batch.prompt_of[rows], return_inverse=True)
+        valid = batch.prompt_valid[prompts]
+        Lp = int(valid.sum(1).max())  # left padding: keep the last Lp columns
+        mb.prompt_ids, mb.prompt_valid = batch.prompt_ids[prompts, -Lp:], valid[:, -Lp:]
+    return mb
+
+
+def split_rows(batch: Batch, size: int) -> list[torch.Tensor]:
+    """Rows sorted by packed length, cut into micro-batches of `size`: rows of similar length run
+    together, so little compute goes to padding. The update is a sum over rows: order is free."""
+    length = torch.where(
+        batch.to_logical >= 0, torch.arange(batch.to_logical.shape[1], device=batch.ids.device) + 1, 0
+    ).amax(1)
+    order = torch.argsort(length, stable=True)
+    return list(order.split(size))
+
+
+class PromptKV:
+    """KV-cache stand-in for the shared-prompt forward: records each layer's keys/values of the
+    prompts (keeping their autograd graph); `rows(prompt_of)` then serves the completion rows,
+    prepending their prompt's keys/values to their own."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        return k, v
+
+    def rows(self, prompt_of: torch.Tensor) -> PromptRows:
+        return PromptRows(self, prompt_of)
+
+
+@dataclass
+class PromptRows:
+    prompts: PromptKV
+    prompt_of: torch.Tensor
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pk, pv = self.prompts.k[layer_idx][self.prompt_of], self.prompts.v[layer_idx][self.prompt_of]
+        return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+
+
+def token_stats(
+    model, batch: Batch, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob (and optionally entropy) of every completion token under `model`, (B, T) float32 in
+    the logical layout (0 at prompt and padding positions).
+
+    The model runs on the packed rows. Token t is predicted by the logits at t - 1, except the first
+    token of a segment that does not follow its predecessor (the `jumps`: answer j > 0 is predicted
+    from its thought's end, a row's first token from its shared prompt's end)."""
+    ids, first = batch.packed_ids, None
+    if batch.prompt_ids is None:
+        logits = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn)  # (B, T', V)
+    else:  # 1. each prompt once, recording its keys/values  2. the rows, attending to their prompt's
+        prompts, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
+        Lp, Tp = valid.shape[1], ids.shape[1]
+        # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward.
+        # Its logits predict each row's token 0; that use also keeps every layer's output in the
+        # backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
+        first = getattr(model, "module", model)(
+            batch.prompt_ids,
+            positions=(valid.cumsum(1) - 1).clamp(min=0),
+            cache=prompts,
+            attn_mask=chunk_mask(valid, Lp),
+            logits_to_keep=1,
+        )[of, 0]  # (B, V)
+        own = (
+            batch.packed_attn
+            if batch.packed_attn is not None
+            else torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
+        )
+        mask = torch.cat([valid[of][:, None, None, :].expand(-1, 1, Tp, Lp), own], 3)  # (B, 1, T', Lp + T')
+        logits = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask)
+
+    jb, jt, js = batch.jumps
+    at_jumps = logits[jb, js.clamp(min=0)]  # the logits that predict each jump's token
+    if first is not None:
+        at_jumps = torch.where((js >= 0)[:, None], at_jumps, first[jb])
+    logp = F.pad(token_logprobs(logits[:, :-1], ids[:, 1:], temperature), (1, 0))
+    if len(jb):
+        logp = logp.index_put((jb, jt), token_logprobs(at_jumps, ids[jb, jt], temperature))
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = F.pad(token_entropy(logits[:, :-1].detach(), temperature), (1, 0))
+            if len(jb):
+                ent[jb, jt] = token_entropy(at_jumps.detach(), temperature)
+    used = batch.to_logical >= 0
+    index, shape = (batch.to_logical[used],), batch.ids.shape
+
+    def to_logical(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(shape.numel()).index_put(index, x[used]).view(shape)
+
+    return to_logical(logp), None if ent is None else to_logical(ent)
