@@ -1,5 +1,6 @@
 """The policy model: a Llama / Qwen2 / Qwen3 decoder in plain PyTorch, HF checkpoint load/save,
-the one log-prob function, and the tokenizer with hand-written chat templates.
+the one log-prob formula (on logits for the sampler, through lm_head chunk by chunk for the
+trainer), and the tokenizer with hand-written chat templates.
 
 Parameter names equal the Hugging Face checkpoint keys, so loading is a strict name-by-name copy.
 The model holds no KV cache: the sampler owns one and passes it into `forward`, so the same module
@@ -11,7 +12,7 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")  # config.json torch_dtype values we read and write
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -53,6 +55,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096  # informational: no tensor depends on it
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "float32"  # dtype the checkpoint stores its weights in: save_model's default
 
     def __post_init__(self) -> None:
         # Validate, never rewrite: a config that transformers would build differently is an error.
@@ -64,6 +67,8 @@ class ModelConfig:
             raise ValueError("ModelConfig: model_type 'mistral' has no q/k/v bias; use 'llama' for a biased model.")
         if self.qk_norm != (self.model_type == "qwen3"):
             raise ValueError("ModelConfig: qk_norm must be True exactly when model_type is 'qwen3'.")
+        if self.torch_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"ModelConfig: torch_dtype {self.torch_dtype!r} is not one of {CHECKPOINT_DTYPES}.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("ModelConfig: num_attention_heads must be a multiple of num_key_value_heads.")
         if self.rope_scaling is not None:
@@ -109,6 +114,7 @@ class ModelConfig:
                 if k in rs
             }
         heads = d["num_attention_heads"]
+        dtype = d.get("torch_dtype") or d.get("dtype")  # transformers 5 writes "dtype"
         try:
             return cls(
                 vocab_size=d["vocab_size"],
@@ -128,6 +134,7 @@ class ModelConfig:
                 max_position_embeddings=d.get("max_position_embeddings", 4096),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=d.get("eos_token_id"),
+                **({"torch_dtype": dtype} if dtype else {}),  # absent: load_model reads the tensors' dtype
             )
         except ValueError as e:
             raise ValueError(f"{path}: {str(e).removeprefix('ModelConfig: ')}") from None
@@ -153,6 +160,7 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "torch_dtype": self.torch_dtype,
         }
         if self.model_type in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
@@ -317,8 +325,11 @@ class Transformer(nn.Module):
         cache=None,
         attn_mask: Tensor | None = None,
         logits_to_keep: int = 0,
+        hidden: bool = False,
     ) -> Tensor:
-        """input_ids (B, T) -> logits (B, T or logits_to_keep, V) in the model dtype.
+        """input_ids (B, T) -> logits (B, T or logits_to_keep, V) in the model dtype, or with
+        hidden=True the final-norm hidden states (B, T or logits_to_keep, C) that lm_head would see:
+        training turns those into log-probs with `head_logprobs`, never holding (B, T, V) logits.
 
         positions (B, T): RoPE position of each token (default arange(T)). cache: an object with
         `update(layer_idx, k, v) -> (k_all, v_all)`. attn_mask (B, 1, T, S) bool, True = attend,
@@ -340,10 +351,26 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(x)  # (B, T, V)
+        return x if hidden else self.lm_head(x)  # (B, T, C) or (B, T, V)
 
 
 # ----------------------------------------------------------------------------- log-probs
+
+
+def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """THE log-prob formula: x = logits.float() / temperature, logp = x[target] - logsumexp(x).
+    logits (n, V), targets (n,) -> logp (n,), logsumexp (n,), float32. Every log-prob in the repo
+    (sampler, trainer, eval) is this function applied to some rows of logits."""
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    return x.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+
+
+def _entropy(logits: Tensor, temperature: float, lse: Tensor | None = None) -> Tensor:
+    """Entropy of softmax(x), x = logits.float() / temperature: H = logsumexp(x) - sum p x. (n, V) -> (n,)."""
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, dim=-1) if lse is None else lse
+    return lse - (torch.softmax(x, dim=-1) * x).sum(-1)
 
 
 def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tensor:
@@ -358,31 +385,109 @@ def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tenso
     return torch.cat(outs) if outs else logits.new_empty(0, dtype=torch.float32)
 
 
+def _check_temperature(name: str, temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"{name}: temperature must be > 0, got {temperature}.")
+
+
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
     """log_softmax(logits.float() / temperature) at targets: logits (..., V), targets (...) long
-    -> float32 (...). THE log-prob function of the sampler, the trainer and eval."""
-    if temperature <= 0:
-        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}.")
-
-    def fn(x: Tensor, t: Tensor) -> Tensor:  # (n, V), (n,) -> (n,)
-        x = x.float() / temperature
-        return x.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
-
+    -> float32 (...). For logits that already exist (the sampler's (B, V) rows); training goes
+    through `head_logprobs` instead, which never builds them."""
+    _check_temperature("token_logprobs", temperature)
     V = logits.shape[-1]
+    fn = lambda x, t: _logp_lse(x, t, temperature)[0]  # noqa: E731 (n, V), (n,) -> (n,)
     return _chunked(fn, logits.reshape(-1, V), targets.reshape(-1), chunk_rows=chunk_rows).view(targets.shape)
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
     """Entropy of softmax(logits.float() / temperature): logits (..., V) -> float32 (...)."""
-    if temperature <= 0:
-        raise ValueError(f"token_entropy: temperature must be > 0, got {temperature}.")
-
-    def fn(x: Tensor) -> Tensor:  # H = logsumexp(x) - sum p x
-        x = x.float() / temperature
-        return torch.logsumexp(x, dim=-1) - (torch.softmax(x, dim=-1) * x).sum(-1)
-
+    _check_temperature("token_entropy", temperature)
     V = logits.shape[-1]
+    fn = lambda x: _entropy(x, temperature)  # noqa: E731
     return _chunked(fn, logits.reshape(-1, V), chunk_rows=chunk_rows).view(logits.shape[:-1])
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """logp = _logp_lse(hidden @ weight.T, targets) over row chunks; backward recomputes each chunk's
+    logits and applies d logp / d logits = (onehot(target) - softmax(x)) / temperature by hand.
+
+    A hand-written backward rather than torch.utils.checkpoint per chunk: it saves only the (N,)
+    logsumexp, computes entropy once in forward (checkpoint would recompute it), skips the
+    recomputed logsumexp and its backward, and sums weight's gradient over the chunks in ONE
+    float32 buffer (checkpoint hands autograd one (V, C) gradient per chunk to add up, in bf16
+    under autocast)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy):
+        w = weight.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's weight cache does)
+        N = hidden.shape[0]
+        logp = hidden.new_empty(N, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
+        for i in range(0, N, step):
+            logits = hidden[i : i + step].to(dtype) @ w.T  # (n, V): the only logits alive
+            logp[i : i + step], lse[i : i + step] = _logp_lse(logits, targets[i : i + step], temperature)
+            if want_entropy:
+                ent[i : i + step] = _entropy(logits, temperature, lse[i : i + step])
+        ctx.save_for_backward(hidden, w, targets, lse)
+        ctx.temperature, ctx.dtype, ctx.step, ctx.weight_dtype = temperature, dtype, step, weight.dtype
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp, _g_ent):
+        hidden, w, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        g_h = torch.empty_like(hidden) if need_h else None
+        g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for i in range(0, hidden.shape[0], ctx.step):
+            h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
+            x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
+            d = x.sub_(lse[i : i + ctx.step, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
+            d.scatter_add_(1, t[:, None], g[:, None])  # + g at the target: g * (onehot - softmax)
+            d = d.div_(ctx.temperature).to(ctx.dtype)  # d logp / d logits, in the matmul dtype
+            if need_h:
+                g_h[i : i + ctx.step] = d @ w  # (n, C)
+            if need_w:
+                g_w += d.T @ h  # (V, C), summed in float32 across chunks
+        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None
+
+
+def head_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """token_logprobs(lm_head(hidden), targets, temperature) without ever holding more than one
+    chunk of logits, in forward or backward (at a 152k vocabulary the logits would be the largest
+    tensor of a training step).
+
+    head: the Transformer (its lm_head is used) or the lm_head Linear. hidden (..., C), e.g. from
+    `model(ids, hidden=True)`; targets (...) long. Returns logp (...) float32, differentiable
+    w.r.t. hidden and lm_head.weight (a tied embedding included), and, if entropy, the entropy of
+    softmax(logits / temperature) (...) float32 without grad, else None. Under autocast the matmul
+    runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))` would.
+    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits)."""
+    _check_temperature("head_logprobs", temperature)
+    lm_head = getattr(head, "lm_head", head)
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("head_logprobs: lm_head has a bias; only bias-free heads are supported.")
+    weight = lm_head.weight  # (V, C)
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    step = chunk_tokens or max(1, 2**24 // weight.shape[0])
+    C = hidden.shape[-1]
+    with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
+        logp, ent = _HeadLogprobs.apply(
+            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy
+        )
+    return logp.view(targets.shape), ent.view(targets.shape) if entropy else None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -414,13 +519,16 @@ def load_model(
 ) -> Transformer:
     """Load an HF checkpoint directory strictly: every tensor must be present, expected and of the
     right shape. Built on the meta device and filled tensor by tensor in the target dtype/device,
-    so no second full copy of the weights ever exists."""
+    so no second full copy of the weights ever exists. model.config.torch_dtype keeps the dtype the
+    checkpoint stores (config.json's torch_dtype / dtype, else its embedding tensor's), whatever
+    `dtype` the weights are loaded in, so save_model writes it back in that dtype."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: model directory not found.")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'}: missing; a model directory needs config.json.")
-    config = ModelConfig.from_hf(_read_json(path / "config.json"), str(path / "config.json"))
+    raw = _read_json(path / "config.json")
+    config = ModelConfig.from_hf(raw, str(path / "config.json"))
     with torch.device("meta"):
         model = Transformer(config)
     expected = dict(model.named_parameters())  # tied: lm_head.weight is not listed separately
@@ -436,6 +544,8 @@ def load_model(
                     if name in loaded:
                         raise ValueError(f"{file}: tensor {name!r} appears in more than one file.")
                     t = f.get_tensor(name)
+                    if name == "model.embed_tokens.weight":
+                        stored = str(t.dtype).removeprefix("torch.")
                     if t.shape != expected[name].shape:
                         raise ValueError(
                             f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
@@ -451,6 +561,8 @@ def load_model(
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
     if config.tie_word_embeddings:  # re-tie: assignment replaced embed_tokens' Parameter
         model.lm_head.weight = model.model.embed_tokens.weight
+    if not (raw.get("torch_dtype") or raw.get("dtype")):  # config.json silent: the dtype the file stores
+        model.config = replace(config, torch_dtype=stored)
     return model
 
 
@@ -469,24 +581,27 @@ def save_model(
     tokenizer_dir: str | os.PathLike | None = None,
     *,
     state_dict: dict[str, Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write an HF directory (config.json, model.safetensors, generation_config.json, tokenizer
     files copied from tokenizer_dir) that transformers loads. Atomic: written to a temporary
     directory next to `path`, then renamed over it. state_dict: full tensors when the model's
-    own parameters are sharded (FSDP)."""
+    own parameters are sharded (FSDP). dtype: of the written weights, recorded as config.json's
+    torch_dtype; None = model.config.torch_dtype, the dtype the checkpoint was loaded from
+    (float32 for a model built from scratch), so float32 training of a bf16 model saves bf16."""
     path = Path(path)
-    config = model.config
+    stored = str(dtype).removeprefix("torch.") if dtype is not None else model.config.torch_dtype
+    config = replace(model.config, torch_dtype=stored)  # validates the name
     sd = state_dict if state_dict is not None else model.state_dict()
     tensors = {
-        k: v.detach().to("cpu").contiguous()
+        k: v.detach().to("cpu", getattr(torch, stored)).contiguous()
         for k, v in sd.items()
         if not (k == "lm_head.weight" and config.tie_word_embeddings)
     }  # HF omits a tied head
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        hf = config.to_hf() | {"torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:

@@ -1,5 +1,6 @@
 """model.py: logits parity with transformers for every family, the cache protocol, checkpoint
-load/save (strict errors, shards, both config layouts, atomic save) and the log-prob helpers."""
+load/save (strict errors, shards, both config layouts, atomic save, the checkpoint's dtype kept).
+The log-prob functions are tested in test_logprobs.py."""
 
 import json
 import os
@@ -245,6 +246,45 @@ def test_save_model_atomic_and_copies_tokenizer(hf_checkpoint, tmp_path, monkeyp
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "qwen2-tied", "tok"]
 
 
+def test_save_model_writes_the_checkpoint_dtype(tmp_path):
+    """Guards "checkpoints are saved in the dtype they were loaded in": a bf16 checkpoint trained
+    with float32 weights must save as bf16 by default (not twice its size in float32), with
+    torch_dtype in config.json saying so and transformers loading it to the same logits; an
+    explicit dtype must win; the dtype must come from config.json's torch_dtype or dtype key, else
+    from the stored tensors; a model built from scratch saves float32."""
+    import transformers
+
+    src = tmp_path / "bf16"
+    make_hf_model("qwen2", True).to(torch.bfloat16).save_pretrained(src)
+    m = M.load_model(src)
+    assert m.config.torch_dtype == "bfloat16" and m.lm_head.weight.dtype == torch.float32
+    M.save_model(m, tmp_path / "default")
+    M.save_model(m, tmp_path / "fp32", dtype=torch.float32)
+    for name, dtype in [("default", torch.bfloat16), ("fp32", torch.float32)]:
+        hf_config = json.loads((tmp_path / name / "config.json").read_text())
+        assert hf_config["torch_dtype"] == str(dtype).removeprefix("torch.")
+        assert {t.dtype for t in load_file(tmp_path / name / "model.safetensors").values()} == {dtype}
+        assert transformers.AutoConfig.from_pretrained(tmp_path / name).dtype == dtype
+    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("default", "fp32")}
+    assert 1.9 < size["fp32"] / size["default"] < 2.1
+    x = ids()
+    with torch.no_grad():  # the values are bf16-exact, so every copy gives the same logits
+        torch.testing.assert_close(hf_logits(tmp_path / "default", x), m(x), **TOL)
+    assert M.load_model(tmp_path / "fp32").config.torch_dtype == "float32"
+    assert M.load_model(tmp_path / "default").config == m.config
+
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("dtype", None)
+    cfg.pop("torch_dtype", None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert M.load_model(src).config.torch_dtype == "bfloat16"  # from the safetensors
+    scratch = M.Transformer(M.ModelConfig(32, 16, 32, 1, 2, 1, 8, attention_bias=True))  # dtype not given
+    M.save_model(scratch, tmp_path / "scratch")
+    assert load_file(tmp_path / "scratch" / "model.safetensors")["model.norm.weight"].dtype == torch.float32
+    M.save_model(scratch, tmp_path / "scratch16", dtype=torch.bfloat16)
+    assert M.load_model(tmp_path / "scratch16").config.torch_dtype == "bfloat16"
+
+
 # ----------------------------------------------------------------------------- strict errors
 
 
@@ -342,9 +382,12 @@ def test_model_config_validation():
         M.ModelConfig(**base, model_type="llama", qk_norm=True)
     with pytest.raises(ValueError, match="llama3"):
         M.ModelConfig(**base, model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="torch_dtype 'int8'"):
+        M.ModelConfig(**base, model_type="llama", torch_dtype="int8")
     cfg = M.ModelConfig(
         **base,
         model_type="llama",
+        torch_dtype="bfloat16",
         rope_theta=5e5,
         tie_word_embeddings=True,
         eos_token_id=[1, 2],
@@ -357,51 +400,3 @@ def test_model_config_validation():
         },
     )
     assert M.ModelConfig.from_hf(cfg.to_hf()) == cfg
-
-
-# ----------------------------------------------------------------------------- log-probs
-
-
-def test_token_logprobs_and_entropy_match_reference():
-    """Guards THE log-prob function: values must equal log_softmax(logits / T) gathered at the
-    targets, in float32 even for bf16 logits, identically whether or not rows are chunked; the
-    entropy helper must equal -sum p log p."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 7, 50, generator=g) * 3
-    targets = torch.randint(0, 50, (3, 7), generator=g)
-    for T in (1.0, 0.7):
-        ref = torch.log_softmax(logits.double() / T, -1).gather(-1, targets[..., None]).squeeze(-1)
-        for chunk in (None, 1, 4):
-            out = M.token_logprobs(logits, targets, temperature=T, chunk_rows=chunk)
-            assert out.dtype == torch.float32 and out.shape == targets.shape
-            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-        p = torch.softmax(logits.double() / T, -1)
-        ent = M.token_entropy(logits, temperature=T, chunk_rows=4)
-        torch.testing.assert_close(ent.double(), -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
-    bf = M.token_logprobs(logits.bfloat16(), targets)
-    assert bf.dtype == torch.float32
-    ref_bf = torch.log_softmax(logits.bfloat16().double(), -1).gather(-1, targets[..., None]).squeeze(-1)
-    torch.testing.assert_close(bf.double(), ref_bf, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="temperature"):
-        M.token_logprobs(logits, targets, temperature=0.0)
-
-
-def test_token_logprobs_gradient_through_chunks():
-    """Guards the checkpointed chunk path in training: gradients w.r.t. the logits must equal
-    those of a plain log_softmax + gather (a chunk dropped from the graph gives zero grads)."""
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(4, 5, 30, generator=g, requires_grad=True)
-    targets = torch.randint(0, 30, (4, 5), generator=g)
-    w = torch.randn(4, 5, generator=g)
-    (M.token_logprobs(logits, targets, 0.8, chunk_rows=3) * w).sum().backward()
-    ours = logits.grad.clone()
-    logits.grad = None
-    (torch.log_softmax(logits / 0.8, -1).gather(-1, targets[..., None]).squeeze(-1) * w).sum().backward()
-    torch.testing.assert_close(ours, logits.grad, atol=1e-6, rtol=1e-5)
-    logits.grad = None
-    M.token_entropy(logits, chunk_rows=3).sum().backward()
-    ours = logits.grad.clone()
-    logits.grad = None
-    p = torch.softmax(logits, -1)
-    (-(p * torch.log_softmax(logits, -1)).sum(-1)).sum().backward()
-    torch.testing.assert_close(ours, logits.grad, atol=1e-6, rtol=1e-5)
