@@ -1,16 +1,22 @@
 """cli.py: turn a config dataclass into a command line, so every default lives in one place.
 
 Each dataclass field becomes `--kebab-case` with its type taken from the default, booleans get
-`--flag/--no-flag`, and the help text is the field's trailing comment in the source. Unknown flags
-are an error. `parse_config` also reports which flags the user typed, so presets can fill only the
-rest (style: "presets fill defaults the user did not set").
+`--flag/--no-flag`, and the help text is the field's trailing comment in the source; `# -- family`
+comments group the flags in --help, and a `CHOICES` class attribute lists the values of choice
+flags. Unknown flags are an error. `parse_config` also reports which flags the user typed, so
+presets can fill only the rest (style: "presets fill defaults the user did not set").
+
+Errors a user can cause end as one line, `error: <sentence>`, exit status 2, no traceback: flags
+through the parser, everything else (files, data, checkpoints) through `user_errors`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -33,7 +39,7 @@ def _field_docs(cls: type) -> tuple[dict[str, str], dict[str, str]]:
 
 def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
     """One flag per field, grouped by family; a choice field (in `cls.CHOICES`) lists its values."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = _Parser(description=description, allow_abbrev=False)
     helps, groups = _field_docs(cls)
     choices = getattr(cls, "CHOICES", {})
     sections: dict[str, argparse._ArgumentGroup] = {}
@@ -80,3 +86,42 @@ def parse_config(
         return cls(**values), explicit
     except ValueError as e:  # __post_init__ validation: one sentence, no traceback
         parser.error(str(e))
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a file, a data line): reported as one line, no traceback."""
+
+
+class UserExit(SystemExit):
+    """Exit status 2 after a one-line `error: ...` on stderr; str() is the sentence (for tests)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def fail(message: str) -> UserExit:
+    """Print `error: message` to stderr and return the exception that exits with status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return UserExit(message)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, where argparse prints its usage block first
+        raise fail(f"{message} (see --help)")
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Around an entry script's main: a user error ends as `error: <sentence>`, exit status 2, no
+    traceback (NANORL_TRACEBACK=1 shows it). User errors are UserError, ValueError (the project's
+    convention for bad configs, checkpoints and data) and OSError (paths, permissions, full disks)."""
+    try:
+        yield
+    except (UserError, ValueError, OSError) as e:
+        if os.environ.get("NANORL_TRACEBACK"):
+            raise
+        raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None

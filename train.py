@@ -53,14 +53,24 @@ from advantage import (
     token_weights,
     two_grpo_advantages,
 )
-from checkpoint import find_checkpoint, gather_full_state, load_trainer_state, save_checkpoint
-from cli import parse_config
+from checkpoint import (
+    check_out_dir,
+    check_resume,
+    find_checkpoint,
+    load_trainer_state,
+    prepare_out,
+    read_trainer_step,
+    run_flags,
+    save_checkpoint,
+)
+from cli import UserError, parse_config, user_errors
+from distributed import all_sum, full_params, gather_full_state, setup_distributed
 from eval import decode_completion, evaluate
 from model import Transformer, load_model, load_tokenizer
 from pack import Batch, pack, select_rows, split_rows, token_stats
 from rewards import score_batch
-from sampler import Tree, sample_tree
-from tasks import TASK_NAMES, Task, get_task, render_prompt
+from sampler import StopText, Tree, sample_tree
+from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
 
 # -----------------------------------------------------------------------------
 # Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
@@ -75,8 +85,10 @@ class TrainConfig:
     model: str = "assets/tiny-model"  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
     task: str = "synthetic"  # built-in generator or file format (file tasks read --data)
     data: str = ""  # JSONL file for file-based tasks
+    test_data: str = ""  # JSONL file of held-out examples (file tasks; default: every 10th example of --data)
     out: str = "runs/default"  # output directory: metrics.jsonl, samples.jsonl, step-N/, final/
-    resume: str = ""  # run directory or step-N checkpoint to continue from exactly
+    resume: str = ""  # run directory or step-N checkpoint to continue from exactly (its flags are the run's)
+    overwrite: bool = False  # replace the run already in --out (otherwise a non-empty --out is refused)
     seed: int = 0  # seeds every rollout (with step and prompt index) and the data order
     device: str = "auto"  # where to run (cuda:N picks a GPU)
     dtype: str = "auto"  # bfloat16 = fp32 weights with bf16 autocast; auto = bf16 on CUDA, fp32 on CPU
@@ -131,10 +143,12 @@ class TrainConfig:
     eval_examples: int = 200  # held-out prompts per evaluation
     eval_samples: int = 4  # samples per held-out prompt for mean@n and pass@k
     save_every: int = 0  # write OUT/step-N every N steps (0 = never; OUT/final is always written)
+    save_optimizer: bool = True  # checkpoints carry the optimizer state (needed to resume; 2x the weights)
+    save_dtype: str = "auto"  # dtype of saved weights; auto = the dtype the model was loaded in
     samples_every: int = 10  # append decoded rollouts to OUT/samples.jsonl every N steps
     wandb: str = ""  # wandb project name (empty = off; needs the wandb package)
 
-    # The allowed values of every choice flag: shown by --help, checked below.
+    # The allowed values of every choice flag (shown by --help) and the bounds of numeric flags.
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(
         algo=ALGOS,
         task=TASK_NAMES,
@@ -143,52 +157,48 @@ class TrainConfig:
         advantage=("grpo", "two_grpo", "agrae"),
         aggregation=AGGREGATIONS,
         lr_schedule=("cosine", "constant"),
+        save_dtype=("auto", "float32", "bfloat16", "float16"),
     )
+    AT_LEAST: ClassVar[dict[str, int]] = dict(
+        max_steps=1, prompts_per_step=1, thoughts=1, answers=1, max_answer_tokens=1, mu=1, micro_batch_rows=1,
+        eval_examples=1, max_resample_rounds=1, reward_workers=1, max_bad_steps=1, max_thought_tokens=0, top_k=0,
+        overlong_buffer=0, warmup_steps=0, eval_every=0, eval_samples=0, save_every=0, samples_every=0,
+    )  # fmt: skip
+    POSITIVE: ClassVar[tuple[str, ...]] = ("lr", "temperature", "top_p", "clip_low", "clip_high", "grad_clip")
 
     def __post_init__(self) -> None:
         """Validate, never rewrite: an impossible combination is one clear sentence."""
-        for name, allowed in self.CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed and not (name == "device" and value.startswith("cuda:")):
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
-        n_completion = self.max_thought_tokens + self.max_answer_tokens
-        checks = [
-            (
-                min(self.prompts_per_step, self.thoughts, self.answers) >= 1,
-                "--prompts-per-step, --thoughts and --answers must be >= 1",
-            ),
-            (self.thoughts * self.answers >= 2, "a group needs at least 2 samples: raise --thoughts or --answers"),
-            (self.temperature > 0, "--temperature must be > 0 for training (0 would make every group identical)"),
-            (self.answers == 1 or self.end_of_thought, "--answers > 1 needs an --end-of-thought marker"),
-            (
-                self.advantage != "two_grpo" or (self.thoughts, self.answers) == (2, 1),
-                "--advantage two_grpo needs --thoughts 2 --answers 1",
-            ),
-            (not self.sequence_ratio or self.answers == 1, "--sequence-ratio (GSPO) needs --answers 1"),
-            (
-                not (self.gtpo_conflict or self.entropy_gate or self.entropy_gamma) or self.answers == 1,
-                "GTPO controls need --answers 1",
-            ),
-            (self.advantage != "agrae" or self.answers == 1, "--advantage agrae needs --answers 1"),
-            (
-                self.answers == 1 or self.aggregation != "seq_mean_token_sum_norm",
-                "--aggregation seq_mean_token_sum_norm needs --answers 1",
-            ),
-            (self.clip_low > 0 and self.clip_high > 0, "--clip-low and --clip-high must be > 0"),
-            (
-                self.mu >= 1 and self.micro_batch_rows >= 1 and self.max_steps >= 0,
-                "--mu and --micro-batch-rows must be >= 1",
-            ),
-            (self.lr > 0 and self.beta >= 0 and self.grad_clip > 0, "--lr and --grad-clip must be > 0 and --beta >= 0"),
-            (self.overlong_buffer < n_completion, "--overlong-buffer must be shorter than the completion limit"),
-            (
-                not (self.resume and os.path.abspath(self.resume) == os.path.abspath(self.model)),
-                "--resume and --model name the same directory",
-            ),
-        ]
-        for ok, msg in checks:
+
+        def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
+
+        for name, allowed in self.CHOICES.items():
+            v = getattr(self, name)
+            ok = v in allowed or (name == "device" and v.startswith("cuda:"))
+            need(ok, f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {v!r}")
+        for name, low in self.AT_LEAST.items():
+            need(getattr(self, name) >= low, f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        for name in self.POSITIVE:  # also refuses inf and nan
+            need(0 < getattr(self, name) < math.inf, f"--{name.replace('_', '-')} must be > 0 and finite")
+        need(self.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        need(0 <= self.beta < math.inf and 0 <= self.weight_decay < math.inf, "--beta and --weight-decay must be >= 0")
+        need(self.thoughts * self.answers >= 2, "a group needs at least 2 samples: raise --thoughts or --answers")
+        need(self.answers == 1 or bool(self.end_of_thought), "--answers > 1 needs an --end-of-thought marker")
+        two = self.advantage != "two_grpo" or (self.thoughts, self.answers) == (2, 1)
+        need(two, "--advantage two_grpo needs --thoughts 2 --answers 1")
+        one_answer = {
+            "--sequence-ratio (GSPO)": self.sequence_ratio,
+            "GTPO controls": self.gtpo_conflict or self.entropy_gate or self.entropy_gamma,
+            "--advantage agrae": self.advantage == "agrae",
+            "--aggregation seq_mean_token_sum_norm": self.aggregation == "seq_mean_token_sum_norm",
+        }
+        for what, used in one_answer.items():
+            need(not used or self.answers == 1, f"{what} needs --answers 1")
+        limit = self.max_thought_tokens + self.max_answer_tokens
+        need(self.overlong_buffer < limit, "--overlong-buffer must be shorter than the completion limit")
+        same = self.resume and os.path.abspath(self.resume) == os.path.abspath(self.model)
+        need(not same, "--resume and --model name the same directory")
 
 
 PRESETS: dict[str, dict] = {
@@ -212,7 +222,7 @@ assert tuple(PRESETS) == ALGOS
 
 
 # -----------------------------------------------------------------------------
-# Small helpers: seeds, learning-rate schedule, distributed setup
+# Small helpers: seeds and the learning-rate schedule
 
 
 def derive_seed(*parts: int) -> int:
@@ -229,61 +239,6 @@ def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
         return warm
     progress = min(1.0, opt_step / max(1, cfg.max_steps * cfg.mu - 1))
     return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but torch sees no CUDA device")
-    device = torch.device("cpu")
-    if want_cuda:
-        device = torch.device(
-            "cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else torch.cuda.current_device()
-        )
-        torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if want_cuda else "gloo")
-        if cfg.prompts_per_step % world:
-            raise SystemExit(f"--prompts-per-step {cfg.prompts_per_step} must divide evenly over {world} ranks")
-    return rank, world, device
-
-
-def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:
-    """Sum over ranks (a no-op in one process); used for every global normaliser."""
-    t = torch.as_tensor(x, dtype=torch.float64).clone()
-    if world > 1:
-        t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t)
-    return t.cpu()
-
-
-@contextlib.contextmanager
-def full_params(policy: torch.nn.Module, fsdp: bool):
-    """FSDP: all-gather every parameter once, on every rank, and keep it whole until the block ends.
-
-    Sampling runs a number of forwards that depends on each rank's data (rows stop at different
-    steps, dynamic sampling redoes some prompts) and evaluation runs on rank 0 only, so FSDP's
-    all-gather per forward would leave the ranks out of step and hang. Inside the block a forward
-    does no collectives: FSDP2's pre-forward unshard is a no-op on an already unsharded group, and
-    reshard-after-forward is off. Every rank must enter the block (the all-gathers happen here).
-    Without FSDP it does nothing."""
-    if not fsdp:
-        yield
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = [m for m in policy.modules() if isinstance(m, FSDPModule)]  # each layer and the root
-    for m in groups:
-        m.unshard()  # not recursive: one call per fully_shard'ed module
-    policy.set_reshard_after_forward(False)
-    try:
-        yield
-    finally:
-        for m in groups:  # back to fully_shard's defaults: layers reshard after forward, the root does not
-            m.set_reshard_after_forward(m is not policy, recurse=False)
-            m.reshard()
 
 
 # -----------------------------------------------------------------------------
@@ -308,7 +263,7 @@ class Run:
     pool: list[dict]  # training examples in order: step s, global slot i uses pool[s * P + i]
     topups: list[dict]  # dynamic sampling's replacement prompts, a stream of their own
     heldout: list[dict]
-    marker: list[int]  # end-of-thought token ids (answers > 1)
+    marker: StopText  # the end-of-thought marker (used when answers > 1)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     state: dict  # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, gate_on
@@ -316,24 +271,37 @@ class Run:
 
 
 def setup(cfg: TrainConfig) -> Run:
-    """Distributed init, models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
+    """Distributed init; then data, output directory and checkpoint are checked before any model is
+    loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
     rank, world, device = setup_distributed(cfg)
-    torch.manual_seed(cfg.seed)
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
+    check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     resume_dir = find_checkpoint(cfg.resume) if cfg.resume else ""
+    if resume_dir:
+        check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
+    if rank == 0:
+        check_out_dir(cfg.out, resume_dir, cfg.overwrite)
+        prepare_out(cfg.out, read_trainer_step(resume_dir) if resume_dir else 0)
+    torch.manual_seed(cfg.seed)
     policy = load_model(resume_dir or cfg.model, dtype=torch.float32, device=device)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
-    tokenizer = load_tokenizer(cfg.model)
-    reference = (
-        load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta > 0 else None
-    )
-    task = get_task(cfg.task, cfg.data or None)
+    tokenizer = load_tokenizer(resume_dir or cfg.model)  # a checkpoint carries its run's tokenizer files
+    reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta else None
     # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
     # and a second one for dynamic-sampling top-ups.
     n = cfg.max_steps * cfg.prompts_per_step
     pool = task.train(n, cfg.seed)
     topups = task.train(n * cfg.max_resample_rounds, derive_seed(cfg.seed, 1)) if cfg.dynamic_sampling else []
-    marker = tokenizer.encode(cfg.end_of_thought) if cfg.answers > 1 else []
+    heldout = task.test(cfg.eval_examples, cfg.seed)
+    # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
+    marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
+    new = cfg.max_thought_tokens + cfg.max_answer_tokens + (len(marker.ids) if cfg.answers > 1 else 0)
+    context = policy.config.max_position_embeddings
+    if new >= context:
+        raise UserError(f"--max-thought-tokens + --max-answer-tokens ({new}) leave no room for a prompt in the "
+                        f"model's context of {context} tokens")  # fmt: skip
+    limit = f"the model's context of {context} tokens minus the completion limit of {new}"
+    check_prompt_lengths(tokenizer, pool + topups + heldout, task.system_prompt, context - new, limit)
     model, fsdp = policy, world > 1 and cfg.fsdp
     if fsdp:  # each layer is one all-gather unit; the root holds the rest (embedding = tied lm_head, norm)
         from torch.distributed.fsdp import fully_shard
@@ -342,19 +310,17 @@ def setup(cfg: TrainConfig) -> Run:
             fully_shard(layer)
         fully_shard(policy)
     elif world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            policy, device_ids=[device.index] if device.type == "cuda" else None
-        )
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
-    heldout = task.test(cfg.eval_examples, cfg.seed)
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     run = Run(cfg, rank, world, device, torch.bfloat16 if bf16 else None, policy, model, fsdp, reference, tokenizer,
               task, pool, topups, heldout, marker, optimizer, scheduler, state)  # fmt: skip
     if resume_dir:
         run.state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
     if rank == 0:
-        os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
         if cfg.wandb:
@@ -362,6 +328,26 @@ def setup(cfg: TrainConfig) -> Run:
 
             run.wandb = wandb.init(project=cfg.wandb, config=asdict(cfg))
     return run
+
+
+# Flags a resumed run may change: how long it runs, what it reports and where. Every other flag
+# decides what the run computes and must equal the run's own (its checkpoint's train_config.json).
+RESUMABLE = (
+    *("resume", "out", "overwrite", "max_steps", "device", "reward_workers", "max_bad_steps", "wandb"),
+    *("eval_every", "eval_examples", "eval_samples", "save_every", "save_optimizer", "save_dtype", "samples_every"),
+)
+
+
+def resume_config(cfg: TrainConfig, typed: set[str]) -> TrainConfig:
+    """--resume on the command line: the run's saved flags, with only the flags typed now replacing
+    theirs (and --out, unless typed, the run's own directory); setup's check_resume then refuses
+    any typed flag that would change what the run computes."""
+    if not cfg.resume:
+        return cfg
+    ckpt = find_checkpoint(cfg.resume)
+    values = {**run_flags(ckpt, asdict(TrainConfig())), **{k: getattr(cfg, k) for k in typed}}
+    values.update(resume=cfg.resume, out=cfg.out if "out" in typed else os.path.dirname(ckpt.rstrip("/")))
+    return TrainConfig(**values)
 
 
 def precision(run: Run):
@@ -393,7 +379,7 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
         tree = sample_tree(
             run.policy, prompts, k=cfg.thoughts, m=M, max_thought_tokens=cfg.max_thought_tokens if M > 1 else 0,
             max_answer_tokens=cfg.max_answer_tokens + (0 if M > 1 else cfg.max_thought_tokens),
-            end_of_thought=run.marker, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+            end_of_thought=run.marker if M > 1 else (), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
             stop_ids=run.tokenizer.stop_ids, seed=seeds,
         )  # fmt: skip
     return prompts, tree
@@ -666,11 +652,19 @@ def evaluate_heldout(run: Run, step: int) -> dict:
 
 
 def save(run: Run, path: str) -> None:
-    """A checkpoint at `path`: HF weights + tokenizer files + trainer state (collective under FSDP)."""
+    """A checkpoint at `path`: HF weights in --save-dtype, tokenizer files and trainer state (with
+    --save-optimizer: the optimizer, and float32 masters when the weights are written in less)."""
+    cfg = run.cfg
     weights, optim = gather_full_state(run.policy, run.optimizer) if run.fsdp else (None, run.optimizer.state_dict())
     if run.rank == 0:
-        state = dict(optimizer=optim, scheduler=run.scheduler.state_dict(), trainer=run.state, config=asdict(run.cfg))
-        save_checkpoint(path, run.policy, run.cfg.model, state, weights=weights)
+        dtype = None if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
+        lossy = (dtype or getattr(torch, run.policy.config.torch_dtype)) != torch.float32
+        masters = (
+            (weights if weights is not None else run.policy.state_dict()) if cfg.save_optimizer and lossy else None
+        )
+        state = dict(optimizer=optim if cfg.save_optimizer else None, scheduler=run.scheduler.state_dict(),
+                     trainer=run.state, config=asdict(cfg), master_weights=masters)  # fmt: skip
+        save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), weights=weights, dtype=dtype)
     if run.world > 1:
         dist.barrier()
 
@@ -730,5 +724,8 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    config, _ = parse_config(TrainConfig, description=__doc__.split("\n\n")[0], presets=PRESETS, preset_field="algo")
-    main(config)
+    with user_errors():
+        config, typed = parse_config(
+            TrainConfig, description=__doc__.split("\n\n")[0], presets=PRESETS, preset_field="algo"
+        )
+        main(resume_config(config, typed))

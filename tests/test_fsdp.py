@@ -159,7 +159,7 @@ def test_fsdp_checkpoint_resumed_without_fsdp_is_one_clear_error(runs):
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 1
+    assert r.returncode == 2  # a user error: one line, exit status 2
     assert "saved with --fsdp" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -1,0 +1,82 @@
+"""distributed.py: what changes when torchrun starts several processes.
+
+Each rank samples its share of a step's prompts and trains on it; every loss normaliser is a sum
+over ranks (all_sum), so the update equals one process's on the same global batch. With --fsdp
+(FSDP2's fully_shard) each rank holds a shard of the weights, gradients and optimizer state;
+sampling and evaluation gather the whole weights once (full_params), and checkpoints gather the
+full state on rank 0 (gather_full_state). One process: every function here is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from cli import UserError
+
+
+def setup_distributed(cfg) -> tuple[int, int, torch.device]:
+    """Rank, world size and device from torchrun's environment (one process: 0, 1, --device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but torch sees no CUDA device")
+    device = torch.device("cpu")
+    if want_cuda:
+        device = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else torch.cuda.current_device()
+        )
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if want_cuda else "gloo")
+        if cfg.prompts_per_step % world:
+            raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must divide evenly over {world} ranks")
+    return rank, world, device
+
+
+def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:
+    """Sum over ranks (a no-op in one process); used for every global normaliser."""
+    t = torch.as_tensor(x, dtype=torch.float64).clone()
+    if world > 1:
+        t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t)
+    return t.cpu()
+
+
+@contextlib.contextmanager
+def full_params(policy: torch.nn.Module, fsdp: bool):
+    """FSDP: all-gather every parameter once, on every rank, and keep it whole until the block ends.
+
+    Sampling runs a number of forwards that depends on each rank's data (rows stop at different
+    steps, dynamic sampling redoes some prompts) and evaluation runs on rank 0 only, so FSDP's
+    all-gather per forward would leave the ranks out of step and hang. Inside the block a forward
+    does no collectives: FSDP2's pre-forward unshard is a no-op on an already unsharded group, and
+    reshard-after-forward is off. Every rank must enter the block (the all-gathers happen here).
+    Without FSDP it does nothing."""
+    if not fsdp:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m for m in policy.modules() if isinstance(m, FSDPModule)]  # each layer and the root
+    for m in groups:
+        m.unshard()  # not recursive: one call per fully_shard'ed module
+    policy.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in groups:  # back to fully_shard's defaults: layers reshard after forward, the root does not
+            m.set_reshard_after_forward(m is not policy, recurse=False)
+            m.reshard()
+
+
+def gather_full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """FSDP: full (unsharded) model and optimizer state dicts, on CPU, on rank 0 (empty on the other
+    ranks); the optimizer's is keyed by parameter name. Collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
