@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from model import token_entropy, token_logprobs
+from model import head_logprobs
 from sampler import chunk_mask
 
 
@@ -198,55 +197,50 @@ class PromptRows:
 
 
 def token_stats(
-    model, batch: Batch, temperature: float, entropy: bool = False
+    model, batch: Batch, temperature: float, entropy: bool = False, chunk_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy) of every completion token under `model`, (B, T) float32 in
     the logical layout (0 at prompt and padding positions).
 
-    The model runs on the packed rows. Token t is predicted by the logits at t - 1, except the first
-    token of a segment that does not follow its predecessor (the `jumps`: answer j > 0 is predicted
-    from its thought's end, a row's first token from its shared prompt's end)."""
+    The model runs on the packed rows and returns hidden states; only the completion tokens' ones go
+    through lm_head, chunk by chunk (model.head_logprobs), so no (rows, T, V) logits ever exist.
+    Token t is predicted by the hidden state at t - 1, except the first token of a segment that does
+    not follow its predecessor (the `jumps`: answer j > 0 is predicted from its thought's end, a
+    row's first token from its shared prompt's end)."""
     ids, first = batch.packed_ids, None
     if batch.prompt_ids is None:
-        logits = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn)  # (B, T', V)
+        hidden = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn, hidden=True)  # (B, T', C)
     else:  # 1. each prompt once, recording its keys/values  2. the rows, attending to their prompt's
         prompts, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
         Lp, Tp = valid.shape[1], ids.shape[1]
         # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward.
-        # Its logits predict each row's token 0; that use also keeps every layer's output in the
-        # backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
+        # Its last hidden state predicts each row's token 0; that use also keeps every layer's output in
+        # the backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
         first = getattr(model, "module", model)(
-            batch.prompt_ids,
-            positions=(valid.cumsum(1) - 1).clamp(min=0),
-            cache=prompts,
-            attn_mask=chunk_mask(valid, Lp),
-            logits_to_keep=1,
-        )[of, 0]  # (B, V)
-        own = (
-            batch.packed_attn
-            if batch.packed_attn is not None
-            else torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
-        )
+            batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=prompts,
+            attn_mask=chunk_mask(valid, Lp), logits_to_keep=1, hidden=True,
+        )[of, 0]  # (B, C)  # fmt: skip
+        own = batch.packed_attn
+        if own is None:
+            own = torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
         mask = torch.cat([valid[of][:, None, None, :].expand(-1, 1, Tp, Lp), own], 3)  # (B, 1, T', Lp + T')
-        logits = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask)
+        hidden = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask, hidden=True)
 
+    # The slot whose hidden state predicts each packed token: the one before it, or its jump's source.
+    source = torch.arange(-1, ids.shape[1] - 1, device=ids.device).expand_as(ids).clone()
     jb, jt, js = batch.jumps
-    at_jumps = logits[jb, js.clamp(min=0)]  # the logits that predict each jump's token
-    if first is not None:
-        at_jumps = torch.where((js >= 0)[:, None], at_jumps, first[jb])
-    logp = F.pad(token_logprobs(logits[:, :-1], ids[:, 1:], temperature), (1, 0))
-    if len(jb):
-        logp = logp.index_put((jb, jt), token_logprobs(at_jumps, ids[jb, jt], temperature))
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            ent = F.pad(token_entropy(logits[:, :-1].detach(), temperature), (1, 0))
-            if len(jb):
-                ent[jb, jt] = token_entropy(at_jumps.detach(), temperature)
+    source[jb, jt] = js
     used = batch.to_logical >= 0
-    index, shape = (batch.to_logical[used],), batch.ids.shape
+    rows, cols = used.nonzero(as_tuple=True)  # every completion token, row-major
+    src = source[rows, cols]
+    h = hidden[rows, src.clamp(min=0)]  # (N, C)
+    if first is not None:  # source -1: the shared prompt's last position
+        h = torch.where((src >= 0)[:, None], h, first[rows])
+    head = getattr(model, "module", model)
+    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, entropy=entropy, chunk_tokens=chunk_tokens)
+    index, shape = (batch.to_logical[rows, cols],), batch.ids.shape
 
     def to_logical(x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(shape.numel()).index_put(index, x[used]).view(shape)
+        return x.new_zeros(shape.numel()).index_put(index, x).view(shape)
 
     return to_logical(logp), None if ent is None else to_logical(ent)
