@@ -115,7 +115,7 @@ class TrainConfig:
     gtpo_conflict: bool = False  # GTPO: reweight tokens shared by positive and negative completions
     gtpo_w_pos: float = 2.0  # GTPO weight on conflict tokens of positive completions
     gtpo_w_neg: float = 0.0  # GTPO weight on conflict tokens of negative completions
-    entropy_gate: bool = False  # GTPO: drop completions whose mean entropy exceeds the threshold
+    entropy_gate: bool = False  # GTPO: drop completions whose mean entropy (at --temperature) exceeds the threshold
     entropy_threshold: float = 0.6931471805599453  # GTPO gate threshold in nats (ln 2)
     entropy_gamma: float = 0.0  # GTPO: advantage minus gamma * mean token entropy (0 = off)
     # -- loss
@@ -494,7 +494,8 @@ def advantages(run: Run, ro: Rollouts, batch: Batch, entropy: torch.Tensor, batc
     P, K, M = ro.reward.shape
     adv_thought, adv_answer = sequence_advantages(run, ro, batch_accuracy)
     completion = batch.thought | (batch.answer_id >= 0)
-    seq_adv = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1
+    raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
+    seq_adv = raw
     if cfg.entropy_gate or cfg.entropy_gamma > 0:  # rows are completions (M == 1)
         seq_adv = entropy_control(run, seq_adv, entropy, completion.float())
     if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
@@ -513,10 +514,10 @@ def advantages(run: Run, ro: Rollouts, batch: Batch, entropy: torch.Tensor, batc
             comp, cfg.aggregation, max_len=cfg.max_thought_tokens + cfg.max_answer_tokens,
             num_seqs=all_sum(n_rows, world).item(), num_tokens=all_sum(comp.sum(), world).item(),
         )  # fmt: skip
-    if cfg.gtpo_conflict:  # logical rows are the completions (M == 1), compared position by position
-        conflict = gtpo_conflict_weights(
-            batch.ids, comp, seq_adv.to(dev), K, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg
-        )
+    # GTPO's conflict tokens: positive vs negative by the sign of the raw group advantage, as its paper
+    # and code, not of the entropy-shaped one. Logical rows are the completions, compared position by position.
+    if cfg.gtpo_conflict:
+        conflict = gtpo_conflict_weights(batch.ids, comp, raw.to(dev), K, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg)
         weight = weight * conflict
     return adv, weight, completion
 

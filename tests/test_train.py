@@ -373,3 +373,28 @@ def test_a_short_run_learns(tmp_path):
     res = train.main(TrainConfig(algo="grpo", out=out, max_steps=40, eval_every=0, samples_every=0))
     before, after = res["first_eval"]["eval/mean@4"], res["last_eval"]["eval/mean@4"]
     assert after - before >= 0.05, (before, after)
+
+
+def test_gtpo_conflict_weights_use_the_raw_group_advantage():
+    """Guards against the GTPO wiring bug: the conflict mask took its positive/negative split from
+    the entropy-gated, entropy-shifted advantage, where GTPO's paper and code use the raw group
+    advantage. Here the shift makes both completions negative; the raw advantages are +0.5 / -0.5,
+    so the shared tokens are conflict tokens: weight x2 on the correct completion, x0 on the wrong one."""
+    import types
+
+    from pack import pack
+    from sampler import Tree
+
+    cfg = TrainConfig(algo="gtpo", thoughts=2, answers=1, prompts_per_step=1, entropy_gamma=1.0, gtpo_conflict=True,
+                      entropy_gate=True, std_normalize=False, max_thought_tokens=4, max_answer_tokens=4)  # fmt: skip
+    run = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"), state={"gate_on": True})
+    tree = Tree([[], []], [[], []], [False, False], [[5, 6, 7], [5, 6, 8]], [[0.0] * 3, [0.0] * 3], ["stop"] * 2)
+    reward = torch.tensor([1.0, 0.0]).view(1, 2, 1)
+    ro = train.Rollouts([{}], [[1, 2]], tree, reward, reward.clone(), torch.tensor([3, 3]).view(1, 2, 1))
+    batch = pack([[1, 2]], tree, 2, 1, pad_id=0, device=torch.device("cpu"))
+    entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
+    adv, weight, completion = train.advantages(run, ro, batch, entropy, batch_accuracy=0.5)
+    assert torch.allclose(adv[:, 0], torch.tensor([0.5 - 0.6, -0.5 - 0.6]))  # both negative after the shift
+    base = train.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
+    # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
+    assert torch.equal(weight / base.clamp(min=1e-30) * (base > 0), torch.tensor([[2.0, 2.0, 1.0], [0.0, 0.0, 1.0]]))
