@@ -142,18 +142,25 @@ def _check_binary(name: str, **tensors: Tensor) -> None:
 
 
 def flip_rewards(
-    rewards: Tensor, rho_plus: float | Tensor, rho_minus: float | Tensor, generator: torch.Generator
+    rewards: Tensor, rho_plus: float | Tensor, rho_minus: float | Tensor, generator: torch.Generator | list
 ) -> Tensor:
     """Inject class-conditional Bernoulli reward noise, for controlled noise experiments.
 
     rewards: clean 0/1 rewards, any shape (and dtype) -> same shape and dtype. A wrong (0) becomes 1
     with probability rho_plus, a right (1) becomes 0 with probability rho_minus, independently per
     entry; the rates may be broadcastable tensors. One uniform is drawn per entry from `generator`
-    (on the rewards' device) whatever the rates, so zero rates return the rewards unchanged.
+    (on the rewards' device) whatever the rates, so zero rates return the rewards unchanged. `generator` may
+    instead be a list of one generator per row of rewards [P, G] (the trainer seeds one per prompt from its
+    rollout seed, so the flips do not depend on how prompts are batched or spread over ranks).
     """
     _check_noise_rates("flip_rewards", rho_plus, rho_minus)
     _check_binary("flip_rewards", rewards=rewards)
-    u = torch.rand(rewards.shape, generator=generator, dtype=torch.float64, device=rewards.device)
+    if isinstance(generator, list) and len(generator) != rewards.shape[0]:
+        raise ValueError(f"flip_rewards: {len(generator)} generators for {rewards.shape[0]} rows of rewards.")
+    gens = generator if isinstance(generator, list) else [generator]
+    shape = rewards.shape[1:] if isinstance(generator, list) else rewards.shape
+    u = torch.stack([torch.rand(shape, generator=g, dtype=torch.float64, device=rewards.device) for g in gens])
+    u = u.view(rewards.shape)
     rho_p = torch.as_tensor(rho_plus, dtype=torch.float64, device=rewards.device)
     rho_m = torch.as_tensor(rho_minus, dtype=torch.float64, device=rewards.device)
     flip = torch.where(rewards == 1, u < rho_m, u < rho_p)

@@ -4,6 +4,7 @@
     python eval.py --model runs/default/final --task gsm8k --test-data test.jsonl --out eval.json
     python eval.py --plot runs/grpo runs/grpo_ma      # curves of one or more runs in one PNG
     python eval.py --plot runs/exp/t4a4-s0 runs/exp/t4a4-s1 --x time --metrics eval/accuracy,grad_norm
+    python eval.py --pass-rates --k 10 --examples 1000 --out rates.jsonl   # for train.py --select hardest
 
 Correctness comes from the task's own functions (tasks.py / rewards.py), the same ones the trainer
 rewards with, so the training signal and the metric cannot drift apart. Sampling goes through the
@@ -18,12 +19,16 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
+from tqdm import tqdm
 
+from advantage import estimate_noise_rates, flip_rewards, select_hard_examples
+from cli import user_errors
 from rewards import format_reward
 from sampler import generate
-from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
+from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt, restrict_train
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -103,6 +108,185 @@ def evaluate(
         )
     res["accuracy"] = res["greedy_accuracy"]
     return res
+
+
+# -----------------------------------------------------------------------------
+# Pass rates of the starting model on the training split (Hard Examples, arXiv 2508.14094), for train.py --select
+# A file: one settings header line {"pass_rates": {...}}, then one row {"index", "prompt", "pass_rate"} per example.
+
+PASS_RATE_CHUNK = 16  # prompts sampled together; fixed, so a resumed pass batches (and samples) as an uninterrupted one
+
+
+def pass_rate_examples(task: Task, n: int) -> list[dict]:
+    """The examples a pass-rate file rates: the first n of the training split in its fixed (seed 0) order,
+    whatever a run's --seed (task.train is prefix-stable in n), so row index i is example i here and in train.py."""
+    return task.train(n, 0)
+
+
+def read_pass_rates(path: str) -> tuple[dict | None, list[dict]]:
+    """(settings header or None, rows sorted by index) of a pass-rate file; a bad line is a ValueError naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such pass-rate file; write one with eval.py --pass-rates --out {path}")
+    header, rows = None, []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path} line {line_no}: not valid JSON (an interrupted pass? rerun it)") from None
+            if line_no == 1 and isinstance(row, dict) and isinstance(row.get("pass_rates"), dict):
+                header = row["pass_rates"]
+                continue
+            get = row.get if isinstance(row, dict) else {}.get
+            rate_ok = type(get("pass_rate")) in (int, float) and 0 <= get("pass_rate") <= 1
+            if not (type(get("index")) is int and get("index") >= 0 and isinstance(get("prompt"), str) and rate_ok):
+                raise ValueError(f'{path} line {line_no}: expected {{"index": I, "prompt": TEXT, "pass_rate": 0..1}}')
+            rows.append(row)
+    rows.sort(key=lambda r: r["index"])
+    for a, b in zip(rows, rows[1:]):
+        if a["index"] == b["index"]:
+            raise ValueError(f"{path}: example {a['index']} has two rows; keep one")
+    return header, rows
+
+
+def resume_pass_rates(path: str, settings: dict, examples: list[dict]) -> dict[int, float]:
+    """The rates an interrupted pass left in `path` (index -> rate; {} when the file is absent or empty), after
+    cutting a torn last line. A file made with other settings, or for other examples, is a ValueError."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return {}
+    with open(path, "rb+") as f:  # a pass killed mid-write leaves a line without its newline: drop it
+        data = f.read()
+        f.truncate(data.rfind(b"\n") + 1)
+    header, rows = read_pass_rates(path)
+    if header != settings:
+        old = header or {}
+        diff = "; ".join(f"{k} {v!r} here, {old.get(k)!r} in the file" for k, v in settings.items() if old.get(k) != v)
+        raise ValueError(
+            f"--out {path} holds pass rates made with other settings ({diff}); pass another --out or delete the file"
+        )
+    for r in rows:
+        if r["index"] >= len(examples) or examples[r["index"]]["prompt"] != r["prompt"]:
+            raise ValueError(f"--out {path}: row {r['index']} is not this task's training example {r['index']}")
+    return {r["index"]: r["pass_rate"] for r in rows}
+
+
+@torch.no_grad()
+def write_pass_rates(
+    model,
+    tokenizer,
+    task: Task,
+    examples: list[dict],
+    path: str,
+    settings: dict,
+    done: dict[int, float],
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[float]:
+    """Per example, the fraction of k samples that task.correct accepts, appended to `path` as it goes (after the
+    settings header, for a new file); the examples in `done` (resume_pass_rates) are skipped. Example i samples
+    with seed + i in its fixed chunk of PASS_RATE_CHUNK, so a resumed pass writes an uninterrupted one's rows."""
+    rates = dict(done)
+    bar = tqdm(total=len(examples), initial=len(done), desc="pass rates", dynamic_ncols=True)
+    with open(path, "a") as f, bar:
+        if f.tell() == 0:
+            f.write(json.dumps({"pass_rates": settings}) + "\n")
+        for start in range(0, len(examples), PASS_RATE_CHUNK):
+            chunk = examples[start : start + PASS_RATE_CHUNK]
+            if all(start + j in done for j in range(len(chunk))):
+                continue
+            out = generate(
+                model,
+                [render_prompt(tokenizer, ex, task.system_prompt) for ex in chunk],
+                max_new_tokens=max_new_tokens,
+                n=k,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=tokenizer.stop_ids,
+                seed=[seed + start + j for j in range(len(chunk))],
+            )
+            for j, ex in enumerate(chunk):
+                if start + j not in done:
+                    texts = [decode_completion(tokenizer, t) for t in out.tokens[j * k : (j + 1) * k]]
+                    rates[start + j] = sum(task.correct(t, ex) for t in texts) / k
+                    row = {"index": start + j, "prompt": ex["prompt"], "pass_rate": rates[start + j]}
+                    f.write(json.dumps(row) + "\n")
+                    bar.update(1)
+            f.flush()
+    return [rates[i] for i in range(len(examples))]
+
+
+def select_examples(task: Task, path: str, mode: str, fraction: float, seed: int) -> Task:
+    """train.py --select: `task` with its training split cut to the `mode` `fraction` of the examples rated in the
+    pass-rate file `path` (advantage.select_hard_examples: ties in index order; random: a draw seeded by `seed`).
+    Rows are matched to pass_rate_examples by index and checked by prompt; a mismatch, or an unfinished pass,
+    is a ValueError."""
+    header, rows = read_pass_rates(path)
+    if header is not None and len(rows) < header.get("examples", 0):
+        raise ValueError(
+            f"--pass-rates {path} rates {len(rows)} of its {header['examples']} examples: the pass was interrupted; "
+            "rerun the same eval.py --pass-rates command to finish it"
+        )
+    if not rows:
+        raise ValueError(f"--pass-rates {path} has no rows; write it with python eval.py --pass-rates --out {path}")
+    n = rows[-1]["index"] + 1
+    if task.n_train is not None and n > task.n_train:
+        raise ValueError(
+            f"--pass-rates {path} rates example {n - 1} but {task.train_source} has {task.n_train} training "
+            "examples; it was made for another task or data file"
+        )
+    examples = pass_rate_examples(task, n)
+    bad = next((r["index"] for r in rows if examples[r["index"]]["prompt"] != r["prompt"]), None)
+    if bad is not None:
+        raise ValueError(
+            f"--pass-rates {path}: row {bad}'s prompt is not training example {bad}'s "
+            f"({examples[bad]['prompt'][:40]!r}); it was made for another task or data file"
+        )
+    rates = torch.tensor([r["pass_rate"] for r in rows], dtype=torch.float64)
+    idx = select_hard_examples(rates, fraction, mode=mode, generator=torch.Generator().manual_seed(seed))
+    chosen = [examples[rows[i]["index"]] for i in idx.tolist()]
+    return restrict_train(task, chosen, f"the --select {mode} {fraction:g} of {path}")
+
+
+@torch.no_grad()
+def calibrate_noise(
+    model,
+    tokenizer,
+    task: Task,
+    noise: tuple[float, float] | None,
+    *,
+    rollouts: int = 256,
+    n: int = 16,
+    max_new_tokens: int = 80,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """train.py --noise-correct auto: the flip rates (rho_plus, rho_minus) of the training reward against the task's
+    own correctness, fit once on `rollouts` samples of `model` (n per prompt, one batch) on training prompts of their
+    own stream. The reward is task.reward, flipped at the `noise` rates (per prompt seed) when the run injects them
+    (--reward-noise); advantage.estimate_noise_rates compares it with task.correct, so the sample needs right and
+    wrong completions both. Kept simple: fit on the starting model only, then held fixed (the rates may drift)."""
+    examples = task.train(-(-rollouts // n), seed)
+    seeds = [seed + i for i in range(len(examples))]
+    prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in examples]
+    out = generate(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        n=n,
+        temperature=temperature,
+        stop_ids=tokenizer.stop_ids,
+        seed=seeds,
+    )
+    pairs = [(decode_completion(tokenizer, t), examples[i // n]) for i, t in enumerate(out.tokens)]
+    reward = torch.tensor([float(task.reward(t, ex)) for t, ex in pairs]).view(len(examples), n)
+    correct = torch.tensor([float(task.correct(t, ex)) for t, ex in pairs]).view(len(examples), n)
+    if noise is not None:
+        reward = flip_rewards(reward, *noise, [torch.Generator().manual_seed(s) for s in seeds])
+    return estimate_noise_rates(reward, correct)
 
 
 # -----------------------------------------------------------------------------
@@ -196,10 +380,12 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
 
 @dataclass
 class EvalConfig:
+    # -- run
     model: str = "assets/tiny-model"  # HF checkpoint directory to evaluate
     task: str = "synthetic"  # task name (see tasks.py)
     data: str = ""  # JSONL file for file-based tasks (held out: every 10th example, unless --test-data)
     test_data: str = ""  # JSONL file of held-out examples for file-based tasks (all of it; --data then unneeded)
+    # -- sampling and pass@k
     examples: int = 200  # held-out prompts to evaluate (an error if the held-out split has fewer)
     n: int = 16  # samples per prompt for mean@n and pass@k (0 = greedy only)
     k: str = ""  # comma-separated k values for pass@k, each <= n (empty = 1, 4, 16, ... below n, and n)
@@ -207,12 +393,17 @@ class EvalConfig:
     top_p: float = 1.0  # sampling nucleus, in (0, 1] (1 = off)
     max_new_tokens: int = 80  # completion length limit
     seed: int = 0  # sampling seed and held-out sample seed
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    # -- output
+    device: str = "cpu"  # where to run (cuda:N picks a GPU)
     out: str = ""  # write the results as JSON here (empty = print only)
+    pass_rates: bool = False  # rate the first --examples TRAINING examples, --k samples each, into --out (resumes)
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(task=TASK_NAMES, device=("cpu", "cuda", "cuda:N"))
 
     def __post_init__(self) -> None:
         """Validate, never rewrite: every impossible flag is one sentence, before any data or model is read."""
         checks = [
+            (not self.pass_rates or bool(self.out), "--pass-rates writes one row per example to --out FILE.jsonl"),
             (self.task in TASK_NAMES, f"--task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}"),
             (self.examples >= 1, f"--examples must be >= 1 (held-out prompts to evaluate), got {self.examples}"),
             (self.n >= 0, f"--n must be >= 0 (samples per prompt; 0 = greedy only), got {self.n}"),
@@ -231,7 +422,14 @@ class EvalConfig:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
-        self.pass_ks()  # raises on a bad --k
+        self.rate_samples() if self.pass_rates else self.pass_ks()  # raise on a bad --k
+
+    def rate_samples(self) -> int:
+        """--pass-rates: the samples per example, --k's one value (empty = 10, as Hard Examples' code; --n unused)."""
+        k = int(self.k) if self.k.strip().isdigit() else 0 if self.k.strip() else 10
+        if k < 1:
+            raise ValueError(f"--pass-rates takes one --k value >= 1 (samples per example, e.g. 10), got {self.k!r}")
+        return k
 
     def pass_ks(self) -> tuple[int, ...]:
         """The k values of pass@k: --k, or when empty 1, 4, 16, ... below --n, and --n itself."""
@@ -256,8 +454,12 @@ class EvalConfig:
 
 
 def load_examples(cfg: EvalConfig) -> tuple[Task, list[dict]]:
-    """The task and its first `cfg.examples` held-out examples; a bad file or too few examples is a ValueError."""
+    """The task and its first `cfg.examples` held-out examples (--pass-rates: training examples, pass_rate_examples);
+    a bad file or too few examples is a ValueError."""
     task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
+    if cfg.pass_rates:
+        check_sizes(task, train=cfg.examples, train_flag="--examples")
+        return task, pass_rate_examples(task, cfg.examples)
     check_sizes(task, test=cfg.examples, test_flag="--examples")
     return task, task.test(cfg.examples, cfg.seed)
 
@@ -267,7 +469,7 @@ def main(cfg: EvalConfig) -> dict:
 
     # Data first, then the model: a bad file or flag fails in seconds, not after loading weights.
     # A user's error (data, checkpoint, a prompt too long) ends in one sentence, not a traceback.
-    try:
+    with user_errors():
         task, examples = load_examples(cfg)
         tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, device=cfg.device)
@@ -279,8 +481,28 @@ def main(cfg: EvalConfig) -> dict:
             )
         limit = f"the model's context of {context} tokens minus --max-new-tokens {cfg.max_new_tokens}"
         check_prompt_lengths(tokenizer, examples, task.system_prompt, context - cfg.max_new_tokens, limit)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"eval.py: error: {e}") from None
+        keys = ("model", "task", "data", "examples", "temperature", "top_p", "max_new_tokens", "seed")
+        settings = {**{key: getattr(cfg, key) for key in keys}, "k": cfg.rate_samples()} if cfg.pass_rates else {}
+        done = resume_pass_rates(cfg.out, settings, examples) if cfg.pass_rates else {}
+    if cfg.pass_rates:
+        rates = write_pass_rates(
+            model,
+            tokenizer,
+            task,
+            examples,
+            cfg.out,
+            settings,
+            done,
+            k=settings["k"],
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=cfg.seed,
+        )
+        res = {"pass_rate_mean": sum(rates) / len(rates), "zero_frac": sum(r == 0 for r in rates) / len(rates)}
+        mean, zero = res["pass_rate_mean"], res["zero_frac"]
+        print(f"{cfg.out}: {len(rates)} pass rates over k={settings['k']}; mean {mean:.4f}, {zero:.1%} at 0")
+        return res
     res = evaluate(
         model,
         tokenizer,
@@ -331,4 +553,5 @@ if __name__ == "__main__":
             )
         )
     else:
-        main(parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0])
+        with user_errors():
+            main(parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0])

@@ -340,3 +340,66 @@ def combine_rewards(
     per_reward = {name: score_batch(fn, completions, examples, max_workers) for name, (fn, _) in fns.items()}
     total = [sum(weight * per_reward[name][i] for name, (_, weight) in fns.items()) for i in range(len(completions))]
     return total, per_reward
+
+
+# ---------------------------------------------------------------- partial credit (DaGRPO's fine-grained score)
+# A RECONSTRUCTION (bibliography §1.7): the paper scores with an LLM; these are deterministic local stand-ins.
+
+
+def _lines_and_answer(text: str) -> tuple[list[str], str]:
+    """The non-empty stripped lines of the thought (before the last `</think>`) and the answer after it."""
+    i = text.rfind("</think>")
+    thought, answer = (text[:i], strip_end_tokens(text[i + len("</think>") :])) if i >= 0 else (text, "")
+    return [line.strip() for line in thought.strip().removeprefix("<think>").split("\n") if line.strip()], answer
+
+
+def synthetic_partial_credit(completion: str, example: dict) -> float:
+    """Fine-grained score in [0, 1] of an addition completion against `tasks.sft_completion(example)`:
+    (scratchpad lines equal to the reference's line at the same position + answer characters equal to
+    the reference answer's, right-aligned) / (max(#lines) + max(#answer characters)) of the two, so
+    missing and extra lines or digits both count against it. The reference itself scores 1; for 357+68
+    (reference lines 7+8=15, 5+6+1=12, 3+0+1=4, answer 425), a thought with 5+6=11 and answer 415 scores
+    (2 + 2) / (3 + 3)."""
+    from tasks import sft_completion  # here, not at the top: tasks.py imports this module
+
+    ref_lines, ref_answer = _lines_and_answer(sft_completion(example))
+    lines, answer = _lines_and_answer(completion[:MAX_ANSWER_CHARS])
+    same_lines = sum(a == b for a, b in zip(lines, ref_lines))
+    same_chars = sum(a == b for a, b in zip(reversed(answer), reversed(ref_answer)))
+    return (same_lines + same_chars) / (max(len(lines), len(ref_lines)) + max(len(answer), len(ref_answer)))
+
+
+_CALC_RESULT = re.compile(r"<<[^<>]*=([^<>=]*)>>")  # GSM8K calculator annotation <<48/2=24>>: its result
+_UNSIGNED_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def calculator_partial_credit(completion: str, example: dict) -> float:
+    """Fine-grained score in [0, 1] of a math completion: 1 when `math_reward` says it is correct, else the
+    fraction of the distinct results of the reference solution's calculator annotations (GSM8K's
+    `<<48/2=24>>` gives 24) that appear as numbers (compared by value, sign ignored) anywhere in the
+    completion. A reference without annotations (MATH, generic answers) gives the plain reward."""
+    if math_reward(completion, example) == 1.0:
+        return 1.0
+    values = (parse_number(r.strip()) for r in _CALC_RESULT.findall(str(example.get("solution", ""))))
+    results = {abs(v) for v in values if v is not None}
+    if not results:
+        return 0.0
+    seen = {parse_number(n.rstrip(",")) for n in _UNSIGNED_NUMBER.findall(completion[-MAX_ANSWER_CHARS:])}
+    return len(results & seen) / len(results)
+
+
+def noise_rates(text: str, flag: str, *, auto: bool = False) -> tuple[float, float] | None:
+    """A `RHO_PLUS,RHO_MINUS` flag -> the two flip rates (each in [0, 1), their sum below 1), else a
+    one-sentence ValueError naming `flag`; "" (off), and "auto" where `auto` allows it, give None."""
+    if not text or (auto and text == "auto"):
+        return None
+    try:
+        rho_plus, rho_minus = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be RHO_PLUS,RHO_MINUS, two numbers such as 0.2,0.1, got {text!r}") from None
+    if not (0 <= rho_plus < 1 and 0 <= rho_minus < 1 and rho_plus + rho_minus < 1):
+        raise ValueError(
+            f"{flag} {text}: each flip rate must be in [0, 1) and RHO_PLUS + RHO_MINUS below 1 (at 1 or more the "
+            "noisy reward carries no signal)"
+        )
+    return rho_plus, rho_minus

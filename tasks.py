@@ -1,7 +1,8 @@
 """Tasks: built-in generated tasks, local JSONL loaders and prompt rendering.
 
 A `Task` is a plain record of functions: the training reward, the 0/1 correctness used for
-accuracy and pass@k, and deterministic train/test example generators. Every example is a dict
+accuracy and pass@k, and deterministic train/test example generators (and, where the task has one, a
+fine-grained partial credit in [0, 1]: DaGRPO's score). Every example is a dict
 with "prompt" (the user message) and "answer" (the reference) plus task fields; an example read
 from a file also keeps "_where" ("PATH line N") so later errors can name its line.
 
@@ -16,6 +17,7 @@ for the evaluation asked for) and `check_prompt_lengths` (every prompt fits the 
 """
 
 import codecs
+import dataclasses
 import json
 import os
 import random
@@ -24,7 +26,15 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rewards import code_reward, countdown_reward, exact_reward, extract_boxed, math_reward
+from rewards import (
+    calculator_partial_credit,
+    code_reward,
+    countdown_reward,
+    exact_reward,
+    extract_boxed,
+    math_reward,
+    synthetic_partial_credit,
+)
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. First think about the problem step by step inside "
@@ -57,6 +67,7 @@ class Task:
     n_test: int | None = None  # distinct held-out examples (None: generated, unbounded)
     train_source: str = ""  # where the training examples come from, for error messages
     test_source: str = ""  # where the held-out examples come from, for error messages
+    partial_credit: Callable[[str, dict], float] | None = None  # fine-grained [0, 1] score (DaGRPO); None: reward
 
 
 def get_task(name: str, data: str | None = None, test_data: str | None = None, max_chars: int = MAX_CHARS) -> Task:
@@ -84,6 +95,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
             lambda n, seed: addition_examples(n, seed, digits),
             lambda n, seed: addition_examples(n, seed, digits, held_out=True),
             None,
+            partial_credit=synthetic_partial_credit,
         )
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
@@ -115,6 +127,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
         n_test=len(test_rows),
         train_source=train_source,
         test_source=test_source,
+        partial_credit=calculator_partial_credit if reward is math_reward else None,
     )
 
 
@@ -142,6 +155,12 @@ def check_sizes(
             f"{test_flag} {test} asks for {test} held-out examples but {task.test_source} has {task.n_test}; "
             f"lower {test_flag} or pass a larger --test-data FILE.jsonl."
         )
+
+
+def restrict_train(task: Task, rows: list[dict], source: str) -> Task:
+    """`task` with its training split replaced by `rows` (passes over them, each shuffled by the seed),
+    e.g. train.py's --select subset; `source` names them in error messages (check_sizes)."""
+    return dataclasses.replace(task, train=_sampler(rows, task.name), n_train=len(rows), train_source=source)
 
 
 def render_prompt(tokenizer, example: dict, system_prompt: str | None) -> list[int]:

@@ -39,8 +39,10 @@ from tqdm import tqdm
 
 from advantage import (
     AGGREGATIONS,
+    SELECTIONS,
     agrae_advantages,
     dynamic_sampling_keep,
+    flip_rewards,
     gradient_spike_score,
     grpo_ma_advantages,
     grpo_ma_token_advantages,
@@ -48,7 +50,9 @@ from advantage import (
     gtpo_conflict_weights,
     gtpo_entropy_gate,
     gtpo_entropy_shift,
+    noise_corrected_rewards,
     overlong_penalty,
+    pairwise_distinct_advantages,
     policy_loss,
     token_weights,
     two_grpo_advantages,
@@ -65,17 +69,17 @@ from checkpoint import (
 )
 from cli import UserError, parse_config, user_errors
 from distributed import all_sum, full_params, gather_full_state, setup_distributed
-from eval import decode_completion, evaluate
+from eval import calibrate_noise, decode_completion, evaluate, select_examples
 from model import Transformer, load_model, load_tokenizer
 from pack import Batch, pack, select_rows, split_rows, token_stats
-from rewards import score_batch
+from rewards import noise_rates, score_batch
 from sampler import StopText, Tree, sample_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
 
 # -----------------------------------------------------------------------------
 # Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo", "dagrpo")
 
 
 @dataclass
@@ -103,11 +107,16 @@ class TrainConfig:
     temperature: float = 1.0  # rollout temperature (the trainer divides logits by the same value)
     top_k: int = 0  # rollout top-k (0 = off); truncation makes rollouts slightly off-policy
     top_p: float = 1.0  # rollout nucleus (1 = off)
+    select: str = ""  # Hard Examples: draw prompts only from the hardest|medium|easiest|random --pass-rates ("" = off)
+    select_fraction: float = 0.1  # fraction of the rated examples that --select keeps, in (0, 1] (the paper: 0.1)
+    pass_rates: str = ""  # JSONL of the starting model's per-example pass rates (eval.py --pass-rates --out FILE)
     # -- rewards
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the limit (0 = off)
     dynamic_sampling: bool = False  # DAPO: replace prompts whose rewards are all equal
     max_resample_rounds: int = 3  # dynamic sampling: top-up rounds before keeping a flat group
     reward_workers: int = 1  # threads scoring rewards in parallel (raise for --task code: sandboxed runs)
+    reward_noise: str = ""  # RHO_PLUS,RHO_MINUS: flip 0/1 rewards (wrong->1, right->0) at these rates ("" = off)
+    noise_correct: str = ""  # RHO+,RHO-|auto: unbias rewards (with --no-std-normalize: adv. x 1/(1-RHO+-RHO-))
     # -- advantages
     advantage: str = "grpo"  # grpo = group normalisation (GRPO-MA when answers > 1)
     std_normalize: bool = True  # divide by the group std (off = Dr. GRPO / GTPO centring)
@@ -118,6 +127,7 @@ class TrainConfig:
     entropy_gate: bool = False  # GTPO: drop completions whose mean entropy (at --temperature) exceeds the threshold
     entropy_threshold: float = 0.6931471805599453  # GTPO gate threshold in nats (ln 2)
     entropy_gamma: float = 0.0  # GTPO: advantage minus gamma * mean token entropy (0 = off)
+    pair_delta: float = -1.0  # DaGRPO pair mask, a RECONSTRUCTION: drop pairs with |credit gap| < DELTA (-1 = off)
     # -- loss
     aggregation: str = "seq_mean_token_mean"  # token weights: GRPO | DAPO token mean | Dr. GRPO sum / max length
     thought_weight: float = 1.0  # GRPO-MA: weight of the mean thought loss
@@ -187,6 +197,15 @@ class TrainConfig:
         need(self.answers == 1 or bool(self.end_of_thought), "--answers > 1 needs an --end-of-thought marker")
         two = self.advantage != "two_grpo" or (self.thoughts, self.answers) == (2, 1)
         need(two, "--advantage two_grpo needs --thoughts 2 --answers 1")
+        need(self.select in ("", *SELECTIONS), f"--select must be one of {', '.join(SELECTIONS)} or empty (off)")
+        need(0 < self.select_fraction <= 1, f"--select-fraction must be in (0, 1], got {self.select_fraction}")
+        need(bool(self.select) == bool(self.pass_rates), "--select and --pass-rates FILE go together")
+        noise_rates(self.reward_noise, "--reward-noise")  # a bad RHO_PLUS,RHO_MINUS is a one-sentence ValueError
+        noise_rates(self.noise_correct, "--noise-correct", auto=True)
+        need(not (self.noise_correct and self.std_normalize), "--noise-correct needs --no-std-normalize (or --algo "
+             "dr_grpo): a std normalisation cancels the correction exactly")  # fmt: skip
+        pair = 0 <= self.pair_delta < math.inf and self.advantage == "grpo" and self.answers == 1
+        need(self.pair_delta == -1 or pair, "--pair-delta must be >= 0 (-1 = off), with --advantage grpo --answers 1")
         one_answer = {
             "--sequence-ratio (GSPO)": self.sequence_ratio,
             "GTPO controls": self.gtpo_conflict or self.entropy_gate or self.entropy_gamma,
@@ -217,6 +236,8 @@ PRESETS: dict[str, dict] = {
     ),
     "agrae": dict(advantage="agrae"),
     "gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1),
+    # DaGRPO, a RECONSTRUCTION: Dr. GRPO + the pair mask at the third-party delta 0.1; anchors are not implemented yet
+    "dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1),
 }
 assert tuple(PRESETS) == ALGOS
 
@@ -275,6 +296,7 @@ def setup(cfg: TrainConfig) -> Run:
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
     rank, world, device = setup_distributed(cfg)
     task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
+    task = select_examples(task, cfg.pass_rates, cfg.select, cfg.select_fraction, cfg.seed) if cfg.select else task
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     resume_dir = find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
@@ -320,6 +342,11 @@ def setup(cfg: TrainConfig) -> Run:
               task, pool, topups, heldout, marker, optimizer, scheduler, state)  # fmt: skip
     if resume_dir:
         run.state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
+    if cfg.noise_correct and "noise_rates" not in run.state:  # fixed, or "auto": fit at the start (resume keeps it)
+        with full_params(policy, fsdp), precision(run):
+            run.state["noise_rates"] = noise_rates(cfg.noise_correct, "--noise-correct", auto=True) or calibrate_noise(
+                policy, tokenizer, task, noise_rates(cfg.reward_noise, ""), n=cfg.thoughts * cfg.answers,
+                max_new_tokens=new, temperature=cfg.temperature, seed=derive_seed(cfg.seed, 3))  # fmt: skip
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
@@ -369,6 +396,7 @@ class Rollouts:
     reward: torch.Tensor  # (P, K, M) float32
     correct: torch.Tensor  # (P, K, M) float32 0/1: the task's own correctness (rewards may add shaping)
     lengths: torch.Tensor  # (P, K, M) long: thought + answer tokens
+    credit: torch.Tensor  # (P, K, M) float32: the task's partial credit with --pair-delta (else the reward)
 
 
 def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[int]], Tree]:
@@ -385,8 +413,8 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
     return prompts, tree
 
 
-def score(run: Run, examples: list[dict], tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """2. Rewards, correctness and lengths, each (P, K, M), from the text of thought + answer."""
+def score(run: Run, examples: list[dict], tree: Tree, seeds: list[int]) -> tuple[torch.Tensor, ...]:
+    """2. Rewards (--reward-noise: flipped by each prompt's rollout seed), correctness, lengths, credit (P, K, M)."""
     cfg, K, M = run.cfg, run.cfg.thoughts, run.cfg.answers
     texts, lengths, exs = [], [], []
     for a, ans in enumerate(tree.answers):
@@ -395,11 +423,16 @@ def score(run: Run, examples: list[dict], tree: Tree) -> tuple[torch.Tensor, tor
         lengths.append(len(thought) + len(ans))
         exs.append(examples[a // (K * M)])
     reward = torch.tensor(score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), dtype=torch.float32)
+    if cfg.reward_noise:  # one generator per prompt: batching and world size cannot change the flips
+        gens = [torch.Generator().manual_seed(derive_seed(s, 2)) for s in seeds]
+        reward = flip_rewards(reward.view(len(seeds), -1), *noise_rates(cfg.reward_noise, ""), gens).flatten()
+    fine = run.task.partial_credit if cfg.pair_delta >= 0 else None  # DaGRPO's score; a task without one: the reward
+    credit = reward if fine is None else torch.tensor(score_batch(fine, texts, exs, max_workers=cfg.reward_workers))
     correct = torch.tensor([run.task.correct(t, e) for t, e in zip(texts, exs)], dtype=torch.float32)
     lengths = torch.tensor(lengths)
     if cfg.overlong_buffer:
         reward = reward + overlong_penalty(lengths, cfg.max_thought_tokens + cfg.max_answer_tokens, cfg.overlong_buffer)
-    return reward.view(-1, K, M), correct.view(-1, K, M), lengths.view(-1, K, M)
+    return reward.view(-1, K, M), correct.view(-1, K, M), lengths.view(-1, K, M), credit.view(-1, K, M)
 
 
 def dynamic_sampling(run: Run, step: int, slots: list[int], ro: Rollouts) -> int:
@@ -415,11 +448,12 @@ def dynamic_sampling(run: Run, step: int, slots: list[int], ro: Rollouts) -> int
         new_ex = [
             run.topups[(step * cfg.prompts_per_step + slots[i]) * cfg.max_resample_rounds + rnd - 1] for i in redo
         ]
-        new_prompts, new_tree = sample(run, new_ex, [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo])
-        new_r, new_c, new_l = score(run, new_ex, new_tree)
+        seeds = [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo]
+        new_prompts, new_tree = sample(run, new_ex, seeds)
+        new_r, new_c, new_l, new_s = score(run, new_ex, new_tree, seeds)
         for j, i in enumerate(redo):
             ro.examples[i], ro.prompts[i] = new_ex[j], new_prompts[j]
-            ro.reward[i], ro.correct[i], ro.lengths[i] = new_r[j], new_c[j], new_l[j]
+            ro.reward[i], ro.correct[i], ro.lengths[i], ro.credit[i] = new_r[j], new_c[j], new_l[j], new_s[j]
             splice_tree(ro.tree, i, new_tree, j, K, M)
         n_resampled += len(redo)
     return n_resampled
@@ -459,8 +493,9 @@ def score_pass(
 def sequence_advantages(run: Run, ro: Rollouts, batch_accuracy: float) -> tuple[torch.Tensor, torch.Tensor]:
     """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion)."""
     cfg, P, K, M = run.cfg, *ro.reward.shape
-    adv_thought, adv_answer = grpo_ma_advantages(ro.reward, std_normalize=cfg.std_normalize)  # = GRPO when M == 1
-    group = ro.reward.view(P, K * M)
+    reward = noise_corrected_rewards(ro.reward, *run.state["noise_rates"]) if cfg.noise_correct else ro.reward
+    adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=cfg.std_normalize)  # = GRPO when M == 1
+    group = reward.view(P, K * M)
     if cfg.advantage == "two_grpo":
         adv_answer = two_grpo_advantages(group).view(P, K, M)
     elif cfg.advantage == "agrae":
@@ -468,6 +503,9 @@ def sequence_advantages(run: Run, ro: Rollouts, batch_accuracy: float) -> tuple[
             group, correct=ro.correct.view(P, -1), alpha=cfg.agrae_alpha, batch_accuracy=batch_accuracy,
             std_normalize=cfg.std_normalize,
         ).view(P, K, M)  # fmt: skip
+    elif cfg.pair_delta >= 0:  # DaGRPO's mask (a reconstruction): pairs whose credits differ by < delta cancel
+        credit, std = ro.credit.view(P, K * M), cfg.std_normalize
+        adv_answer = pairwise_distinct_advantages(group, credit, cfg.pair_delta, std_normalize=std).view(P, K, M)
     return adv_thought, adv_answer
 
 
@@ -620,6 +658,7 @@ def step_metrics(run: Run, ro: Rollouts, completion: torch.Tensor, sums: dict, g
         "resampled": n_resampled,
         "skipped_steps": state["skipped_steps"],
         "lr": run.scheduler.get_last_lr()[0],
+        **dict(zip(("noise/rho_plus", "noise/rho_minus"), state.get("noise_rates") or ())),
         **{f"time/{k}_s": v for k, v in times.items()},
         "tokens/generated": gen_tokens,
         "tokens_per_s": gen_tokens / max(times["sample"], 1e-9),
@@ -685,10 +724,11 @@ def main(cfg: TrainConfig) -> dict:
         examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
         with full_params(run.policy, run.fsdp):  # FSDP: whole weights while ranks run different numbers of forwards
             # 1. sample: K thoughts x M answers for this rank's share of the global batch
-            prompts, tree = sample(run, examples, [derive_seed(cfg.seed, step, s) for s in slots])
+            seeds = [derive_seed(cfg.seed, step, s) for s in slots]
+            prompts, tree = sample(run, examples, seeds)
             t_sample = time.perf_counter() - t0
             # 2. score: rewards [P, K, M]; DAPO replaces prompts whose rewards are all equal
-            ro = Rollouts(examples, prompts, tree, *score(run, examples, tree))
+            ro = Rollouts(examples, prompts, tree, *score(run, examples, tree, seeds))
             batch_accuracy = (all_sum(ro.correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
             n_resampled = dynamic_sampling(run, step, slots, ro) if cfg.dynamic_sampling else 0
         t_score = time.perf_counter() - t0 - t_sample

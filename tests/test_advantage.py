@@ -220,6 +220,18 @@ def test_flip_rewards_flips_each_class_at_its_own_rate():
     assert torch.equal(noisy[0], torch.zeros(n)) and abs(noisy[1].mean().item() - 0.5) < 5 * math.sqrt(0.25 / n)
 
 
+def test_flip_rewards_one_generator_per_row_is_independent_of_batching():
+    """Guards against per-prompt generators whose draws depend on which other rows share the batch (the
+    trainer's flips must not change with the batch split or world size), or a generator count not checked."""
+    rewards = T([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 1]])
+    gens = lambda seeds: [torch.Generator().manual_seed(s) for s in seeds]
+    whole = flip_rewards(rewards, 0.3, 0.4, gens([7, 8, 9]))
+    assert torch.equal(whole[1:], flip_rewards(rewards[1:], 0.3, 0.4, gens([8, 9])))
+    assert torch.equal(whole[0], flip_rewards(rewards[0], 0.3, 0.4, torch.Generator().manual_seed(7)))
+    with pytest.raises(ValueError, match="2 generators for 3 rows"):
+        flip_rewards(rewards, 0.3, 0.4, gens([1, 2]))
+
+
 def test_estimate_noise_rates_hand_values_and_missing_class():
     """Guards against swapped outputs or arguments, rho_minus counted as a keep rate, and a nan rate
     (0/0) when the calibration sample lacks a class."""

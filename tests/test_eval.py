@@ -166,8 +166,8 @@ def test_cli_flag_error_comes_before_the_model_load() -> None:
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.splitlines()[-1] == (
-        "eval.py: error: --k 16 is above --n 4: pass@k needs at least k samples per prompt; "
-        "raise --n to 16 or drop 16 from --k"
+        "error: --k 16 is above --n 4: pass@k needs at least k samples per prompt; "
+        "raise --n to 16 or drop 16 from --k (see --help)"
     )
 
 
@@ -184,14 +184,12 @@ def test_data_is_checked_before_the_model_is_loaded(tmp_path) -> None:
     with pytest.raises(SystemExit) as e:
         main(EvalConfig(model=missing, task="jsonl", data=data, examples=8))
     assert str(e.value) == (
-        f"eval.py: error: --examples 8 asks for 8 held-out examples but the held-out split of {data} "
+        f"--examples 8 asks for 8 held-out examples but the held-out split of {data} "
         "(every 10th example) has 1; lower --examples or pass a larger --test-data FILE.jsonl."
     )
     with pytest.raises(SystemExit) as e:
         main(EvalConfig(model=missing, task="gsm8k", data=str(tmp_path)))
-    assert (
-        str(e.value) == f"eval.py: error: {tmp_path}: is a directory, not a data file; pass the path of a .jsonl file."
-    )
+    assert str(e.value) == f"{tmp_path}: is a directory, not a data file; pass the path of a .jsonl file."
     with pytest.raises(SystemExit, match="no-model"):  # good data: only then the checkpoint is read
         main(EvalConfig(model=missing, task="jsonl", data=data, examples=1))
 
@@ -205,6 +203,6 @@ def test_test_data_flag_evaluates_the_whole_test_file(tmp_path) -> None:
     with pytest.raises(SystemExit) as e:  # the system prompt makes these 201 tokens; the context is 256
         main(EvalConfig(model=BUNDLED, task="jsonl", test_data=test, examples=3, n=2, max_new_tokens=80))
     assert str(e.value) == (
-        f"eval.py: error: {test} line 1: the prompt is 201 tokens, more than the 176 allowed by the model's "
+        f"{test} line 1: the prompt is 201 tokens, more than the 176 allowed by the model's "
         "context of 256 tokens minus --max-new-tokens 80; shorten or drop that example."
     )
