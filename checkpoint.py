@@ -113,6 +113,15 @@ def run_flags(ckpt: str, defaults: dict) -> dict:
     return {k: saved.get(k, v) for k, v in defaults.items()}
 
 
+def resume_flags(flags: dict, typed: set[str], defaults: dict) -> dict:
+    """The flags of a resumed run: those of the run that flags["resume"] names, with only the ones
+    typed on the command line replaced, and --out, unless typed, the run's own directory."""
+    ckpt = find_checkpoint(flags["resume"])
+    values = {**run_flags(ckpt, defaults), **{k: flags[k] for k in typed}}
+    values.update(resume=flags["resume"], out=flags["out"] if "out" in typed else os.path.dirname(ckpt.rstrip("/")))
+    return values
+
+
 def check_resume(flags: dict, ckpt: str, defaults: dict, resumable: tuple[str, ...]) -> None:
     """Refuse a resume whose flags differ from the run's in anything that changes what it computes."""
     run = run_flags(ckpt, defaults)

@@ -5,12 +5,14 @@ over ranks (all_sum), so the update equals one process's on the same global batc
 (FSDP2's fully_shard) each rank holds a shard of the weights, gradients and optimizer state;
 sampling and evaluation gather the whole weights once (full_params), and checkpoints gather the
 full state on rank 0 (gather_full_state). One process: every function here is a no-op.
+memory_peak reads each device's (or the process's) peak memory, for the mem/... metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 
 import torch
 import torch.distributed as dist
@@ -80,3 +82,20 @@ def gather_full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     return get_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def memory_peak(device: torch.device) -> float:
+    """GiB at the peak since the last call, then reset: CUDA's peak allocated memory, or on CPU the
+    process's peak resident set size (Linux VmHWM, reset through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return kib / 2**20
+    except (OSError, StopIteration):  # not Linux: the lifetime peak
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

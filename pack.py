@@ -159,14 +159,30 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
     return mb
 
 
-def split_rows(batch: Batch, size: int) -> list[torch.Tensor]:
-    """Rows sorted by packed length, cut into micro-batches of `size`: rows of similar length run
-    together, so little compute goes to padding. The update is a sum over rows: order is free."""
+def split_rows(batch: Batch, size: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """Rows sorted by packed length, cut into micro-batches of at most `size` rows and, with
+    max_tokens, at most that many padded token slots per forward (rows x longest row, plus the
+    distinct shared prompts x their longest prompt): rows of similar length run together, so little
+    compute goes to padding. A row longer than the budget runs alone. The update is a sum over rows:
+    neither the order nor the cut changes it."""
     length = torch.where(
         batch.to_logical >= 0, torch.arange(batch.to_logical.shape[1], device=batch.ids.device) + 1, 0
     ).amax(1)
     order = torch.argsort(length, stable=True)
-    return list(order.split(size))
+    if not max_tokens:
+        return list(order.split(size))
+    prompt_len = batch.prompt_valid.sum(1).tolist() if batch.prompt_ids is not None else None
+    cuts, rows, prompts = [], [], set()
+    for r, n in zip(order.tolist(), length[order].tolist()):  # ascending: the newest row is the longest
+        p = batch.prompt_of[r].item() if prompt_len else None
+        with_p = prompts | {p} if prompt_len else prompts
+        cost = (len(rows) + 1) * n + (len(with_p) * max(prompt_len[q] for q in with_p) if prompt_len else 0)
+        if rows and (len(rows) == size or cost > max_tokens):
+            cuts.append(torch.tensor(rows, device=order.device))
+            rows, with_p = [], {p} if prompt_len else set()
+        rows.append(r)
+        prompts = with_p
+    return cuts + [torch.tensor(rows, device=order.device)]
 
 
 class PromptKV:
@@ -192,7 +208,11 @@ class PromptRows:
     prompt_of: torch.Tensor
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pk, pv = self.prompts.k[layer_idx][self.prompt_of], self.prompts.v[layer_idx][self.prompt_of]
+        # index_select, not x[prompt_of]: rows repeat prompt indices, and the backward of advanced indexing
+        # (index_put with accumulate) sums repeats with racy atomic adds on a multi-threaded CPU, so two
+        # runs would differ in the last bits; index_select's backward (index_add_) sums in a fixed order.
+        pk = self.prompts.k[layer_idx].index_select(0, self.prompt_of)
+        pv = self.prompts.v[layer_idx].index_select(0, self.prompt_of)
         return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
 
 
@@ -219,7 +239,7 @@ def token_stats(
         first = getattr(model, "module", model)(
             batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=prompts,
             attn_mask=chunk_mask(valid, Lp), logits_to_keep=1, hidden=True,
-        )[of, 0]  # (B, C)  # fmt: skip
+        )[:, 0].index_select(0, of)  # (B, C); index_select: see PromptRows.update  # fmt: skip
         own = batch.packed_attn
         if own is None:
             own = torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
@@ -233,9 +253,10 @@ def token_stats(
     used = batch.to_logical >= 0
     rows, cols = used.nonzero(as_tuple=True)  # every completion token, row-major
     src = source[rows, cols]
-    h = hidden[rows, src.clamp(min=0)]  # (N, C)
+    Tp = hidden.shape[1]  # answers share their thought's last slot: index_select, see PromptRows.update
+    h = hidden.flatten(0, 1).index_select(0, rows * Tp + src.clamp(min=0))  # (N, C)
     if first is not None:  # source -1: the shared prompt's last position
-        h = torch.where((src >= 0)[:, None], h, first[rows])
+        h = torch.where((src >= 0)[:, None], h, first.index_select(0, rows))
     head = getattr(model, "module", model)
     logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, entropy=entropy, chunk_tokens=chunk_tokens)
     index, shape = (batch.to_logical[rows, cols],), batch.ids.shape

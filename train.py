@@ -64,16 +64,16 @@ from checkpoint import (
     load_trainer_state,
     prepare_out,
     read_trainer_step,
-    run_flags,
+    resume_flags,
     save_checkpoint,
 )
 from cli import UserError, parse_config, user_errors
-from distributed import all_sum, full_params, gather_full_state, setup_distributed
+from distributed import all_sum, full_params, gather_full_state, memory_peak, setup_distributed
 from eval import calibrate_noise, decode_completion, evaluate, select_examples
 from model import Transformer, load_model, load_tokenizer
 from pack import Batch, pack, select_rows, split_rows, token_stats
 from rewards import noise_rates, score_batch
-from sampler import StopText, Tree, sample_tree
+from sampler import StopText, Tree, sample_tree, splice_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
 
 # -----------------------------------------------------------------------------
@@ -144,6 +144,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this value
     micro_batch_rows: int = 64  # rows (thoughts) per forward/backward; changes memory, not the gradient
+    micro_batch_tokens: int = 0  # and at most N padded tokens per forward/backward, shared prompts counted (0 = off)
     share_prompt: bool = True  # run each prompt once, its K rows attend to it (same gradient, less work)
     gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
     fsdp: bool = False  # under torchrun: shard weights, grads, optimizer state with FSDP2
@@ -173,6 +174,7 @@ class TrainConfig:
         max_steps=1, prompts_per_step=1, thoughts=1, answers=1, max_answer_tokens=1, mu=1, micro_batch_rows=1,
         eval_examples=1, max_resample_rounds=1, reward_workers=1, max_bad_steps=1, max_thought_tokens=0, top_k=0,
         overlong_buffer=0, warmup_steps=0, eval_every=0, eval_samples=0, save_every=0, samples_every=0,
+        micro_batch_tokens=0,
     )  # fmt: skip
     POSITIVE: ClassVar[tuple[str, ...]] = ("lr", "temperature", "top_p", "clip_low", "clip_high", "grad_clip")
 
@@ -233,7 +235,7 @@ PRESETS: dict[str, dict] = {
         prompts_per_step=8 * TrainConfig.prompts_per_step,
         lr=8 * TrainConfig.lr,
         clip_high=0.28,
-    ),
+    ),  # fmt: skip
     "agrae": dict(advantage="agrae"),
     "gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1),
     # DaGRPO, a RECONSTRUCTION: Dr. GRPO + the pair mask at the third-party delta 0.1; anchors are not implemented yet
@@ -366,15 +368,9 @@ RESUMABLE = (
 
 
 def resume_config(cfg: TrainConfig, typed: set[str]) -> TrainConfig:
-    """--resume on the command line: the run's saved flags, with only the flags typed now replacing
-    theirs (and --out, unless typed, the run's own directory); setup's check_resume then refuses
-    any typed flag that would change what the run computes."""
-    if not cfg.resume:
-        return cfg
-    ckpt = find_checkpoint(cfg.resume)
-    values = {**run_flags(ckpt, asdict(TrainConfig())), **{k: getattr(cfg, k) for k in typed}}
-    values.update(resume=cfg.resume, out=cfg.out if "out" in typed else os.path.dirname(ckpt.rstrip("/")))
-    return TrainConfig(**values)
+    """--resume on the command line: the run's own flags, replaced only by the flags typed now
+    (setup's check_resume then refuses those that would change what the run computes)."""
+    return TrainConfig(**resume_flags(asdict(cfg), typed, asdict(TrainConfig()))) if cfg.resume else cfg
 
 
 def precision(run: Run):
@@ -457,13 +453,6 @@ def dynamic_sampling(run: Run, step: int, slots: list[int], ro: Rollouts) -> int
             splice_tree(ro.tree, i, new_tree, j, K, M)
         n_resampled += len(redo)
     return n_resampled
-
-
-def splice_tree(tree: Tree, i: int, new: Tree, j: int, k: int, m: int) -> None:
-    """Put prompt j's rollouts of `new` in place of prompt i's rollouts of `tree` (dynamic sampling)."""
-    for name, n in (("thoughts", k), ("thought_logprobs", k), ("thought_truncated", k),
-                    ("answers", k * m), ("answer_logprobs", k * m), ("answer_finish", k * m)):  # fmt: skip
-        getattr(tree, name)[i * n : (i + 1) * n] = getattr(new, name)[j * n : (j + 1) * n]
 
 
 # -----------------------------------------------------------------------------
@@ -719,7 +708,7 @@ def main(cfg: TrainConfig) -> dict:
     first_eval = evaluate_heldout(run, 0) if run.state["step"] == 0 else {}
     bar = tqdm(range(run.state["step"], cfg.max_steps), disable=run.rank != 0, desc="train", dynamic_ncols=True)
     for step in bar:
-        t0 = time.perf_counter()
+        t0, _ = time.perf_counter(), memory_peak(run.device)  # each phase's peak memory is measured from here
         slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
         examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
         with full_params(run.policy, run.fsdp):  # FSDP: whole weights while ranks run different numbers of forwards
@@ -731,24 +720,28 @@ def main(cfg: TrainConfig) -> dict:
             ro = Rollouts(examples, prompts, tree, *score(run, examples, tree, seeds))
             batch_accuracy = (all_sum(ro.correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
             n_resampled = dynamic_sampling(run, step, slots, ro) if cfg.dynamic_sampling else 0
-        t_score = time.perf_counter() - t0 - t_sample
+        t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
 
         # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
         batch = pack(ro.prompts, ro.tree, cfg.thoughts, cfg.answers, run.tokenizer.pad_id, run.device, cfg.share_prompt)
-        micro = [(rows, select_rows(batch, rows)) for rows in split_rows(batch, cfg.micro_batch_rows)]
+        micro = [
+            (rows, select_rows(batch, rows)) for rows in split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
+        ]
         # 4. score pass (no grad): old log-probs, reference log-probs, entropy
         old_logp, ref_logp, entropy = score_pass(run, micro, batch.ids.shape)
+        mem["score_pass"] = memory_peak(run.device)
         # 5. advantages: per sequence, then per-token adv and weight for the whole step
         adv, weight, completion = advantages(run, ro, batch, entropy, batch_accuracy)
         # 6. update: mu epochs, each one optimizer step over all micro-batches
         t1 = time.perf_counter()
         sums, grad_norm = update(run, step, micro, adv, weight, old_logp, ref_logp, entropy, completion)
-        t_update = time.perf_counter() - t1
+        t_update, mem["update"] = time.perf_counter() - t1, memory_peak(run.device)
 
         # 7. log, evaluate, save
         run.state["step"] = step + 1
         times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
         row = step_metrics(run, ro, completion, sums, grad_norm, batch_accuracy, n_resampled, times)
+        row.update({f"mem/{k}_gib": v for k, v in mem.items()})  # peak RSS (CPU) or allocated (CUDA) per phase
         log(run, row)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
         if cfg.samples_every and (step + 1) % cfg.samples_every == 0:

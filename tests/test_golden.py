@@ -104,3 +104,19 @@ if __name__ == "__main__":
         json.dump({"machine": machine(), "command": COMMON, "configs": RUNS, "runs": runs}, f, indent=1)
         f.write("\n")
     print(f"wrote {GOLDEN}")
+
+
+def test_two_processes_at_two_threads_are_bitwise_equal(tmp_path):
+    """Guards against a run-dependent reduction order: two identical runs in separate processes with
+    2 threads each used to end 1e-8 apart (the backward of x[index] with repeated indices, a shared
+    prompt's keys/values gathered by its K rows, sums with racy atomic adds on a multi-threaded CPU;
+    pack.py gathers with index_select, whose backward sums in a fixed order)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    sums = []
+    for name in ("a", "b"):
+        out = str(tmp_path / name)
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--max-steps", "3", "--eval-every", "0",
+               "--eval-examples", "8", "--eval-samples", "0", "--samples-every", "0", "--out", out]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+        sums.append(weight_checksum(os.path.join(out, "final")))
+    assert sums[0] == sums[1]

@@ -130,16 +130,43 @@ def test_resume_is_bitwise(tiny, tmp_path):
 def test_micro_batch_split_does_not_change_the_update(tiny, tmp_path):
     """Guards against a loss normaliser computed per micro-batch (the gradient would depend on the split)."""
     outs = []
-    for rows in (64, 3):
-        out = str(tmp_path / f"mb{rows}")
-        train.main(
-            small(BUNDLED, out, algo="grpo_ma", answers=2, max_steps=1, micro_batch_rows=rows, max_thought_tokens=40)
-        )
+    for rows, tokens in ((64, 0), (3, 0), (64, 150)):  # by rows, and by a token budget (--micro-batch-tokens)
+        out = str(tmp_path / f"mb{rows}-{tokens}")
+        cfg = small(BUNDLED, out, algo="grpo_ma", answers=2, max_steps=1, micro_batch_rows=rows, max_thought_tokens=40)
+        train.main(dataclasses.replace(cfg, micro_batch_tokens=tokens))
         outs.append(weights(os.path.join(out, "final")))
     start = weights(BUNDLED)
     assert any(not torch.equal(start[k], outs[0][k]) for k in start)  # the step did move the weights
     for k in outs[0]:
         torch.testing.assert_close(outs[0][k], outs[1][k], atol=1e-6, rtol=1e-5)
+        # the token budget cuts 7 micro-batches: float sums in another order; Adam's first step is ~3e-4
+        torch.testing.assert_close(outs[0][k], outs[2][k], atol=5e-6, rtol=1e-5)
+
+
+def test_token_budget_cuts_micro_batches_within_it(tiny):
+    """Guards against --micro-batch-tokens exceeding its budget (rows x longest row + shared prompts x
+    longest prompt), losing or repeating a row, or splitting when one micro-batch fits."""
+    from pack import pack, split_rows
+
+    model = load_model(tiny)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    from sampler import sample_tree
+
+    tree = sample_tree(model, prompts, k=4, m=1, max_thought_tokens=0, max_answer_tokens=9, seed=[1, 2])
+    for share in (False, True):
+        batch = pack(prompts, tree, 4, 1, pad_id=0, device=torch.device("cpu"), share_prompt=share)
+        every = torch.sort(torch.cat(split_rows(batch, 64))).values
+        assert len(split_rows(batch, 64, max_tokens=10**6)) == 1
+        for budget in (1, 20, 40, 80):
+            cuts = split_rows(batch, 64, max_tokens=budget)
+            assert torch.equal(torch.sort(torch.cat(cuts)).values, every)
+            for rows in cuts:
+                width = int((batch.to_logical[rows] >= 0).nonzero()[:, 1].max()) + 1
+                cost = len(rows) * width
+                if share:
+                    lens = batch.prompt_valid[torch.unique(batch.prompt_of[rows])].sum(1)
+                    cost += len(lens) * int(lens.max())
+                assert cost <= budget or len(rows) == 1
 
 
 @pytest.mark.parametrize("share_prompt", [False, True])
@@ -390,7 +417,8 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
     run = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"), state={"gate_on": True})
     tree = Tree([[], []], [[], []], [False, False], [[5, 6, 7], [5, 6, 8]], [[0.0] * 3, [0.0] * 3], ["stop"] * 2)
     reward = torch.tensor([1.0, 0.0]).view(1, 2, 1)
-    ro = train.Rollouts([{}], [[1, 2]], tree, reward, reward.clone(), torch.tensor([3, 3]).view(1, 2, 1))
+    lengths = torch.tensor([3, 3]).view(1, 2, 1)
+    ro = train.Rollouts([{}], [[1, 2]], tree, reward, reward.clone(), lengths, credit=reward.clone())
     batch = pack([[1, 2]], tree, 2, 1, pad_id=0, device=torch.device("cpu"))
     entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
     adv, weight, completion = train.advantages(run, ro, batch, entropy, batch_accuracy=0.5)
