@@ -191,3 +191,9 @@ def make_bpe_tokenizer(path: Path, family: str, vocab_size: int = 400) -> Path:
     Path(path).mkdir(parents=True, exist_ok=True)
     tok.save(str(Path(path) / "tokenizer.json"))
     return Path(path)
+
+
+BUNDLED = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-model")  # trained: mixed rewards
+# A few-second run of train.py on the bundled model: 4 prompts x 4 completions, short, one small eval.
+SMALL_RUN = dict(model=BUNDLED, max_steps=2, prompts_per_step=4, thoughts=4, answers=1, max_thought_tokens=12,
+                 max_answer_tokens=6, eval_every=0, eval_examples=8, eval_samples=2)  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 
 import train
 from eval import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
+from helpers import SMALL_RUN
 from model import load_model, load_tokenizer
 from rewards import calculator_partial_credit, synthetic_partial_credit
 from tasks import get_task, sft_completion
@@ -22,19 +23,7 @@ from train import PRESETS, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "assets", "tiny-model")  # trained: its samples are both right and wrong
-SMALL = dict(
-    model=BUNDLED,
-    max_steps=2,
-    prompts_per_step=4,
-    thoughts=4,
-    answers=1,
-    max_thought_tokens=12,
-    max_answer_tokens=6,
-    eval_every=0,
-    eval_examples=8,
-    eval_samples=2,
-    samples_every=0,
-)
+SMALL = {**SMALL_RUN, "samples_every": 0}
 SMALL_ARGV = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
 ADDITION = {"prompt": "357+68", "answer": "425", "a": 357, "b": 68}  # reference: 7+8=15, 5+6+1=12, 3+0+1=4 -> 425
 GSM8K = {
@@ -204,8 +193,8 @@ def test_reward_noise_flips_rewards_but_not_correctness(tmp_path):
         train.main(TrainConfig(**one_step, out=str(tmp_path / name), reward_noise="0.4,0.4"))
     clean, a, b = (rows_of(str(tmp_path / n))[1] for n in ("clean", "a", "b"))
     assert a == {**a, "accuracy": clean["accuracy"]} and a["reward/mean"] != clean["reward/mean"]
-    assert {k: v for k, v in a.items() if not k.startswith(("time", "tokens_per"))} == {
-        k: v for k, v in b.items() if not k.startswith(("time", "tokens_per"))
+    assert {k: v for k, v in a.items() if not k.startswith(("time", "tokens_per", "mem/"))} == {
+        k: v for k, v in b.items() if not k.startswith(("time", "tokens_per", "mem/"))
     }
 
 

@@ -15,13 +15,13 @@ import torch
 import checkpoint
 import train
 from cli import UserError
+from helpers import SMALL_RUN
 from model import load_model
 from train import TrainConfig, resume_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "assets", "tiny-model")
-SMALL = dict(algo="grpo", model=BUNDLED, max_steps=2, prompts_per_step=4, thoughts=4, answers=1,
-             max_thought_tokens=12, max_answer_tokens=6, eval_every=0, eval_examples=8, eval_samples=2)  # fmt: skip
+SMALL = {"algo": "grpo", **SMALL_RUN}
 
 
 def run(out, **kw) -> dict:
