@@ -494,10 +494,14 @@ def head_logprobs(
 
 
 def _read_json(file: Path) -> dict:
+    """A JSON object from `file`; anything else is a one-line ValueError naming the file."""
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e}).") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}.")
+    return data
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from cli import parse_config
+from cli import parse_config, user_errors
 from model import ModelConfig, Transformer, load_tokenizer, save_model, token_logprobs
 from tasks import SYNTHETIC_CHARS, get_task, render_prompt, sft_completion
 
@@ -188,4 +188,5 @@ def main(cfg: SFTConfig) -> float:
 
 
 if __name__ == "__main__":
-    main(parse_config(SFTConfig, description=__doc__.split("\n\n")[0])[0])
+    with user_errors():
+        main(parse_config(SFTConfig, description=__doc__.split("\n\n")[0])[0])

@@ -92,4 +92,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cli import user_errors
+
+    with user_errors():  # a bad flag, path or file: one line, exit 2
+        main()

@@ -329,4 +329,7 @@ def plot_passk(passk: dict, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cli import user_errors
+
+    with user_errors():  # a bad flag, path or file: one line, exit 2
+        main()

@@ -171,4 +171,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, ROOT)
+    from cli import user_errors
+
+    with user_errors():  # a bad flag, path or file: one line, exit 2
+        main()

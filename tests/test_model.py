@@ -400,3 +400,14 @@ def test_model_config_validation():
         },
     )
     assert M.ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_config_json_that_is_not_an_object_is_one_sentence(tmp_path):
+    """Guards against a config.json holding `[1]` ending in a raw AttributeError with no file named."""
+    import shutil
+
+    bundled = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-model")
+    shutil.copytree(bundled, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"config.json: expected a JSON object, got list"):
+        M.load_model(tmp_path / "m")
