@@ -455,6 +455,30 @@ def kl3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
+    """Truncated importance weights for rollouts sampled by other numerics than the trainer's
+    (a bf16 copy of the weights, another kernel): w = min(pi_old / pi_sampler, cap) per token, [B, T].
+
+    old_logp: the trainer's log-probs at the sampling-time parameters; sampler_logp: the sampler's own
+    for the same tokens; mask: the tokens that exist (w = 1 elsewhere, so padded garbage cannot reach
+    the loss). No gradient flows through w. Multiplying each token's loss weight by w is the
+    correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL
+    training", truncated IS; verl's tis_imp_ratio_cap, default 2): the gradient of the clipped surrogate
+    becomes an importance-weighted estimate under pi_old instead of pi_sampler, with its variance
+    bounded by the cap. The tokens the sampler overrated (w < 1) are not clipped from below."""
+    if not cap > 0:
+        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap}.")
+    if old_logp.shape != sampler_logp.shape or old_logp.shape != mask.shape:
+        raise ValueError(
+            f"truncated_is_weights: old_logp {tuple(old_logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
+            f"and mask {tuple(mask.shape)} must have one shape."
+        )
+    m = mask.bool()
+    zero = torch.zeros_like(old_logp)
+    w = torch.exp(torch.where(m, old_logp.detach() - sampler_logp.detach(), zero)).clamp(max=cap)
+    return torch.where(m, w, torch.ones_like(w))
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,

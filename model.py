@@ -570,6 +570,30 @@ def load_model(
     return model
 
 
+def cast_copy(model: Transformer, dtype: torch.dtype) -> Transformer:
+    """A frozen copy of `model` with its weights cast to `dtype` (ties kept), on the same device: the
+    sampler's weights when rollouts run in less precision than training (train.py --rollout-dtype).
+    Built on the meta device and allocated directly in `dtype`, so no float32 copy is ever made;
+    refresh it after each update with copy_weights_."""
+    with torch.device("meta"):
+        copy = Transformer(model.config)
+    device = next(model.parameters()).device
+    copy = copy.to(dtype).to_empty(device=device).requires_grad_(False)
+    if model.config.tie_word_embeddings:
+        copy.lm_head.weight = copy.model.embed_tokens.weight
+    return copy_weights_(copy, model)
+
+
+@torch.no_grad()
+def copy_weights_(dst: Transformer, src: Transformer) -> Transformer:
+    """dst's parameters := src's, cast to dst's dtype. src may be sharded by FSDP2: each parameter
+    is then all-gathered (DTensor.full_tensor, a collective: every rank must call this)."""
+    pairs = list(zip(dst.parameters(), src.parameters(), strict=True))  # same modules, same ties, same order
+    for d, s in pairs:
+        d.copy_(s.full_tensor() if hasattr(s, "full_tensor") else s)
+    return dst
+
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -55,6 +55,7 @@ from advantage import (
     pairwise_distinct_advantages,
     policy_loss,
     token_weights,
+    truncated_is_weights,
     two_grpo_advantages,
 )
 from checkpoint import (
@@ -70,7 +71,7 @@ from checkpoint import (
 from cli import UserError, parse_config, user_errors
 from distributed import all_sum, full_params, gather_full_state, memory_peak, setup_distributed
 from eval import calibrate_noise, decode_completion, evaluate, select_examples
-from model import Transformer, load_model, load_tokenizer
+from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
 from pack import Batch, pack, select_rows, split_rows, token_stats
 from rewards import noise_rates, score_batch
 from sampler import StopText, Tree, sample_tree, splice_tree
@@ -107,6 +108,7 @@ class TrainConfig:
     temperature: float = 1.0  # rollout temperature (the trainer divides logits by the same value)
     top_k: int = 0  # rollout top-k (0 = off); truncation makes rollouts slightly off-policy
     top_p: float = 1.0  # rollout nucleus (1 = off)
+    rollout_dtype: str = "auto"  # sampler and eval weights: a cast copy of the masters; auto = bf16 on CUDA, else fp32
     select: str = ""  # Hard Examples: draw prompts only from the hardest|medium|easiest|random --pass-rates ("" = off)
     select_fraction: float = 0.1  # fraction of the rated examples that --select keeps, in (0, 1] (the paper: 0.1)
     pass_rates: str = ""  # JSONL of the starting model's per-example pass rates (eval.py --pass-rates --out FILE)
@@ -137,6 +139,7 @@ class TrainConfig:
     sequence_ratio: bool = False  # GSPO: one length-normalised ratio per sequence
     beta: float = 0.0  # KL penalty to the starting model (k3 estimator); > 0 loads a reference copy
     mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
+    tis_cap: float = 2.0  # with a --rollout-dtype copy: token losses times min(pi_train / pi_sampler, CAP) (0 = off)
     # -- optimisation
     lr: float = 3e-4  # AdamW learning rate (tiny model; about 1e-6 for 0.5B-7B models)
     warmup_steps: int = 5  # linear learning-rate warm-up, in optimizer steps
@@ -148,6 +151,7 @@ class TrainConfig:
     share_prompt: bool = True  # run each prompt once, its K rows attend to it (same gradient, less work)
     gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
     fsdp: bool = False  # under torchrun: shard weights, grads, optimizer state with FSDP2
+    optimizer_offload: bool = False  # AdamW state and step in CPU memory (saves 8 bytes/param on GPU); same update
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
     # -- logging and checkpoints
     eval_every: int = 20  # evaluate held-out accuracy every N steps (0 = only at the start and end)
@@ -169,6 +173,7 @@ class TrainConfig:
         aggregation=AGGREGATIONS,
         lr_schedule=("cosine", "constant"),
         save_dtype=("auto", "float32", "bfloat16", "float16"),
+        rollout_dtype=("auto", "float32", "bfloat16"),
     )
     AT_LEAST: ClassVar[dict[str, int]] = dict(
         max_steps=1, prompts_per_step=1, thoughts=1, answers=1, max_answer_tokens=1, mu=1, micro_batch_rows=1,
@@ -195,6 +200,9 @@ class TrainConfig:
             need(0 < getattr(self, name) < math.inf, f"--{name.replace('_', '-')} must be > 0 and finite")
         need(self.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
         need(0 <= self.beta < math.inf and 0 <= self.weight_decay < math.inf, "--beta and --weight-decay must be >= 0")
+        need(0 <= self.tis_cap < math.inf, f"--tis-cap must be >= 0 and finite (0 = off), got {self.tis_cap}")
+        need(not (self.optimizer_offload and self.fsdp), "--optimizer-offload is for one process or DDP: --fsdp "
+             "already shards the optimizer state over the ranks")  # fmt: skip
         need(self.thoughts * self.answers >= 2, "a group needs at least 2 samples: raise --thoughts or --answers")
         need(self.answers == 1 or bool(self.end_of_thought), "--answers > 1 needs an --end-of-thought marker")
         two = self.advantage != "two_grpo" or (self.thoughts, self.answers) == (2, 1)
@@ -291,6 +299,8 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     state: dict  # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, gate_on
     wandb: object | None = None
+    sampler: Transformer | None = None  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
+    host_params: list[torch.Tensor] | None = None  # --optimizer-offload: the CPU float32 copies AdamW steps
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -336,7 +346,11 @@ def setup(cfg: TrainConfig) -> Run:
     elif world > 1:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too),
+    # which optimizer_step copies the gradients to and the new weights back from.
+    host = [host_copy(p, device) for p in policy.parameters()] if cfg.optimizer_offload else None
+    optimizer = torch.optim.AdamW(host or policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+                                  weight_decay=cfg.weight_decay)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
@@ -344,10 +358,17 @@ def setup(cfg: TrainConfig) -> Run:
               task, pool, topups, heldout, marker, optimizer, scheduler, state)  # fmt: skip
     if resume_dir:
         run.state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
+    run.host_params = host
+    if host:  # the resumed masters
+        with torch.no_grad():
+            for h, p in zip(host, policy.parameters(), strict=True):
+                h.copy_(p)
+    rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    run.sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
     if cfg.noise_correct and "noise_rates" not in run.state:  # fixed, or "auto": fit at the start (resume keeps it)
-        with full_params(policy, fsdp), precision(run):
+        with rollout_weights(run), precision(run):
             run.state["noise_rates"] = noise_rates(cfg.noise_correct, "--noise-correct", auto=True) or calibrate_noise(
-                policy, tokenizer, task, noise_rates(cfg.reward_noise, ""), n=cfg.thoughts * cfg.answers,
+                run.sampler, tokenizer, task, noise_rates(cfg.reward_noise, ""), n=cfg.thoughts * cfg.answers,
                 max_new_tokens=new, temperature=cfg.temperature, seed=derive_seed(cfg.seed, 3))  # fmt: skip
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -363,6 +384,7 @@ def setup(cfg: TrainConfig) -> Run:
 # decides what the run computes and must equal the run's own (its checkpoint's train_config.json).
 RESUMABLE = (
     *("resume", "out", "overwrite", "max_steps", "device", "reward_workers", "max_bad_steps", "wandb"),
+    *("optimizer_offload",),
     *("eval_every", "eval_examples", "eval_samples", "save_every", "save_optimizer", "save_dtype", "samples_every"),
 )
 
@@ -376,6 +398,18 @@ def resume_config(cfg: TrainConfig, typed: set[str]) -> TrainConfig:
 def precision(run: Run):
     """The autocast context of every forward (bf16 autocast, or a no-op in float32)."""
     return torch.autocast(run.device.type, dtype=run.autocast, enabled=run.autocast is not None)
+
+
+def rollout_weights(run: Run):
+    """Around sampling and evaluation. FSDP: whole weights while ranks run different numbers of
+    forwards (full_params); not needed when the sampler is its own --rollout-dtype copy."""
+    return full_params(run.policy, run.fsdp and run.sampler is run.policy)
+
+
+def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """--optimizer-offload: a CPU float32 copy of parameter p (pinned, for fast copies, when p is on a GPU)."""
+    h = p.detach().to("cpu", torch.float32, copy=True)
+    return h.pin_memory() if device.type == "cuda" else h
 
 
 # -----------------------------------------------------------------------------
@@ -401,7 +435,7 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
     prompts = [render_prompt(run.tokenizer, ex, run.task.system_prompt) for ex in examples]
     with torch.no_grad(), precision(run):
         tree = sample_tree(
-            run.policy, prompts, k=cfg.thoughts, m=M, max_thought_tokens=cfg.max_thought_tokens if M > 1 else 0,
+            run.sampler, prompts, k=cfg.thoughts, m=M, max_thought_tokens=cfg.max_thought_tokens if M > 1 else 0,
             max_answer_tokens=cfg.max_answer_tokens + (0 if M > 1 else cfg.max_thought_tokens),
             end_of_thought=run.marker if M > 1 else (), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
             stop_ids=run.tokenizer.stop_ids, seed=seeds,
@@ -557,7 +591,10 @@ def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: 
     loss and token-weighted diagnostics, and the last epoch's gradient norm."""
     cfg, world = run.cfg, run.world
     need_old, have_ent = cfg.mu > 1, cfg.mu > 1 or cfg.entropy_gate or cfg.entropy_gamma > 0
-    sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0)
+    tis = cfg.tis_cap > 0 and run.sampler is not run.policy
+    sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0) | (
+        dict(tis=0.0, tis_capped=0.0) if tis else {}
+    )
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
@@ -566,8 +603,12 @@ def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: 
                 run.policy.set_requires_gradient_sync(sync)
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), precision(run):
                 logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=epoch == 0 and not have_ent)
+                old, w = old_logp[rows] if need_old else logp.detach(), weight[rows]
+                if tis:  # rollouts from a cast copy: reweight tokens by min(pi_old / pi_sampler, cap)
+                    w_is = truncated_is_weights(old, mb.sampler_logp, completion[rows], cfg.tis_cap)
+                    w = w * w_is
                 loss, metrics = policy_loss(
-                    logp, old_logp[rows] if need_old else logp.detach(), adv[rows], weight[rows],
+                    logp, old, adv[rows], w,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.beta, sequence_ratio=cfg.sequence_ratio,
                     ref_logp=None if ref_logp is None else ref_logp[rows],
                 )  # fmt: skip
@@ -579,6 +620,9 @@ def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: 
                 sums["kl"] += metrics.get("kl", 0.0) * mask.sum().item()
                 sums["logp_gap"] += ((logp.detach() - mb.sampler_logp).abs() * mask).sum().item()
                 sums["entropy"] += ((ent if ent is not None else entropy[rows]) * mask).sum().item()
+                if tis:
+                    sums["tis"] += (w_is * mask).sum().item()
+                    sums["tis_capped"] += ((w_is >= cfg.tis_cap) * mask).sum().item()
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 
@@ -589,8 +633,17 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
     cfg, state = run.cfg, run.state
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), cfg.grad_clip)
     if torch.isfinite(grad_norm) and loss_finite:
+        if run.host_params:  # --optimizer-offload: gradients to the CPU copies, AdamW there, weights back
+            for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
+                h.grad = p.grad.to("cpu", torch.float32)
         run.optimizer.step()
         run.scheduler.step()
+        if run.host_params:
+            with torch.no_grad():
+                for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
+                    p.copy_(h, non_blocking=True)
+        if run.sampler is not run.policy:  # the rollout copy follows the new weights
+            copy_weights_(run.sampler, run.policy)
         state["bad_steps"] = 0
     else:
         state["bad_steps"] += 1
@@ -601,6 +654,7 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
                 f"{cfg.max_bad_steps} consecutive non-finite steps at step {step}: lower --lr or check the rewards"
             )
     run.optimizer.zero_grad(set_to_none=True)
+    run.policy.zero_grad(set_to_none=True)  # the same gradients, unless AdamW steps the CPU copies
     return grad_norm
 
 
@@ -644,6 +698,14 @@ def step_metrics(run: Run, ro: Rollouts, completion: torch.Tensor, sums: dict, g
         "truncated_frac": sum(f == "length" for f in tree.answer_finish) / len(tree.answer_finish),
         "thought_truncated_frac": sum(tree.thought_truncated) / len(tree.thought_truncated) if M > 1 else 0.0,
         "logp_gap": all_sum(sums["logp_gap"], world).item() / n_tok,
+        **(
+            {
+                "tis/mean": all_sum(sums["tis"], world).item() / n_tok,
+                "tis/capped_frac": all_sum(sums["tis_capped"], world).item() / n_tok,
+            }
+            if "tis" in sums
+            else {}
+        ),  # fmt: skip
         "resampled": n_resampled,
         "skipped_steps": state["skipped_steps"],
         "lr": run.scheduler.get_last_lr()[0],
@@ -667,12 +729,12 @@ def log_samples(run: Run, ro: Rollouts) -> None:
 def evaluate_heldout(run: Run, step: int) -> dict:
     """Held-out greedy accuracy, mean@n and pass@k (eval.evaluate) on rank 0, logged as eval/..."""
     cfg = run.cfg
-    with full_params(run.policy, run.fsdp):  # FSDP: every rank gathers, then rank 0 alone runs forwards
+    with rollout_weights(run):  # FSDP: every rank gathers, then rank 0 alone runs forwards
         if run.rank != 0:
             return {}
         with precision(run):
             res = evaluate(
-                run.policy, run.tokenizer, run.task, run.heldout, n=cfg.eval_samples, temperature=cfg.temperature,
+                run.sampler, run.tokenizer, run.task, run.heldout, n=cfg.eval_samples, temperature=cfg.temperature,
                 max_new_tokens=cfg.max_thought_tokens + cfg.max_answer_tokens, seed=derive_seed(cfg.seed, 10**9),
             )  # fmt: skip
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
@@ -711,7 +773,7 @@ def main(cfg: TrainConfig) -> dict:
         t0, _ = time.perf_counter(), memory_peak(run.device)  # each phase's peak memory is measured from here
         slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
         examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
-        with full_params(run.policy, run.fsdp):  # FSDP: whole weights while ranks run different numbers of forwards
+        with rollout_weights(run):  # FSDP: whole weights while ranks run different numbers of forwards
             # 1. sample: K thoughts x M answers for this rank's share of the global batch
             seeds = [derive_seed(cfg.seed, step, s) for s in slots]
             prompts, tree = sample(run, examples, seeds)

@@ -30,6 +30,7 @@ from advantage import (
     splice_anchor_rewards,
     thought_advantage_variance,
     token_weights,
+    truncated_is_weights,
     two_grpo_advantages,
 )
 
@@ -832,3 +833,36 @@ def test_select_examples_fraction_one_zero_and_random():
     for _ in range(2000):
         counts[select_hard_examples(rates, 0.5, mode="random", generator=g)] += 1
     assert ((counts / 2000 - 0.5).abs() < 5 * math.sqrt(0.25 / 2000)).all()  # each index kept half the time
+
+
+def test_truncated_is_weights_hand_values_and_padding():
+    """Guards against the ratio inverted (pi_sampler / pi_old), a missing cap, a gradient through the
+    weights, or padded garbage (-inf, huge) reaching the loss: w = min(exp(old - sampler), cap) on the
+    mask, 1 off it."""
+    old = T([[-1.0, -2.0, -0.5, 0.0], [-3.0, float("-inf"), 5.0, 0.0]], requires_grad=True)
+    smp = T([[-1.0, -1.0, -2.0, -9.0], [-3.5, 0.0, -40.0, 0.0]])
+    mask = T([[1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    w = truncated_is_weights(old, smp, mask, cap=2.0)
+    want = T([[1.0, math.exp(-1.0), 2.0, 1.0], [math.exp(0.5), 1.0, 1.0, 1.0]])
+    assert torch.allclose(w, want, atol=0, rtol=1e-7) and not w.requires_grad
+    assert truncated_is_weights(old, smp, mask, cap=1.5)[0, 2] == 1.5
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_is_weights(old, smp, mask, cap=0.0)
+    with pytest.raises(ValueError, match="one shape"):
+        truncated_is_weights(old, smp[:, :3], mask)
+
+
+def test_truncated_is_weights_make_the_gradient_importance_weighted():
+    """Guards against the correction being applied as anything but a per-token weight: with samples
+    drawn from pi_sampler, the weighted on-policy loss has the gradient of sum(w * w_is * A * grad logp)."""
+    table = tiny_policy()
+    ids, mask, adv, _ = batch()
+    w = token_weights(mask, "seq_mean_token_mean")
+    logp = seq_logp(table, ids)
+    sampler_logp = logp.detach() + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
+    w_is = truncated_is_weights(logp.detach(), sampler_logp, mask.bool(), cap=1.3)
+    assert (w_is[mask.bool()] < 1.3).any() and (w_is[mask.bool()] == 1.3).any()  # both regimes occur
+    loss, _ = policy_loss(logp, logp.detach(), adv, w * w_is)
+    (grad,) = torch.autograd.grad(loss, table)
+    (want,) = torch.autograd.grad(-(w * w_is * adv * seq_logp(table, ids)).sum(), table)
+    assert close(grad, want, 1e-12)

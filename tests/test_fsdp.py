@@ -177,3 +177,24 @@ def test_fsdp_with_shared_prompts_equals_one_process(tmp_path):
     assert any(not torch.equal(w1[k], start[k]) for k in w1)  # the step did move the weights
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
+
+
+def test_fsdp_with_bf16_rollouts_equals_one_process(tmp_path):
+    """Guards the --rollout-dtype copy under FSDP2: each rank all-gathers the sharded masters into its
+    own bf16 copy after every update (a collective outside the sampling forwards), so sampling needs
+    no gathered weights, and 2 steps (the second sampled from the refreshed copy) equal one process."""
+    one, fsdp = str(tmp_path / "one"), str(tmp_path / "fsdp")
+    extra = ["--rollout-dtype", "bfloat16"]
+    subprocess.run(
+        [sys.executable, "train.py", *ARGS, *extra, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True
+    )
+    torchrun(fsdp, 29538, *extra)
+    a, b = steps(one), steps(fsdp)
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]  # the same rollouts at both steps
+    assert all(r["tis/mean"] > 0 for r in b)
+    torch.testing.assert_close(
+        [r["tis/mean"] for r in a], [r["tis/mean"] for r in b], atol=1e-5, rtol=0
+    )  # fmt: skip
+    w1, w2 = load_model(os.path.join(one, "final")).state_dict(), load_model(os.path.join(fsdp, "final")).state_dict()
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)

@@ -370,6 +370,9 @@ def test_help_lists_every_flag():
         (["--advantage", "two_grpo", "--thoughts", "4", "--answers", "1"], "--advantage two_grpo needs --thoughts 2"),
         (["--temperature", "0"], "--temperature must be > 0"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--rollout-dtype", "fp16"], "--rollout-dtype must be one of auto, float32, bfloat16"),
+        (["--tis-cap", "-1"], "--tis-cap must be >= 0 and finite"),
+        (["--optimizer-offload", "--fsdp"], "--optimizer-offload is for one process or DDP"),
     ],
 )
 def test_bad_flags_are_one_clear_error(argv, message):
