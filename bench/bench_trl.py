@@ -58,6 +58,7 @@ class BenchConfig:
         True  # train.py --share-prompt (its default): each prompt runs once, its completions attend to it
     )
     lr: float = 3e-4  # learning rate (both sides)
+    rollout_dtype: str = "float32"  # train.py --rollout-dtype (TRL samples with the training model, float32)
     threads: int = 2  # torch.set_num_threads for both sides
     seed: int = 0  # seed of both trainers and of the prompt order
 
@@ -150,6 +151,7 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
         lr=cfg.lr,
         micro_batch_rows=cfg.micro_batch_rows,
         share_prompt=cfg.share_prompt,
+        rollout_dtype=cfg.rollout_dtype,
         eval_every=0,
         eval_examples=4,
         eval_samples=0,
