@@ -487,8 +487,8 @@ def splice_anchors(run: Run, ro: Rollouts) -> tuple[Rollouts, dict[str, int]]:
     cfg, tok, K = run.cfg, run.tokenizer, run.cfg.thoughts
     P, limit = len(ro.examples), cfg.max_thought_tokens + cfg.max_answer_tokens  # M = 1: one completion limit
     spliced, anchor = splice_anchor_rewards(ro.reward.view(P, K), ro.correct.view(P, K))  # (P, K) x2
-    tree = replace(ro.tree, answers=list(ro.tree.answers), answer_logprobs=list(ro.tree.answer_logprobs),
-                               answer_finish=list(ro.tree.answer_finish))  # fmt: skip
+    answers, logprobs, finish = list(ro.tree.answers), list(ro.tree.answer_logprobs), list(ro.tree.answer_finish)
+    tree = replace(ro.tree, answers=answers, answer_logprobs=logprobs, answer_finish=finish)  # ro.tree stays as sampled
     lengths = ro.lengths.view(P, K).clone()
     counts = {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 0}
     for p in anchor[:, -1].nonzero().flatten().tolist():
