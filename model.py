@@ -712,6 +712,10 @@ class Tokenizer:
         self.template = template  # "chatml" | "llama3" | None (no known chat format)
         self.thinking = tok.token_to_id("<think>") is not None  # ChatML in Qwen3 style
         self.stop_ids = stop_ids
+        # The token that closes an assistant turn in this chat format (a written-out reference completion
+        # ends with it, as a sampled one does); without a known format, the first stop id.
+        end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}.get(template or "")
+        self.end_id = tok.token_to_id(end) if end else (stop_ids[0] if stop_ids else None)
         self.pad_id = pad_id
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 

@@ -2,7 +2,8 @@
 
 A `Task` is a plain record of functions: the training reward, the 0/1 correctness used for
 accuracy and pass@k, and deterministic train/test example generators (and, where the task has one, a
-fine-grained partial credit in [0, 1]: DaGRPO's score). Every example is a dict
+fine-grained partial credit in [0, 1]: DaGRPO's score; and where an example has one, its reference solution
+written as a completion: DaGRPO's anchor). Every example is a dict
 with "prompt" (the user message) and "answer" (the reference) plus task fields; an example read
 from a file also keeps "_where" ("PATH line N") so later errors can name its line.
 
@@ -21,6 +22,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import sys
 import zlib
 from collections.abc import Callable
@@ -53,6 +55,11 @@ TASK_NAMES = ("synthetic", "synthetic-hard", "countdown", "gsm8k", "math", "code
 MAX_CHARS = 100_000
 
 
+def no_reference(example: dict) -> None:
+    """Task.reference of a task whose examples carry no reference solution (countdown, code)."""
+    return None
+
+
 @dataclass(frozen=True)
 class Task:
     """A plain record of functions, no behaviour of its own."""
@@ -68,6 +75,7 @@ class Task:
     train_source: str = ""  # where the training examples come from, for error messages
     test_source: str = ""  # where the held-out examples come from, for error messages
     partial_credit: Callable[[str, dict], float] | None = None  # fine-grained [0, 1] score (DaGRPO); None: reward
+    reference: Callable[[dict], str | None] = no_reference  # example -> its reference completion (DaGRPO), or None
 
 
 def get_task(name: str, data: str | None = None, test_data: str | None = None, max_chars: int = MAX_CHARS) -> Task:
@@ -96,6 +104,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
             lambda n, seed: addition_examples(n, seed, digits, held_out=True),
             None,
             partial_credit=synthetic_partial_credit,
+            reference=sft_completion,
         )
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
@@ -128,6 +137,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
         train_source=train_source,
         test_source=test_source,
         partial_credit=calculator_partial_credit if reward is math_reward else None,
+        reference=solution_completion if reward is math_reward else no_reference,
     )
 
 
@@ -227,6 +237,24 @@ def sft_completion(example: dict) -> str:
         lines.append(f"{x}+{y}{'+1' if carry else ''}={total}\n")
         carry = total // 10
     return "<think>" + "".join(lines) + "</think>" + str(int(a) + int(b))
+
+
+# ---------------------------------------------------------------- GSM8K / MATH reference completions
+
+_CALC_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
+
+
+def solution_completion(example: dict) -> str | None:
+    """The reference completion of a GSM8K or MATH example, as SYSTEM_PROMPT asks for it (and as model.py's
+    chat template renders an assistant turn with a thought): `<think>`, newline, the worked solution, newline,
+    `</think>`, a blank line, `\\boxed{answer}`. GSM8K's `#### N` line and its <<a=b>> calculator annotations are
+    dropped from the thought (a MATH solution's own \\boxed{} stays there: only the text after </think> is graded).
+    None for an example without a "solution" (generic prompt/answer files)."""
+    solution = example.get("solution")
+    if solution is None:
+        return None
+    work = _CALC_ANNOTATION.sub("", solution.rsplit("####", 1)[0]).strip()
+    return f"<think>\n{work}\n</think>\n\n\\boxed{{{example['answer']}}}"
 
 
 # ---------------------------------------------------------------- Countdown

@@ -8,7 +8,9 @@
 One step is the README's numbered algorithm, one function each, called in this order by main():
   1. sample      K thoughts per prompt, then M answers from each thought (sampler.sample_tree)
   2. score       rewards [P, K, M] from the completion text (the task's reward function);
-                 dynamic_sampling (DAPO) re-draws prompts whose rewards are all equal
+                 dynamic_sampling (DAPO) re-draws prompts whose rewards are all equal;
+                 splice_anchors (DaGRPO, a reconstruction) trains on the reference solution in place of
+                 one rollout of each group with no correct one, off-policy
   3. pack        one row per thought: thought | answer_1 .. answer_M, each thought once (tree attention);
                  each prompt runs once and its K rows attend to it (pack.py)
   4. score_pass  no-grad forward: old log-probs (mu > 1), reference log-probs (beta > 0), entropy
@@ -30,7 +32,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -54,6 +56,7 @@ from advantage import (
     overlong_penalty,
     pairwise_distinct_advantages,
     policy_loss,
+    splice_anchor_rewards,
     token_weights,
     truncated_is_weights,
     two_grpo_advantages,
@@ -130,6 +133,10 @@ class TrainConfig:
     entropy_threshold: float = 0.6931471805599453  # GTPO gate threshold in nats (ln 2)
     entropy_gamma: float = 0.0  # GTPO: advantage minus gamma * mean token entropy (0 = off)
     pair_delta: float = -1.0  # DaGRPO pair mask, a RECONSTRUCTION: drop pairs with |credit gap| < DELTA (-1 = off)
+    # DaGRPO anchors: the last rollout of a group with no correct one is replaced by the example's reference solution
+    # (task.reference; reward 1, top credit), trained off-policy: f(p) * A with f(p) = p / (p + GAMMA), no ratio clip
+    anchors: bool = False  # DaGRPO anchors, a RECONSTRUCTION: all-wrong groups train on the reference solution
+    anchor_gamma: float = 0.1  # anchor tokens' objective f(p) * A, f(p) = p / (p + GAMMA), unclipped (LUFFY's 0.1)
     # -- loss
     aggregation: str = "seq_mean_token_mean"  # token weights: GRPO | DAPO token mean | Dr. GRPO sum / max length
     thought_weight: float = 1.0  # GRPO-MA: weight of the mean thought loss
@@ -181,7 +188,9 @@ class TrainConfig:
         overlong_buffer=0, warmup_steps=0, eval_every=0, eval_samples=0, save_every=0, samples_every=0,
         micro_batch_tokens=0,
     )  # fmt: skip
-    POSITIVE: ClassVar[tuple[str, ...]] = ("lr", "temperature", "top_p", "clip_low", "clip_high", "grad_clip")
+    POSITIVE: ClassVar[tuple[str, ...]] = (
+        "lr", "temperature", "top_p", "clip_low", "clip_high", "grad_clip", "anchor_gamma",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         """Validate, never rewrite: an impossible combination is one clear sentence."""
@@ -217,6 +226,7 @@ class TrainConfig:
         pair = 0 <= self.pair_delta < math.inf and self.advantage == "grpo" and self.answers == 1
         need(self.pair_delta == -1 or pair, "--pair-delta must be >= 0 (-1 = off), with --advantage grpo --answers 1")
         one_answer = {
+            "--anchors (an anchor is a whole reference completion, not a thought and its answers)": self.anchors,
             "--sequence-ratio (GSPO)": self.sequence_ratio,
             "GTPO controls": self.gtpo_conflict or self.entropy_gate or self.entropy_gamma,
             "--advantage agrae": self.advantage == "agrae",
@@ -246,8 +256,9 @@ PRESETS: dict[str, dict] = {
     ),  # fmt: skip
     "agrae": dict(advantage="agrae"),
     "gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1),
-    # DaGRPO, a RECONSTRUCTION: Dr. GRPO + the pair mask at the third-party delta 0.1; anchors are not implemented yet
-    "dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1),
+    # DaGRPO, a RECONSTRUCTION: Dr. GRPO + the pair mask at the third-party delta 0.1 + reference-solution anchors
+    # on groups with no correct rollout, trained with LUFFY's off-policy shaping (gamma 0.1)
+    "dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1, anchors=True),
 }
 assert tuple(PRESETS) == ALGOS
 
@@ -310,6 +321,17 @@ def setup(cfg: TrainConfig) -> Run:
     task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
     task = select_examples(task, cfg.pass_rates, cfg.select, cfg.select_fraction, cfg.seed) if cfg.select else task
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
+    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
+    # and a second one for dynamic-sampling top-ups.
+    n = cfg.max_steps * cfg.prompts_per_step
+    pool = task.train(n, cfg.seed)
+    topups = task.train(n * cfg.max_resample_rounds, derive_seed(cfg.seed, 1)) if cfg.dynamic_sampling else []
+    heldout = task.test(cfg.eval_examples, cfg.seed)
+    if cfg.anchors and all(task.reference(ex) is None for ex in pool + topups):  # some may lack one: no anchor there
+        raise UserError(
+            f"--anchors needs reference solutions but no training example of task '{task.name}' has one "
+            "(synthetic: the SFT completion; gsm8k, math: the 'solution' field); drop --anchors (or pass --no-anchors)"
+        )
     resume_dir = find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
         check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
@@ -321,12 +343,6 @@ def setup(cfg: TrainConfig) -> Run:
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     tokenizer = load_tokenizer(resume_dir or cfg.model)  # a checkpoint carries its run's tokenizer files
     reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta else None
-    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
-    # and a second one for dynamic-sampling top-ups.
-    n = cfg.max_steps * cfg.prompts_per_step
-    pool = task.train(n, cfg.seed)
-    topups = task.train(n * cfg.max_resample_rounds, derive_seed(cfg.seed, 1)) if cfg.dynamic_sampling else []
-    heldout = task.test(cfg.eval_examples, cfg.seed)
     # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
     marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
     new = cfg.max_thought_tokens + cfg.max_answer_tokens + (len(marker.ids) if cfg.answers > 1 else 0)
@@ -427,6 +443,7 @@ class Rollouts:
     correct: torch.Tensor  # (P, K, M) float32 0/1: the task's own correctness (rewards may add shaping)
     lengths: torch.Tensor  # (P, K, M) long: thought + answer tokens
     credit: torch.Tensor  # (P, K, M) float32: the task's partial credit with --pair-delta (else the reward)
+    anchor: torch.Tensor | None = None  # (P, K, M) bool: the rollout is the example's reference solution (--anchors)
 
 
 def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[int]], Tree]:
@@ -487,6 +504,47 @@ def dynamic_sampling(run: Run, step: int, slots: list[int], ro: Rollouts) -> int
             splice_tree(ro.tree, i, new_tree, j, K, M)
         n_resampled += len(redo)
     return n_resampled
+
+
+def splice_anchors(run: Run, ro: Rollouts) -> tuple[Rollouts, dict[str, int]]:
+    """2c. DaGRPO's anchors (a RECONSTRUCTION; M = 1): in each group with no correct rollout, the last rollout is
+    replaced by the example's reference solution, task.reference(example) tokenised and ended by the end-of-turn
+    token, with reward 1 (advantage.splice_anchor_rewards), correct 1 and the top credit 1 (the pair mask then
+    compares every wrong rollout with it). A group gets no anchor when its example has no reference, when the
+    reference's tokens fail the task's own check or exceed the completion limit (never truncated). Packing, the
+    score pass and the update then see the reference's tokens; the update trains them off-policy (policy_loss's
+    off_policy shaping), so they need no sampler log-probs (0 here) and no old log-probs.
+
+    ro: the policy's own rollouts (P, K, 1), left unchanged (the step's metrics describe them). Returns the
+    rollouts to train on, with .anchor (P, K, 1) bool, and counts: anchors (groups that got one),
+    anchors/too_long and anchors/no_reference (groups that needed one but could not get it)."""
+    cfg, tok, K = run.cfg, run.tokenizer, run.cfg.thoughts
+    P, limit = len(ro.examples), cfg.max_thought_tokens + cfg.max_answer_tokens  # M = 1: one completion limit
+    spliced, anchor = splice_anchor_rewards(ro.reward.view(P, K), ro.correct.view(P, K))  # (P, K) x2
+    answers, logprobs, finish = list(ro.tree.answers), list(ro.tree.answer_logprobs), list(ro.tree.answer_finish)
+    tree = replace(ro.tree, answers=answers, answer_logprobs=logprobs, answer_finish=finish)  # ro.tree stays as sampled
+    lengths = ro.lengths.view(P, K).clone()
+    counts = {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 0}
+    for p in anchor[:, -1].nonzero().flatten().tolist():
+        text = run.task.reference(ro.examples[p])
+        ids = [] if text is None else tok.encode(text) + ([] if tok.end_id is None else [tok.end_id])
+        if not ids or run.task.correct(decode_completion(tok, ids), ro.examples[p]) != 1:
+            outcome = "anchors/no_reference"
+        elif len(ids) > limit:
+            outcome = "anchors/too_long"
+        else:
+            outcome = "anchors"
+            b = p * K + K - 1  # the group's last rollout (M = 1: the thought is empty, the answer is the completion)
+            tree.answers[b], tree.answer_logprobs[b], tree.answer_finish[b] = ids, [0.0] * len(ids), "stop"
+            lengths[p, -1] = len(ids)
+        counts[outcome] += 1
+        anchor[p, -1] = outcome == "anchors"
+    trained = replace(
+        ro, tree=tree, reward=torch.where(anchor, spliced, ro.reward.view(P, K)).view(P, K, 1),
+        correct=ro.correct.view(P, K).masked_fill(anchor, 1.0).view(P, K, 1), lengths=lengths.view(P, K, 1),
+        credit=ro.credit.view(P, K).masked_fill(anchor, 1.0).view(P, K, 1), anchor=anchor.view(P, K, 1),
+    )  # fmt: skip
+    return trained, counts
 
 
 # -----------------------------------------------------------------------------
@@ -585,16 +643,16 @@ def advantages(run: Run, ro: Rollouts, batch: Batch, entropy: torch.Tensor, batc
 
 def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: torch.Tensor,
            old_logp: torch.Tensor, ref_logp: torch.Tensor | None, entropy: torch.Tensor,
-           completion: torch.Tensor) -> tuple[dict, torch.Tensor]:  # fmt: skip
+           completion: torch.Tensor, off_policy: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:  # fmt: skip
     """6. mu epochs; each accumulates policy_loss over every micro-batch, then one clipped AdamW step.
-    adv, weight, old_logp, ref_logp, entropy, completion: (B, T). Returns the first epoch's sums of
-    loss and token-weighted diagnostics, and the last epoch's gradient norm."""
+    adv, weight, old_logp, ref_logp, entropy, completion, off_policy: (B, T); off_policy (--anchors) marks
+    the tokens not sampled from the policy, trained with policy_loss's off-policy shaping. Returns the first
+    epoch's sums of loss and token-weighted diagnostics, and the last epoch's gradient norm."""
     cfg, world = run.cfg, run.world
     need_old, have_ent = cfg.mu > 1, cfg.mu > 1 or cfg.entropy_gate or cfg.entropy_gamma > 0
     tis = cfg.tis_cap > 0 and run.sampler is not run.policy
-    sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0) | (
-        dict(tis=0.0, tis_capped=0.0) if tis else {}
-    )
+    sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, anchor_tokens=0.0, anchor_p=0.0)
+    sums |= dict(tis=0.0, tis_capped=0.0) if tis else {}
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
@@ -603,14 +661,17 @@ def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: 
                 run.policy.set_requires_gradient_sync(sync)
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), precision(run):
                 logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=epoch == 0 and not have_ent)
+                off = None if off_policy is None else off_policy[rows]
+                sampled = completion[rows] if off is None else completion[rows] & ~off  # anchors: no sampler logp
                 old, w = old_logp[rows] if need_old else logp.detach(), weight[rows]
                 if tis:  # rollouts from a cast copy: reweight tokens by min(pi_old / pi_sampler, cap)
-                    w_is = truncated_is_weights(old, mb.sampler_logp, completion[rows], cfg.tis_cap)
+                    w_is = truncated_is_weights(old, mb.sampler_logp, sampled, cfg.tis_cap)
                     w = w * w_is
                 loss, metrics = policy_loss(
                     logp, old, adv[rows], w,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.beta, sequence_ratio=cfg.sequence_ratio,
-                    ref_logp=None if ref_logp is None else ref_logp[rows],
+                    ref_logp=None if ref_logp is None else ref_logp[rows], off_policy=off,
+                    off_policy_gamma=cfg.anchor_gamma,
                 )  # fmt: skip
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
@@ -618,11 +679,14 @@ def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: 
                 sums["loss"] += loss.item()
                 sums["clip_frac"] += metrics["clip_frac"] * mask.sum().item()
                 sums["kl"] += metrics.get("kl", 0.0) * mask.sum().item()
-                sums["logp_gap"] += ((logp.detach() - mb.sampler_logp).abs() * mask).sum().item()
+                sums["logp_gap"] += ((logp.detach() - mb.sampler_logp).abs() * sampled).sum().item()
                 sums["entropy"] += ((ent if ent is not None else entropy[rows]) * mask).sum().item()
                 if tis:
-                    sums["tis"] += (w_is * mask).sum().item()
-                    sums["tis_capped"] += ((w_is >= cfg.tis_cap) * mask).sum().item()
+                    sums["tis"] += (w_is * sampled).sum().item()
+                    sums["tis_capped"] += ((w_is >= cfg.tis_cap) & sampled).sum().item()
+                if off is not None:  # off_policy is a subset of completion
+                    sums["anchor_tokens"] += off.sum().item()
+                    sums["anchor_p"] += (logp.detach().exp() * off).sum().item()
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 
@@ -672,12 +736,15 @@ def log(run: Run, row: dict, file: str = "metrics.jsonl") -> None:
 
 
 def step_metrics(run: Run, ro: Rollouts, completion: torch.Tensor, sums: dict, grad_norm: torch.Tensor,
-                 batch_accuracy: float, n_resampled: int, times: dict) -> dict:  # fmt: skip
-    """The metrics row of a step (global over ranks unless noted); also records the gradient norm."""
+                 batch_accuracy: float, n_resampled: int, anchors: dict, times: dict) -> dict:  # fmt: skip
+    """The metrics row of a step (global over ranks unless noted); also records the gradient norm. Rewards,
+    accuracy, lengths and tokens are those of the policy's own rollouts `ro` (before any anchor); the loss
+    diagnostics cover every trained token of `completion`, anchors included (logp_gap: the sampled ones)."""
     world, tree, state, M = run.world, ro.tree, run.state, run.cfg.answers
     state["grad_norms"].append(grad_norm.item())
     gss, gss10 = gradient_spike_score(state["grad_norms"])
     n_tok = max(all_sum(completion.sum(), world).item(), 1)
+    n_anchor_tok = all_sum(sums["anchor_tokens"], world).item()
     gen_tokens = all_sum(sum(map(len, tree.thoughts)) + sum(map(len, tree.answers)), world).item()
     group = ro.reward.view(ro.reward.shape[0], -1)
     return {
@@ -697,11 +764,11 @@ def step_metrics(run: Run, ro: Rollouts, completion: torch.Tensor, sums: dict, g
         "len/completion_mean": ro.lengths.float().mean().item(),
         "truncated_frac": sum(f == "length" for f in tree.answer_finish) / len(tree.answer_finish),
         "thought_truncated_frac": sum(tree.thought_truncated) / len(tree.thought_truncated) if M > 1 else 0.0,
-        "logp_gap": all_sum(sums["logp_gap"], world).item() / n_tok,
+        "logp_gap": all_sum(sums["logp_gap"], world).item() / max(n_tok - n_anchor_tok, 1),
         **(
             {
-                "tis/mean": all_sum(sums["tis"], world).item() / n_tok,
-                "tis/capped_frac": all_sum(sums["tis_capped"], world).item() / n_tok,
+                "tis/mean": all_sum(sums["tis"], world).item() / max(n_tok - n_anchor_tok, 1),
+                "tis/capped_frac": all_sum(sums["tis_capped"], world).item() / max(n_tok - n_anchor_tok, 1),
             }
             if "tis" in sums
             else {}
@@ -710,6 +777,8 @@ def step_metrics(run: Run, ro: Rollouts, completion: torch.Tensor, sums: dict, g
         "skipped_steps": state["skipped_steps"],
         "lr": run.scheduler.get_last_lr()[0],
         **dict(zip(("noise/rho_plus", "noise/rho_minus"), state.get("noise_rates") or ())),
+        **{k: int(all_sum(v, world).item()) for k, v in anchors.items()},  # --anchors: per-step group counts
+        **({"anchors/p_mean": all_sum(sums["anchor_p"], world).item() / max(n_anchor_tok, 1)} if anchors else {}),
         **{f"time/{k}_s": v for k, v in times.items()},
         "tokens/generated": gen_tokens,
         "tokens_per_s": gen_tokens / max(times["sample"], 1e-9),
@@ -782,10 +851,13 @@ def main(cfg: TrainConfig) -> dict:
             ro = Rollouts(examples, prompts, tree, *score(run, examples, tree, seeds))
             batch_accuracy = (all_sum(ro.correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
             n_resampled = dynamic_sampling(run, step, slots, ro) if cfg.dynamic_sampling else 0
+        # 2c. DaGRPO anchors: the reference solution replaces the last rollout of each group with no correct one
+        trained, anchors = splice_anchors(run, ro) if cfg.anchors else (ro, {})
         t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
 
         # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
-        batch = pack(ro.prompts, ro.tree, cfg.thoughts, cfg.answers, run.tokenizer.pad_id, run.device, cfg.share_prompt)
+        batch = pack(trained.prompts, trained.tree, cfg.thoughts, cfg.answers, run.tokenizer.pad_id, run.device,
+                     cfg.share_prompt)  # fmt: skip
         micro = [
             (rows, select_rows(batch, rows)) for rows in split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
         ]
@@ -793,16 +865,17 @@ def main(cfg: TrainConfig) -> dict:
         old_logp, ref_logp, entropy = score_pass(run, micro, batch.ids.shape)
         mem["score_pass"] = memory_peak(run.device)
         # 5. advantages: per sequence, then per-token adv and weight for the whole step
-        adv, weight, completion = advantages(run, ro, batch, entropy, batch_accuracy)
-        # 6. update: mu epochs, each one optimizer step over all micro-batches
+        adv, weight, completion = advantages(run, trained, batch, entropy, batch_accuracy)
+        off_policy = None if trained.anchor is None else completion & trained.anchor.view(-1, 1).to(run.device)
+        # 6. update: mu epochs, each one optimizer step over all micro-batches (anchor tokens off-policy)
         t1 = time.perf_counter()
-        sums, grad_norm = update(run, step, micro, adv, weight, old_logp, ref_logp, entropy, completion)
+        sums, grad_norm = update(run, step, micro, adv, weight, old_logp, ref_logp, entropy, completion, off_policy)
         t_update, mem["update"] = time.perf_counter() - t1, memory_peak(run.device)
 
         # 7. log, evaluate, save
         run.state["step"] = step + 1
         times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
-        row = step_metrics(run, ro, completion, sums, grad_norm, batch_accuracy, n_resampled, times)
+        row = step_metrics(run, ro, completion, sums, grad_norm, batch_accuracy, n_resampled, anchors, times)
         row.update({f"mem/{k}_gib": v for k, v in mem.items()})  # peak RSS (CPU) or allocated (CUDA) per phase
         log(run, row)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")

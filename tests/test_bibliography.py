@@ -1,7 +1,8 @@
 """The bibliography's three ideas wired into the trainer: hard-example selection from a pass-rate file
 (Hard Examples), injected reward noise and its correction (noise-corrected GRPO), DaGRPO's pair mask over a
-task's partial credit (a reconstruction). Partial credit has exact hand values, the pass-rate file resumes to
-the same rows, selection picks the right examples, zero noise changes nothing, and every bad flag is one line."""
+task's partial credit (a reconstruction; its anchors are tested in test_anchors.py). Partial credit has exact
+hand values, the pass-rate file resumes to the same rows, selection picks the right examples, zero noise
+changes nothing, and every bad flag is one line."""
 
 from __future__ import annotations
 
@@ -199,11 +200,15 @@ def test_reward_noise_flips_rewards_but_not_correctness(tmp_path):
 
 
 def test_dagrpo_preset_runs(tmp_path):
-    """Guards against the dagrpo preset losing Dr. GRPO's settings or crashing on the pair mask."""
+    """Guards against the dagrpo preset losing Dr. GRPO's settings, its anchors, or crashing on the pair mask
+    and the anchors (at SMALL's 18-token limit these steps' references do not fit: skipped and counted)."""
     cfg = TrainConfig(**SMALL, out=str(tmp_path / "run"), **PRESETS["dagrpo"])
     assert (cfg.std_normalize, cfg.aggregation, cfg.pair_delta) == (False, "seq_mean_token_sum_norm", 0.1)
+    assert (cfg.anchors, cfg.anchor_gamma) == (True, 0.1)
     train.main(cfg)
-    assert [r["step"] for r in rows_of(cfg.out) if "loss" in r] == [1, 2]
+    steps = [r for r in rows_of(cfg.out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [(r["anchors"], r["anchors/too_long"] > 0) for r in steps] == [(0, True), (0, True)]
 
 
 def test_noise_correct_auto_runs_and_logs_its_rates(tmp_path):
@@ -272,4 +277,5 @@ def test_selection_changes_no_default_number():
     """Guards against the new flags' defaults changing a default run: all off, and the config unchanged."""
     cfg = TrainConfig()
     assert (cfg.select, cfg.pass_rates, cfg.reward_noise, cfg.noise_correct, cfg.pair_delta) == ("", "", "", "", -1.0)
+    assert cfg.anchors is False
     assert dataclasses.replace(cfg) == cfg
