@@ -365,8 +365,10 @@ def setup(cfg: TrainConfig) -> Run:
     # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too),
     # which optimizer_step copies the gradients to and the new weights back from.
     host = [host_copy(p, device) for p in policy.parameters()] if cfg.optimizer_offload else None
+    # fused: one kernel over all parameters (7.6x the default per-tensor loop on this CPU, as TRL's default
+    # adamw_torch_fused); FSDP's sharded DTensor parameters keep the default implementation.
     optimizer = torch.optim.AdamW(host or policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                  weight_decay=cfg.weight_decay)  # fmt: skip
+                                  weight_decay=cfg.weight_decay, fused=not fsdp)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
