@@ -72,7 +72,7 @@ from checkpoint import (
     save_checkpoint,
 )
 from cli import UserError, parse_config, user_errors
-from distributed import all_sum, full_params, gather_full_state, memory_peak, setup_distributed
+from distributed import all_sum, fixed_mmap_threshold, full_params, gather_full_state, memory_peak, setup_distributed
 from eval import calibrate_noise, decode_completion, evaluate, select_examples
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
 from pack import Batch, pack, select_rows, split_rows, token_stats
@@ -318,6 +318,7 @@ def setup(cfg: TrainConfig) -> Run:
     """Distributed init; then data, output directory and checkpoint are checked before any model is
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
     rank, world, device = setup_distributed(cfg)
+    fixed_mmap_threshold()  # CPU: freed activations go back to the OS (a fragmenting heap cost GiBs at 0.5B)
     task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
     task = select_examples(task, cfg.pass_rates, cfg.select, cfg.select_fraction, cfg.seed) if cfg.select else task
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
