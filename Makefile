@@ -43,10 +43,10 @@ bench: $(STAMP)         ## speed comparisons, printed as ratios
 	$(PY) bench/bench_trl.py
 	$(PY) bench/bench_trl.py --no-share-prompt
 
-experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 50 minutes on 2 cores
+experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 2 hours on 2 cores (skips finished runs)
 	$(PY) experiments/run.py
 
-experiments-quick: $(STAMP)  ## the same suite, 1 seed x 20 steps: under 4 minutes
+experiments-quick: $(STAMP)  ## the same suite, 1 seed x a tenth of the steps: under 15 minutes
 	$(PY) experiments/run.py --quick
 
 tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervised warm start)

@@ -8,9 +8,10 @@ with "prompt" (the user message) and "answer" (the reference) plus task fields; 
 from a file also keeps "_where" ("PATH line N") so later errors can name its line.
 
 Built in (no files): "synthetic" (the bundled default: addition with a carry scratchpad),
-"synthetic-hard" (4-digit operands, out of distribution for a model trained on "synthetic"),
-"countdown". From local JSONL (`data=`, `test_data=`): "gsm8k", "math", "code", and "jsonl"
-(format detected from the first line). Rewards are correctness only by default (no format term);
+"synthetic-vertical" (the same sums written on two lines: the out-of-distribution split, see
+SYNTHETIC_VARIANTS), "synthetic-hard" (4-digit operands: no model here solves any), "countdown".
+From local JSONL (`data=`, `test_data=`): "gsm8k", "math", "code", and "jsonl" (format detected
+from the first line). Rewards are correctness only by default (no format term);
 combine with rewards.format_reward in the trainer when wanted.
 
 Callers check sizes before they start: `check_sizes` (enough distinct examples for one step and
@@ -48,7 +49,24 @@ SYSTEM_PROMPT = (
 # the tiny tokenizer has them as single tokens (`</think>` is sample_tree's end-of-thought marker).
 SYNTHETIC_CHARS = "\n+0123456789="
 
-TASK_NAMES = ("synthetic", "synthetic-hard", "countdown", "gsm8k", "math", "code", "jsonl")
+# The synthetic task and its out-of-distribution variants: name -> (operand digit counts, prompt layout).
+# "synthetic-vertical" is the split for out-of-distribution claims (GTPO): the same skill and the same 1-3
+# digit sums (for one seed, the very pairs of "synthetic"'s held-out split), in column layout, "357\n+68", a
+# prompt format the bundled model never saw in its warm start or in RL. Longer operands cannot serve: the
+# bundled model writes at most 3 scratchpad lines, so it scores 0% on every sum with a 4-digit operand (even
+# 1234+5), before and after RL. In column layout it keeps part of its skill, so there is room to gain or
+# lose: `eval.py --task synthetic-vertical --n 16` on the 200 held-out sums gives 13.5% greedy and 25.5%
+# pass@16 for assets/tiny-model (42.5% and 67.5% inline), and 14.0% greedy, 18.0% pass@16 after 100 steps
+# of GRPO on the inline format (72.5% and 85.5% inline). A trailing "=", "12+34=", was the other candidate
+# format: 7.3% greedy on 1000 sums, too near the floor for 200 prompts.
+SYNTHETIC_VARIANTS = {
+    "synthetic": ((1, 2, 3), "inline"),
+    "synthetic-vertical": ((1, 2, 3), "vertical"),
+    "synthetic-hard": ((4,), "inline"),
+}
+PROMPT_LAYOUTS = {"inline": "{a}+{b}", "vertical": "{a}\n+{b}"}  # how a+b is written in the prompt
+
+TASK_NAMES = (*SYNTHETIC_VARIANTS, "countdown", "gsm8k", "math", "code", "jsonl")
 
 # Characters one field of a file example may hold (a prompt, answer, solution or the tests): far
 # above real data (a MATH solution is ~1-5k), low enough that a corrupt line is caught on load.
@@ -82,7 +100,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
     """The task called `name`. File tasks read `data` (JSONL); their test split is every 10th
     example of it, or all of `test_data` when given (then all of `data` is training, and `data`
     may be None for an evaluation). A field of a file example holds at most `max_chars` characters."""
-    if name in ("synthetic", "synthetic-hard", "countdown"):
+    if name in SYNTHETIC_VARIANTS or name == "countdown":
         for flag, value in (("--data", data), ("--test-data", test_data)):
             if value is not None:
                 raise ValueError(f"task '{name}' is generated and takes no data file; drop {flag}.")
@@ -95,13 +113,13 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
                 lambda n, seed: countdown_examples(n, seed, held_out=True),
                 SYSTEM_PROMPT,
             )
-        digits = (1, 2, 3) if name == "synthetic" else (4,)
+        digits, layout = SYNTHETIC_VARIANTS[name]
         return Task(
             name,
             exact_reward,
             exact_reward,
-            lambda n, seed: addition_examples(n, seed, digits),
-            lambda n, seed: addition_examples(n, seed, digits, held_out=True),
+            lambda n, seed: addition_examples(n, seed, digits, layout=layout),
+            lambda n, seed: addition_examples(n, seed, digits, held_out=True, layout=layout),
             None,
             partial_credit=synthetic_partial_credit,
             reference=sft_completion,
@@ -208,16 +226,19 @@ def _is_held_out(key: str) -> bool:
     return zlib.crc32(key.encode()) % 10 == 0
 
 
-def addition_examples(n: int, seed: int, digits: tuple[int, ...] = (1, 2, 3), held_out: bool = False) -> list[dict]:
-    """n addition problems a+b, each operand's digit count drawn from `digits`. A pair {a, b}
-    (unordered, so 68+357 is held out with 357+68) is held out when its hash % 10 == 0; train
-    and test draw from the same distribution and never share a pair."""
+def addition_examples(
+    n: int, seed: int, digits: tuple[int, ...] = (1, 2, 3), held_out: bool = False, layout: str = "inline"
+) -> list[dict]:
+    """n addition problems a+b, each operand's digit count drawn from `digits`, the prompt written
+    in `layout` (PROMPT_LAYOUTS: "357+68" or "357\n+68"; the layout does not change which pairs
+    are drawn). A pair {a, b} (unordered, so 68+357 is held out with 357+68) is held out when its
+    hash % 10 == 0; train and test draw from the same distribution and never share a pair."""
     rng = random.Random(f"addition:{held_out}:{seed}")
     examples = []
     while len(examples) < n:
         a, b = (rng.randrange(10 ** (d - 1) if d > 1 else 0, 10**d) for d in rng.choices(digits, k=2))
         if _is_held_out(f"{min(a, b)}+{max(a, b)}") == held_out:
-            examples.append({"prompt": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b})
+            examples.append({"prompt": PROMPT_LAYOUTS[layout].format(a=a, b=b), "answer": str(a + b), "a": a, "b": b})
     return examples
 
 

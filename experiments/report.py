@@ -19,10 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from eval import plot_runs, read_metrics  # noqa: E402
 
 GRPO_MA = ("grpo_t16a1", "grpo_t4a1", "grpo_ma_t4a4", "grpo_ma_t4a8")
+STRESS = ("stress_grpo_t4a1", "stress_grpo_ma_t3a3")
 TWO_GRPO = ("grpo_t16a1", "two_grpo_lr8x", "two_grpo_lr1x", "two_grpo_p16")
-AGRAE = ("grpo_t16a1", "grpo_agrae", "dr_grpo", "dr_grpo_agrae", "dapo", "dapo_agrae")
+AGRAE = ("grpo_t8", "dr_grpo_t8", "agrae_t8_a1", "agrae_t8_a05")
 GTPO = ("grpo_t16a1", "gtpo")
-KS = (1, 2, 4, 8, 16)
+HARD = ("grpo_t16a1", "select_hardest10", "select_random10")
+NOISE = ("dr_grpo", "dr_grpo_noisy", "dr_grpo_noisy_corrected", "dr_grpo_noisy_lr_scaled")
+DAGRPO = ("grpo_t8", "dr_grpo_t8", "dagrpo_t8")
+KS64 = (1, 2, 4, 8, 16, 32, 64)  # pass@k of eval.py --n 64 (evals/*.passk64.json)
 
 
 def summarise(run: str) -> dict:
@@ -40,6 +44,7 @@ def summarise(run: str) -> dict:
         "step_s": statistics.mean(r["time/step_s"] for r in train),
         "tokens": sum(r["tokens/generated"] for r in train),
         "gss10": train[-1]["gss10_frac"],
+        "spikes": sum(r["gss"] > 10 for r in train),
         "gss_max": max(r["gss"] for r in train),
         "grad_mean": statistics.mean(norms),
         "grad_cv": statistics.pstdev(norms) / statistics.mean(norms),
@@ -47,6 +52,7 @@ def summarise(run: str) -> dict:
         "entropy_last": statistics.mean(r["entropy"] for r in train[-10:]),
         "entropy_min": min(r["entropy"] for r in train),
         "reward_last": statistics.mean(r["reward/mean"] for r in train[-10:]),
+        "correct_last": statistics.mean(r["accuracy"] for r in train[-10:]),  # the task's correctness, not the reward
         "zero_std": statistics.mean(r["frac_zero_std_groups"] for r in train),
     }
 
@@ -78,8 +84,8 @@ def load_json(path: str) -> dict | None:
 
 
 def evals_of(runs_dir: str, name: str, kind: str) -> list[dict]:
-    """eval.py results (`kind` passk or ood) of a configuration's finished seeds, or of the start model
-    (name "base"); missing files are skipped."""
+    """eval.py results (`kind`: passk, passk64 or ood) of a configuration's finished seeds, or of the start
+    model (name "base"); missing files are skipped."""
     keys = ["base"] if name == "base" else [os.path.basename(d) for d in seeds_of(runs_dir, name)]
     found = [load_json(os.path.join(runs_dir, "evals", f"{k}.{kind}.json")) for k in keys]
     return [j["results"] for j in found if j]
@@ -102,7 +108,7 @@ def main() -> None:
     ]
     base = S[next(iter(S))][0]["greedy0"]
 
-    # 1. GRPO-MA against GRPO at matched compute
+    # 1. GRPO-MA against GRPO at matched compute, and at matched generated tokens in the stress setting
     ref_t = statistics.mean(col("grpo_t16a1", "step_s")) if "grpo_t16a1" in S else None
     rows = []
     for n in [n for n in GRPO_MA if n in S]:
@@ -137,6 +143,28 @@ def main() -> None:
         )
         + "\n"
     )
+    rows = [
+        [
+            n,
+            str(S[n][0]["steps"]),
+            ms(col(n, "greedy"), scale=100),
+            ms(col(n, "mean4"), scale=100),
+            ms(col(n, "tokens"), "{:.0f}", 1e-3),
+            ms(col(n, "gss10"), "{:.3f}"),
+            f"{sum(x > 0 for x in col(n, 'spikes'))} of {len(S[n])}",
+            ms(col(n, "spikes"), "{:.1f}"),
+            ms(col(n, "gss_max"), "{:.1f}"),
+            ms(col(n, "grad_cv"), "{:.2f}"),
+            ms(col(n, "zero_std"), "{:.2f}"),
+        ]
+        for n in STRESS
+        if n in S
+    ]
+    if rows:
+        out.append("## Gradient spikes: GRPO T4A1 against GRPO-MA T3A3 at matched generated tokens (stress setting)\n")
+        header = ["config", "steps", "greedy %", "mean@4 %", "generated tokens (k)", "GSS@10", "seeds with a spike"]
+        header += ["steps with GSS > 10", "max GSS", "grad-norm CV", "zero-std groups"]
+        out.append(table(header, rows) + "\n")
 
     # 2. the variance claim
     var = load_json(os.path.join(args.runs, "evals", "variance.json"))
@@ -217,54 +245,93 @@ def main() -> None:
             + "\n"
         )
 
-    # 4. A-GRAE: pass@k on the same held-out prompts (eval.py --n 16)
-    passk = {n: res for n in ("base",) + AGRAE if (res := evals_of(args.runs, n, "passk"))}
-    if passk:
-        rows = [
-            [n, ms([r["greedy_accuracy"] for r in res], scale=100)]
-            + [ms([r[f"pass@{k}"] for r in res], scale=100) for k in KS]
-            + [ms([r["format_rate"] for r in res], scale=100)]
-            for n, res in passk.items()
-        ]
-        out.append("## A-GRAE: pass@k (eval.py, 16 samples on the same held-out prompts)\n")
-        out.append(table(["config", "greedy %"] + [f"pass@{k} %" for k in KS] + ["format %"], rows) + "\n")
-        plot_passk(passk, os.path.join(args.out, "agrae_passk.png"))
-
-    # 5. GTPO: entropy, stability, in-distribution and synthetic-hard (OOD) accuracy
+    # 4. A-GRAE at 300 steps: pass@1..64 on the same held-out prompts (eval.py --n 64)
     pct = lambda res, key: ms([r[key] for r in res], scale=100) if res else ""  # noqa: E731
-    ood = evals_of(args.runs, "base", "ood")
-    rows = [["base", f"{100 * base:.1f}", "", "", "", "", pct(ood, "greedy_accuracy"), pct(ood, "pass@16")]]
+    passk64 = {n: res for n in ("base",) + AGRAE + DAGRPO if (res := evals_of(args.runs, n, "passk64"))}
+    agrae = {n: res for n, res in passk64.items() if n == "base" or n in AGRAE}
+    rows = [
+        [n, pct(res, "greedy_accuracy")] + [pct(res, f"pass@{k}") for k in KS64] + [pct(res, "format_rate")]
+        for n, res in agrae.items()
+    ]
+    if rows:
+        out.append("## A-GRAE at 300 steps: pass@k (eval.py, 64 samples on the same held-out prompts)\n")
+        out.append(table(["config", "greedy %"] + [f"pass@{k} %" for k in KS64] + ["format %"], rows) + "\n")
+        plot_passk(agrae, os.path.join(args.out, "agrae_passk.png"))
+        dagrpo = {n: res for n, res in passk64.items() if n == "base" or n in DAGRPO}
+        plot_passk(dagrpo, os.path.join(args.out, "dagrpo_passk.png"))
+    rows = [
+        [n, ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100), ms(col(n, "reward_last"), "{:.3f}")]
+        + [ms(col(n, "entropy_last"), "{:.3f}"), ms(col(n, "zero_std"), "{:.2f}")]
+        for n in AGRAE
+        if n in S
+    ]
+    if rows:
+        out.append("A-GRAE training (300 steps, 16 prompts x 8 samples):\n")
+        header = ["config", "greedy %", "mean@4 %", "train reward, last 10", "entropy, last 10", "zero-std groups"]
+        out.append(table(header, rows) + "\n")
+
+    # 5. GTPO: entropy, stability, in-distribution and synthetic-vertical (out-of-distribution) accuracy
+    ev = lambda n, kind: evals_of(args.runs, n, kind)  # noqa: E731
+    rows = [["base", pct(ev("base", "passk"), "greedy_accuracy"), "", pct(ev("base", "passk"), "pass@16")]]
+    rows[0] += ["", "", "", ""] + [pct(ev("base", "ood"), k) for k in ("greedy_accuracy", "pass@1", "pass@16")]
     for n in [n for n in GTPO if n in S]:
-        ood = evals_of(args.runs, n, "ood")
         rows.append(
             [
                 n,
                 ms(col(n, "greedy"), scale=100),
                 ms(col(n, "mean4"), scale=100),
+                pct(ev(n, "passk"), "pass@16"),
                 ms(col(n, "entropy_first"), "{:.3f}"),
                 ms(col(n, "entropy_last"), "{:.3f}"),
+                ms(col(n, "grad_mean"), "{:.2f}"),
                 ms(col(n, "gss10"), "{:.3f}"),
-                pct(ood, "greedy_accuracy"),
-                pct(ood, "pass@16"),
             ]
+            + [pct(ev(n, "ood"), k) for k in ("greedy_accuracy", "pass@1", "pass@16")]
         )
-    out.append("## GTPO against GRPO\n")
-    out.append(
-        table(
-            [
-                "config",
-                "greedy %",
-                "mean@4 %",
-                "entropy, step 1",
-                "entropy, last 10 steps",
-                "GSS@10",
-                "synthetic-hard greedy %",
-                "synthetic-hard pass@16 %",
-            ],
-            rows,
-        )
-        + "\n"
-    )
+    out.append("## GTPO against GRPO (in distribution, and synthetic-vertical: out of distribution)\n")
+    header = ["config", "greedy %", "mean@4 %", "pass@16 %", "entropy, step 1", "entropy, last 10 steps"]
+    header += ["mean grad norm", "GSS@10", "OOD greedy %", "OOD pass@1 %", "OOD pass@16 %"]
+    out.append(table(header, rows) + "\n")
+
+    # 6. Hard examples: the hardest or a random 10% of the rated training examples, against all of them
+    rows = [
+        [n, ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100)]
+        + [pct(ev(n, "passk"), "pass@1"), pct(ev(n, "passk"), "pass@16")]
+        + [pct(ev(n, "ood"), "greedy_accuracy"), pct(ev(n, "ood"), "pass@16")]
+        + [ms(col(n, "reward_last"), "{:.3f}"), ms(col(n, "zero_std"), "{:.2f}")]
+        for n in HARD
+        if n in S
+    ]
+    if len(rows) > 1:
+        out.append("## Hard examples: training on the hardest 10%, a random 10% or all of the data (100 steps)\n")
+        header = ["config", "greedy %", "mean@4 %", "pass@1 %", "pass@16 %", "OOD greedy %", "OOD pass@16 %"]
+        out.append(table(header + ["train reward, last 10", "zero-std groups"], rows) + "\n")
+
+    # 7. Reward noise: flipped rewards, their correction, and the learning rate scaled instead (Dr. GRPO)
+    rows = [
+        [n, ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100), pct(ev(n, "passk"), "pass@16")]
+        + [ms(col(n, "correct_last"), "{:.3f}"), ms(col(n, "reward_last"), "{:.3f}"), ms(col(n, "grad_mean"), "{:.2f}")]
+        for n in NOISE
+        if n in S
+    ]
+    if len(rows) > 1:
+        out.append("## Reward noise (rho+ = rho- = 0.2) and its correction, on Dr. GRPO (100 steps)\n")
+        header = ["config", "greedy %", "mean@4 %", "pass@16 %", "train correct, last 10", "train reward, last 10"]
+        out.append(table(header + ["mean grad norm"], rows) + "\n")
+
+    # 8. DaGRPO (a reconstruction) against GRPO and Dr. GRPO: accuracy, gradient spikes, pass@k
+    rows = [
+        [n, ms(col(n, "greedy"), scale=100), ms(col(n, "mean4"), scale=100)]
+        + [pct(passk64.get(n), f"pass@{k}") for k in (1, 16, 64)]
+        + [ms(col(n, "gss10"), "{:.3f}"), ms(col(n, "gss_max"), "{:.1f}"), ms(col(n, "grad_cv"), "{:.2f}")]
+        + [ms(col(n, "zero_std"), "{:.2f}")]
+        for n in DAGRPO
+        if n in S
+    ]
+    if len(rows) > 1:
+        out.append("## DaGRPO (reconstruction) against GRPO and Dr. GRPO (300 steps, 16 prompts x 8 samples)\n")
+        header = ["config", "greedy %", "mean@4 %", "pass@1 %", "pass@16 %", "pass@64 %", "GSS@10", "max GSS"]
+        out.append(table(header + ["grad-norm CV", "zero-std groups"], rows) + "\n")
 
     # every configuration in one table
     rows = [
@@ -294,15 +361,20 @@ def main() -> None:
         ("grpo_ma_tokens.png", GRPO_MA, "tokens", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
         ("grpo_ma_grad.png", GRPO_MA, "step", ["grad_norm", "gss", "frac_zero_std_groups"]),
         ("two_grpo_time.png", TWO_GRPO, "time", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
-        ("agrae.png", AGRAE, "step", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
+        ("stress_grad.png", STRESS, "tokens", ["grad_norm", "gss", "eval/accuracy"]),
+        ("agrae.png", AGRAE, "step", ["eval/accuracy", "eval/mean@4", "reward/mean", "entropy"]),
         ("gtpo.png", GTPO, "step", ["entropy", "eval/accuracy", "grad_norm"]),
+        ("hard_examples.png", HARD, "step", ["eval/accuracy", "eval/mean@4", "reward/mean"]),
+        ("noise.png", NOISE, "step", ["eval/accuracy", "accuracy", "reward/mean", "grad_norm"]),
+        ("dagrpo.png", DAGRPO, "step", ["eval/accuracy", "grad_norm", "gss"]),
     ]
     for file, group, x, keys in plots:
         if runs(group):
             print(plot_runs(runs(group), os.path.join(args.out, file), x=x, keys=keys))
 
 
-def plot_passk(passk: dict, out: str) -> None:
+def plot_passk(passk: dict, out: str, ks: tuple[int, ...] = KS64) -> None:
+    """pass@k against k (log scale), one line per configuration (mean over seeds); A-GRAE dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,8 +383,8 @@ def plot_passk(passk: dict, out: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for n, res in passk.items():
         ax.plot(
-            KS,
-            [100 * statistics.mean(r[f"pass@{k}"] for r in res) for k in KS],
+            ks,
+            [100 * statistics.mean(r[f"pass@{k}"] for r in res) for k in ks],
             marker="o",
             label=n,
             linestyle="--" if "agrae" in n else "-",

@@ -1,168 +1,274 @@
 """experiments/run.py: the papers' claims, side by side on the bundled task, in one command.
 
-    python experiments/run.py             # 3 seeds x 100 steps: 47 minutes on 2 CPU cores
-    python experiments/run.py --quick     # 1 seed x 20 steps, 50 eval prompts: under 4 minutes
-    python experiments/run.py --jobs 4    # runs at a time (default: one per CPU core)
+    python experiments/run.py             # 3 seeds: about 2 hours on 2 CPU cores (budget below)
+    python experiments/run.py --quick     # 1 seed, a tenth of the steps, 50 eval prompts: under 15 minutes
+    python experiments/run.py --jobs 1 --threads 1   # runs at a time, threads each (default: one run per core)
 
 Every run goes through train.py and eval.py flags only; nothing here changes an algorithm.
-Runs land in runs/exp/ (runs/exp-quick/ with --quick) as NAME-s<seed>/; a finished run (its
-final/ checkpoint, or its eval JSON) is skipped, so an interrupted suite continues where it
-stopped. experiments/report.py then writes the tables and plots (docs/results.md links them).
+Runs land in runs/exp/ (runs/exp-quick/ with --quick) as NAME-s<seed>/, evaluations in evals/.
+experiments/report.py then writes the tables and plots (docs/results.md links them).
+
+Finished work is skipped, so an interrupted suite continues where it stopped: each job records
+what it runs in OUT/jobs/NAME.json when it starts, and is done when that record equals what it
+would run now (flags and SUITE) and its output exists, newer than every checkpoint it reads. An
+interrupted training run continues from its last step-N checkpoint (train.py --resume); anything
+else (no record, another record, no checkpoint) starts again with --overwrite. A finished run
+keeps only final/. Bump SUITE when a code change invalidates finished runs.
 
 Claims and the runs that test them (same task, model, lengths and base learning rate throughout):
   GRPO-MA   grpo_t16a1 grpo_t4a1 grpo_ma_t4a4 grpo_ma_t4a8 (TkAm: k thoughts, m answers each),
             plus experiments/variance.py on the start and end policies
+  spikes    stress_grpo_t4a1 against stress_grpo_ma_t3a3: 2 prompts per step, temperature 0.5,
+            200 steps, where GRPO's gradient norm does spike (GSS@10 0.015, 0.010, 0.020 in 3 probe
+            seeds); T3A3 generates as many tokens as T4A1 (36-37k against 35-50k per run in the probes).
+            A hostile setting: most steps are all ties (zero gradient), GRPO's greedy accuracy falls to
+            about 10%, and a spike is a step where one group carries the whole gradient
   2-GRPO    two_grpo_lr8x (its recipe: prompts x8, lr x8, steps / 8, so the same prompts as
             grpo_t16a1), two_grpo_lr1x (same, base lr), two_grpo_p16 (16 prompts, 100 steps)
-  A-GRAE    {grpo, dr_grpo, dapo} with and without --advantage agrae, then pass@1..16
-  GTPO      gtpo against grpo_t16a1, then accuracy on synthetic-hard (4-digit operands: OOD)
+  A-GRAE    agrae_t8_a1, agrae_t8_a05 (alpha 1 and 0.5, the paper's two values) against grpo_t8 and
+            dr_grpo_t8: 300 steps, groups of 8 (A-GRAE's rollout.n), then pass@1..64 (eval.py --n 64)
+  GTPO      gtpo against grpo_t16a1 (re-run: the conflict weights now take the raw advantage's sign),
+            then pass@k in distribution and on synthetic-vertical (out of distribution: the same sums in
+            column layout, where the start model scores 13.5% greedy; every 4-digit sum scores 0%)
+  Hard      select_hardest10, select_random10 (10% of 2000 rated training examples, from eval.py
+  Examples  --pass-rates --k 10 on the start model) against grpo_t16a1 (all data), 100 steps each
+  noise     dr_grpo (clean) against dr_grpo_noisy (--reward-noise 0.2,0.2), dr_grpo_noisy_corrected
+            (--noise-correct 0.2,0.2) and dr_grpo_noisy_lr_scaled (lr x 1/(1 - 0.2 - 0.2)); Dr. GRPO
+            because a std normalisation cancels the correction
+  DaGRPO    dagrpo_t8 (the reconstruction, --algo dagrpo) against grpo_t8 and dr_grpo_t8: accuracy,
+            gradient spikes, pass@1..64
+Left out since the previous round: A-GRAE at 100 steps on GRPO, Dr. GRPO and DAPO, and dapo (the
+300-step A-GRAE runs replace them).
+
+Time budget of the full suite: seconds of one job at one thread, from this round's probes and the
+previous suite's per-step times (2 jobs x 1 thread on 2 cores, under other users' load), each with
+its start-up and five in-run evaluations of 200 prompts:
+
+  | jobs (x 3 seeds)                                                     | each s | jobs | total s |
+  |----------------------------------------------------------------------|--------|------|---------|
+  | 300 steps, 16 prompts x 8: agrae_t8_a1, _a05, grpo_t8, dr_grpo_t8, dagrpo_t8 | 360 | 15 | 5400 |
+  | 100 steps, 16 x 16: gtpo, grpo_t16a1, dr_grpo and its 3 noise arms   | 245    | 18   | 4410    |
+  | 100 steps, 16 x 16 on the selected 10%: select_hardest10, _random10  | 250    | 6    | 1500    |
+  | 100 steps: grpo_ma_t4a8, grpo_ma_t4a4, grpo_t4a1                     | 115    | 9    | 1035    |
+  | two_grpo_lr8x, _lr1x (13 steps), two_grpo_p16 (100 steps)            | 70     | 9    | 630     |
+  | 200 steps, 2 x 4 or 2 x 3x3: stress_grpo_t4a1, stress_grpo_ma_t3a3   | 100    | 6    | 600     |
+  | eval.py: pass rates (2000 x 10), 25 pass@16, 16 pass@64, 13 OOD; variance | 5-60 | 56 | 1050   |
+  | all 119 jobs, 2 at a time                                            |        |      | 14625 / 2 = 2.0 h |
+
+--quick (1 seed, a tenth of the steps, 50 eval prompts, 200 rated examples) took 13 min 19 s at
+--jobs 1 --threads 1 (about 7 minutes at 2 jobs).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import glob
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUITE = "16"  # bump when a code change makes finished runs stale (16: GTPO's conflict-weight signs)
+RATES = "{rates}"  # stands for the pass-rate file of this suite (OUT/evals/pass_rates.jsonl)
+NOISE = ["--algo", "dr_grpo", "--reward-noise", "0.2,0.2"]
+STRESS = ["--prompts-per-step", "2", "--temperature", "0.5"]
+SELECT = ["--select-fraction", "0.1", "--pass-rates", RATES]
 
-# name -> train.py flags. Most expensive first, so the last jobs to start are short ones.
+# name -> (train.py flags, steps of the full suite). Most expensive first, so the last jobs to start are short ones.
 CONFIGS = {
-    "grpo_t16a1": ["--algo", "grpo"],  # GRPO, 16 samples
-    "dapo": ["--algo", "dapo"],
-    "dapo_agrae": ["--algo", "dapo", "--advantage", "agrae"],
-    "grpo_agrae": ["--algo", "agrae"],
-    "dr_grpo": ["--algo", "dr_grpo"],
-    "dr_grpo_agrae": ["--algo", "dr_grpo", "--advantage", "agrae"],
-    "gtpo": ["--algo", "gtpo"],
-    "grpo_ma_t4a8": ["--algo", "grpo_ma", "--answers", "8"],
-    "grpo_ma_t4a4": ["--algo", "grpo_ma"],  # GRPO-MA, 4 thoughts x 4 answers
-    "grpo_t4a1": ["--algo", "grpo", "--thoughts", "4"],  # GRPO, 4 samples
-    "two_grpo_lr8x": ["--algo", "two_grpo"],  # 128 prompts x 2, lr 2.4e-3
-    "two_grpo_lr1x": ["--algo", "two_grpo", "--lr", "3e-4"],  # 128 prompts x 2, lr 3e-4
-    "two_grpo_p16": ["--algo", "two_grpo", "--prompts-per-step", "16", "--lr", "3e-4"],  # 16 prompts x 2
+    "agrae_t8_a1": (["--algo", "agrae", "--thoughts", "8"], 300),
+    "agrae_t8_a05": (["--algo", "agrae", "--thoughts", "8", "--agrae-alpha", "0.5"], 300),
+    "grpo_t8": (["--algo", "grpo", "--thoughts", "8"], 300),
+    "dr_grpo_t8": (["--algo", "dr_grpo", "--thoughts", "8"], 300),
+    "dagrpo_t8": (["--algo", "dagrpo", "--thoughts", "8"], 300),
+    "select_hardest10": (["--algo", "grpo", "--select", "hardest", *SELECT], 100),
+    "select_random10": (["--algo", "grpo", "--select", "random", *SELECT], 100),
+    "gtpo": (["--algo", "gtpo"], 100),
+    "grpo_t16a1": (["--algo", "grpo"], 100),  # GRPO, 16 samples
+    "dr_grpo": (["--algo", "dr_grpo"], 100),
+    "dr_grpo_noisy": (NOISE, 100),
+    "dr_grpo_noisy_corrected": ([*NOISE, "--noise-correct", "0.2,0.2"], 100),
+    "dr_grpo_noisy_lr_scaled": ([*NOISE, "--lr", "5e-4"], 100),  # 3e-4 / (1 - 0.2 - 0.2)
+    "grpo_ma_t4a8": (["--algo", "grpo_ma", "--answers", "8"], 100),
+    "grpo_ma_t4a4": (["--algo", "grpo_ma"], 100),  # GRPO-MA, 4 thoughts x 4 answers
+    "grpo_t4a1": (["--algo", "grpo", "--thoughts", "4"], 100),  # GRPO, 4 samples
+    "two_grpo_lr8x": (["--algo", "two_grpo"], 13),  # 128 prompts x 2, lr 2.4e-3, ceil(100 / 8) steps
+    "two_grpo_lr1x": (["--algo", "two_grpo", "--lr", "3e-4"], 13),  # 128 prompts x 2, lr 3e-4
+    "two_grpo_p16": (["--algo", "two_grpo", "--prompts-per-step", "16", "--lr", "3e-4"], 100),  # 16 prompts x 2
+    "stress_grpo_t4a1": (["--algo", "grpo", "--thoughts", "4", *STRESS], 200),
+    "stress_grpo_ma_t3a3": (["--algo", "grpo_ma", "--thoughts", "3", "--answers", "3", *STRESS], 200),
 }
-MATCHED_PROMPTS = ("two_grpo_lr8x", "two_grpo_lr1x")  # 8x prompts per step, so 1/8 of the steps
-PASSK = ("grpo_t16a1", "grpo_agrae", "dr_grpo", "dr_grpo_agrae", "dapo", "dapo_agrae")  # eval.py --n 16
-OOD = ("grpo_t16a1", "gtpo")  # eval.py --task synthetic-hard
+# evaluations of the end models (eval.py on the same held-out prompts for every checkpoint): kind -> (configs, flags)
+EVALS = {
+    "passk": (
+        ("grpo_t16a1", "gtpo", "dr_grpo", "select_hardest10", "select_random10")
+        + ("dr_grpo_noisy", "dr_grpo_noisy_corrected", "dr_grpo_noisy_lr_scaled"),
+        ["--n", "16", "--k", "1,2,4,8,16"],
+    ),
+    "passk64": (
+        ("agrae_t8_a1", "agrae_t8_a05", "grpo_t8", "dr_grpo_t8", "dagrpo_t8"),
+        ["--n", "64", "--k", "1,2,4,8,16,32,64"],
+    ),
+    "ood": (
+        ("grpo_t16a1", "gtpo", "select_hardest10", "select_random10"),
+        ["--task", "synthetic-vertical", "--n", "16", "--k", "1,4,16"],
+    ),
+}
 VARIANCE = ("grpo_ma_t4a4", "grpo_t16a1")  # end policies for the variance measurement
 
 
-def plan(args) -> tuple[list[tuple], list[tuple]]:
-    """(training jobs, evaluation jobs); a job is (name, argv, file that exists once it is done,
-    checkpoints it reads)."""
+def steps_of(name: str, quick: bool) -> int:
+    steps = CONFIGS[name][1]
+    return max(2, steps // 10) if quick else steps
+
+
+def plan(args) -> tuple[list[dict], list[dict], list[dict]]:
+    """(preparation, training, evaluation) jobs. A job: name, argv, done (the file that exists once it is
+    finished), inputs (checkpoints it reads) and, for training, run (its directory)."""
     py, out = sys.executable, args.out
-    train_jobs, eval_jobs = [], []
-    for name, flags in CONFIGS.items():
-        steps = math.ceil(args.steps / 8) if name in MATCHED_PROMPTS else args.steps
+    evals = os.path.join(out, "evals")
+    rates = os.path.join(evals, "pass_rates.jsonl")
+    base = os.path.join(ROOT, "assets", "tiny-model")
+    ev = [py, "eval.py", "--examples", str(args.eval_examples), "--seed", "0"]
+    prep = [
+        dict(
+            name="pass_rates",
+            argv=[py, "eval.py", "--pass-rates", "--k", "10", "--examples", str(args.rated_examples)]
+            + ["--model", base, "--out", rates],
+            done=rates,
+            inputs=[base],
+        )
+    ]
+    train_jobs = []
+    for name, (flags, _) in CONFIGS.items():
+        steps = steps_of(name, args.quick)
         for seed in args.seeds:
             run = os.path.join(out, f"{name}-s{seed}")
-            argv = [
-                py,
-                "train.py",
-                *flags,
-                "--max-steps",
-                str(steps),
-                "--seed",
-                str(seed),
-                "--out",
-                run,
-                "--eval-every",
-                str(max(1, steps // 4)),
-                "--eval-examples",
-                str(args.eval_examples),
-                "--samples-every",
-                "0",
-            ]
-            train_jobs.append((f"{name}-s{seed}", argv, os.path.join(run, "final", "trainer_state.pt"), []))
-    models = {"base": os.path.join(ROOT, "assets", "tiny-model")}
+            argv = [py, "train.py", *[rates if f == RATES else f for f in flags]]
+            argv += ["--max-steps", str(steps), "--seed", str(seed), "--out", run]
+            argv += ["--eval-every", str(max(1, steps // 4)), "--eval-examples", str(args.eval_examples)]
+            argv += ["--save-every", str(max(1, steps // 4)), "--samples-every", "0"]
+            inputs = [rates] if RATES in flags else []
+            done = os.path.join(run, "final", "trainer_state.pt")
+            train_jobs.append(dict(name=f"{name}-s{seed}", argv=argv, done=done, inputs=inputs, run=run))
+    models = {"base": base}
     models.update({f"{n}-s{s}": os.path.join(out, f"{n}-s{s}", "final") for n in CONFIGS for s in args.seeds})
-    ev = [py, "eval.py", "--examples", str(args.eval_examples), "--n", "16", "--seed", "0"]
-    evals = os.path.join(out, "evals")
     ends = [models[f"{c}-s{args.seeds[0]}"] for c in VARIANCE]
     dst = os.path.join(evals, "variance.json")
-    eval_jobs.append(
-        (
-            "variance",
-            [
-                py,
-                "experiments/variance.py",
-                "--models",
-                models["base"],
-                *ends,
-                "--prompts",
-                str(args.variance_prompts),
-                "--out",
-                dst,
-            ],
-            dst,
-            [models["base"], *ends],
-        )
-    )
-    for key, path in models.items():
-        config = key.rsplit("-s", 1)[0]
-        if key == "base" or config in PASSK:
-            dst = os.path.join(evals, f"{key}.passk.json")
-            eval_jobs.append((f"{key}.passk", ev + ["--model", path, "--k", "1,2,4,8,16", "--out", dst], dst, [path]))
-        if key == "base" or config in OOD:
-            dst = os.path.join(evals, f"{key}.ood.json")
-            eval_jobs.append(
-                (
-                    f"{key}.ood",
-                    ev + ["--model", path, "--task", "synthetic-hard", "--k", "1,4,16", "--out", dst],
-                    dst,
-                    [path],
-                )
-            )
-    return train_jobs, eval_jobs
+    argv = [py, "experiments/variance.py", "--models", base, *ends, "--prompts", str(args.variance_prompts)]
+    eval_jobs = [dict(name="variance", argv=argv + ["--out", dst], done=dst, inputs=[base, *ends])]
+    for kind, (configs, flags) in EVALS.items():
+        for key, path in models.items():
+            if key == "base" or key.rsplit("-s", 1)[0] in configs:
+                dst = os.path.join(evals, f"{key}.{kind}.json")
+                argv = ev + flags + ["--model", path, "--out", dst]
+                eval_jobs.append(dict(name=f"{key}.{kind}", argv=argv, done=dst, inputs=[path]))
+    return prep, train_jobs, eval_jobs
 
 
-def run_all(jobs, n_jobs: int, log_dir: str) -> list[str]:
-    """Run jobs n_jobs at a time, one thread each; skip finished ones; return the names that failed."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // n_jobs)))
-    todo = [j for j in jobs if not os.path.exists(j[2])]
-    print(f"{len(jobs) - len(todo)} of {len(jobs)} already done; running {len(todo)}, {n_jobs} at a time", flush=True)
+def record_of(job: dict) -> dict:
+    """What a job runs, as its OUT/jobs/NAME.json keeps it (with "finished"): the flags, not the interpreter."""
+    return {"suite": SUITE, "argv": job["argv"][1:]}
 
-    def one(job) -> str | None:
-        name, argv = job[:2]
-        t0 = time.time()
-        with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+
+def read_record(job: dict, jobs_dir: str) -> dict:
+    path = os.path.join(jobs_dir, job["name"] + ".json")
+    return json.load(open(path)) if os.path.isfile(path) else {}
+
+
+def write_record(job: dict, jobs_dir: str, finished: bool) -> None:
+    with open(os.path.join(jobs_dir, job["name"] + ".json"), "w") as f:
+        json.dump({**record_of(job), "finished": finished}, f)
+
+
+def stamp_of(path: str) -> str:
+    """The file whose existence and time say that `path` (a file, a run's checkpoint or a model) is written."""
+    state = os.path.join(path, "trainer_state.pt")
+    if os.path.isfile(state):
+        return state
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def is_done(job: dict, jobs_dir: str) -> bool:
+    """The job finished with these flags under this SUITE, and its output is newer than what it reads."""
+    record = read_record(job, jobs_dir)
+    if record != {**record_of(job), "finished": True} or not os.path.isfile(job["done"]):
+        return False
+    return os.path.getmtime(job["done"]) >= max((os.path.getmtime(stamp_of(p)) for p in job["inputs"]), default=0)
+
+
+def command(job: dict, jobs_dir: str) -> list[str]:
+    """What to run for an unfinished job: a training run continues from its newest checkpoint when it is
+    the run this job started (same record), else starts again (--overwrite); an evaluation started with
+    other flags starts again (its output removed first: eval.py --pass-rates would refuse the old file)."""
+    record = read_record(job, jobs_dir)
+    same = {k: record.get(k) for k in ("suite", "argv")} == record_of(job)
+    if "run" in job:
+        if same and glob.glob(os.path.join(job["run"], "step-*", "trainer_state.pt")):
+            argv = [job["argv"][0], "train.py", "--resume", job["run"]]
+        else:
+            argv = job["argv"] + (["--overwrite"] if os.path.isdir(job["run"]) and os.listdir(job["run"]) else [])
+    else:
+        if not same and os.path.isfile(job["done"]):
+            os.remove(job["done"])
+        argv = job["argv"]
+    write_record(job, jobs_dir, finished=False)
+    return argv
+
+
+def run_all(jobs: list[dict], args, phase: str) -> list[str]:
+    """Run the unfinished jobs args.jobs at a time, args.threads threads each; return the names that failed.
+    A finished training run's step-N checkpoints (kept only to resume it) are removed."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    log_dir, jobs_dir = os.path.join(args.out, "logs"), os.path.join(args.out, "jobs")
+    todo = [j for j in jobs if not is_done(j, jobs_dir)]
+    done = len(jobs) - len(todo)
+    print(f"{phase}: {done} of {len(jobs)} done; running {len(todo)}, {args.jobs} at a time", flush=True)
+
+    def one(job: dict) -> str | None:
+        t0, argv = time.time(), command(job, jobs_dir)
+        with open(os.path.join(log_dir, f"{job['name']}.log"), "a") as log:
             rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        print(f"{'done' if rc == 0 else 'FAILED'} {name} in {time.time() - t0:.0f} s", flush=True)
-        return None if rc == 0 else name
+        if rc == 0:
+            write_record(job, jobs_dir, finished=True)
+            for ckpt in glob.glob(os.path.join(job["run"], "step-*")) if "run" in job else []:
+                shutil.rmtree(ckpt)
+        resumed = " (resumed)" if "--resume" in argv else ""
+        print(f"{'done' if rc == 0 else 'FAILED'} {job['name']}{resumed} in {time.time() - t0:.0f} s", flush=True)
+        return None if rc == 0 else job["name"]
 
-    with ThreadPoolExecutor(n_jobs) as pool:
+    with ThreadPoolExecutor(args.jobs) as pool:
         return [f for f in pool.map(one, todo) if f]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
-        "--quick", action="store_true", help="1 seed x 20 steps, 50 eval prompts (a smoke test of the suite)"
+        "--quick", action="store_true", help="1 seed, a tenth of the steps, 50 eval prompts (a smoke test of the suite)"
     )
-    p.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each gets cores / jobs threads)"
-    )
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time")
+    p.add_argument("--threads", type=int, default=0, help="threads per run (default: cores / jobs, at least 1)")
     p.add_argument("--out", default="", help="run directory (default runs/exp or runs/exp-quick)")
     args = p.parse_args()
-    args.steps, args.seeds = (20, [0]) if args.quick else (100, [0, 1, 2])
-    args.eval_examples, args.variance_prompts = (50, 16) if args.quick else (200, 64)
+    if args.jobs < 1 or args.threads < 0:
+        raise SystemExit(f"--jobs must be >= 1 and --threads >= 0, got {args.jobs} and {args.threads}")
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    args.seeds = [0] if args.quick else [0, 1, 2]
+    args.eval_examples, args.variance_prompts, args.rated_examples = (50, 16, 200) if args.quick else (200, 64, 2000)
     args.out = os.path.abspath(args.out or os.path.join(ROOT, "runs", "exp-quick" if args.quick else "exp"))
-    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
+    for sub in ("logs", "evals", "jobs"):
+        os.makedirs(os.path.join(args.out, sub), exist_ok=True)
     t0 = time.time()
-    train_jobs, eval_jobs = plan(args)
-    failed = run_all(train_jobs, args.jobs, os.path.join(args.out, "logs"))
-    # an evaluation whose checkpoint is missing belongs to a training run that failed (already reported)
-    failed += run_all(
-        [j for j in eval_jobs if all(os.path.isfile(os.path.join(m, "config.json")) for m in j[3])],
-        args.jobs,
-        os.path.join(args.out, "logs"),
-    )
+    prep, train_jobs, eval_jobs = plan(args)
+    failed = run_all(prep, args, "preparation")
+    ready = lambda jobs: [j for j in jobs if all(os.path.exists(stamp_of(m)) for m in j["inputs"])]  # noqa: E731
+    # a job whose input is missing belongs to a job that failed (already reported)
+    failed += run_all(ready(train_jobs), args, "training")
+    failed += run_all(ready(eval_jobs), args, "evaluation")
     print(f"suite: {time.time() - t0:.0f} s", flush=True)
     if failed:
         raise SystemExit(f"{len(failed)} job(s) failed: {', '.join(failed)}; logs in {args.out}/logs")

@@ -29,7 +29,7 @@ def test_synthetic_deterministic_by_seed() -> None:
     assert task.test(200, 3) == task.test(200, 3)
 
 
-@pytest.mark.parametrize("name", ["synthetic", "synthetic-hard"])
+@pytest.mark.parametrize("name", ["synthetic", "synthetic-vertical", "synthetic-hard"])
 def test_synthetic_train_test_never_overlap(name: str) -> None:
     """Guards against held-out problems leaking into training (also as the swapped pair b+a)."""
     task = get_task(name)
@@ -50,6 +50,22 @@ def test_synthetic_distribution() -> None:
         assert e["prompt"] == f"{e['a']}+{e['b']}" and e["answer"] == str(e["a"] + e["b"])
 
 
+def test_synthetic_vertical_is_the_same_sums_in_column_layout() -> None:
+    """Guards against the out-of-distribution split drifting from its stated form: "a\\n+b" with 1-3
+    digit operands, the right sum, and, for one seed, exactly the pairs of the inline task's split (so
+    the in- and out-of-distribution evaluations differ in layout only)."""
+    task = get_task("synthetic-vertical")
+    assert task.reward is task.correct is exact_reward and task.system_prompt is None
+    for split in ("train", "test"):
+        vertical, inline = getattr(task, split)(500, 3), getattr(get_task("synthetic"), split)(500, 3)
+        for v, i in zip(vertical, inline):
+            assert v["prompt"] == f"{v['a']}\n+{v['b']}" and v["answer"] == str(v["a"] + v["b"])
+            assert (v["a"], v["b"], v["answer"]) == (i["a"], i["b"], i["answer"])
+            assert i["prompt"].replace("+", "\n+") == v["prompt"]
+    lengths = {(len(str(e["a"])), len(str(e["b"]))) for e in task.test(2000, 0)}
+    assert lengths == {(i, j) for i in (1, 2, 3) for j in (1, 2, 3)}
+
+
 def test_sft_completion_format() -> None:
     """Guards against an ambiguous or long scratchpad: the exact documented format, least
     significant digit first, a 3-digit thought under 40 characters, final carry in the last sum."""
@@ -67,7 +83,7 @@ def test_sft_completion_format() -> None:
 def test_sft_completion_scores_one_and_uses_only_synthetic_chars() -> None:
     """Guards against the warm-start data and the reward disagreeing (every reference must score
     1.0, a wrong answer 0.0), and against characters outside the tiny model's vocabulary."""
-    for name in ("synthetic", "synthetic-hard"):
+    for name in ("synthetic", "synthetic-vertical", "synthetic-hard"):
         task = get_task(name)
         assert task.system_prompt is None and task.reward is exact_reward
         for e in task.train(300, 0) + task.test(300, 0):
