@@ -378,7 +378,7 @@ def setup(cfg: TrainConfig) -> Run:
     if resume_dir:
         run.state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
     run.host_params = host
-    if host:  # the resumed masters
+    if host and resume_dir:  # the resumed masters
         with torch.no_grad():
             for h, p in zip(host, policy.parameters(), strict=True):
                 h.copy_(p)
@@ -721,7 +721,8 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
                 f"{cfg.max_bad_steps} consecutive non-finite steps at step {step}: lower --lr or check the rewards"
             )
     run.optimizer.zero_grad(set_to_none=True)
-    run.policy.zero_grad(set_to_none=True)  # the same gradients, unless AdamW steps the CPU copies
+    if run.host_params:  # AdamW steps the CPU copies: the model's own gradients are cleared here
+        run.policy.zero_grad(set_to_none=True)
     return grad_norm
 
 

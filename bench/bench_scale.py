@@ -67,7 +67,7 @@ import bench_sampler  # noqa: E402
 import bench_trl  # noqa: E402
 
 from advantage import truncated_is_weights  # noqa: E402
-from model import ModelConfig, Transformer, cast_copy, load_model, save_model  # noqa: E402
+from model import ModelConfig, Transformer, cast_copy, load_model, save_model, token_logprobs  # noqa: E402
 from sampler import generate  # noqa: E402
 
 # The published config.json of each model, the fields our ModelConfig and transformers read (verbatim values).
@@ -303,8 +303,7 @@ def bench_gap(ours: Transformer, fast: Transformer, args) -> None:
         for i, (toks, lp) in enumerate(zip(gen.tokens, gen.logprobs)):
             prompt = prompts[i // args.n]
             ids = torch.tensor([prompt + toks])
-            logits = ours(ids)[0, len(prompt) - 1 : -1].float()
-            trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+            trainer = token_logprobs(ours(ids)[0, len(prompt) - 1 : -1], torch.tensor(toks))
             sampler = torch.tensor(lp)
             gaps.append((trainer - sampler).abs())
             weights.append(truncated_is_weights(trainer, sampler, torch.ones_like(trainer, dtype=torch.bool), 2.0))
