@@ -34,7 +34,9 @@ Three comparisons, each printed as a ratio (CPU, float32 unless said, the same -
    prompts, group size, completion limit, sampling, reward, loss, optimizer, float32; each side a fresh
    process: one warm-up step, then --train-steps timed). Completions are sampled by each side, not shared,
    but a random model at temperature 1 almost never samples its stop token, so both make full-length
-   completions. Each side's peak RSS is its process's ru_maxrss (os.wait4). Without TRL, train.py alone.
+   completions. Memory: each side's peak RSS in its update (VmHWM, reset when the update begins, as
+   train.py's mem/update_gib), whole and above the RSS at the update's start (gradients, activations,
+   logits), both sides with train.py's heap setting (MALLOC_MMAP_THRESHOLD_). Without TRL, train.py alone.
 
 The sizes default to what 2 CPU cores finish in minutes; the header says what was scaled down from the
 issue's sizes (batch 16 and 64, 128 new tokens; GRPO with real lengths).
@@ -198,6 +200,10 @@ def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
     with open(path / "model.safetensors", "rb") as f:  # warm the page cache: both sides read from memory
         while f.read(1 << 26):
             pass
+    # one untimed load of each first: the first in a process pays one-off imports (torch._dynamo, 3 s
+    # here, pulled in by the first meta-device init), which would land on whichever side goes first
+    load_model(path), transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gc.collect()
     t_ours = t_hf = float("inf")
     for _ in range(repeats):  # taking turns: a load change hits both
         t = clock()
@@ -211,7 +217,7 @@ def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
         del m
         gc.collect()
     size = (path / "model.safetensors").stat().st_size
-    print(f"\nload ({size / 2**30:.2f} GiB bf16 safetensors -> float32), best of {repeats}:")
+    print(f"\nload ({size / 2**30:.2f} GiB bf16 safetensors -> float32), best of {repeats} after a warm-up:")
     print(f"  model.load_model            {t_ours:7.2f} s")
     print(f"  AutoModel.from_pretrained   {t_hf:7.2f} s   -> HF / ours = {t_hf / t_ours:.2f}x")
 
@@ -319,24 +325,32 @@ def bench_gap(ours: Transformer, fast: Transformer, args) -> None:
 # 3. Train: one GRPO step of each side through bench_trl.py, each in a fresh process
 
 
+MMAP_THRESHOLD = 8 << 20  # bytes: distributed.fixed_mmap_threshold's default
+
+
 def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) -> tuple[list[dict], int]:
     """One bench_trl.py child (its BENCH_TRL_CHILD job): (its per-step rows, its peak RSS in bytes)."""
     job = dict(side=side, cfg=asdict(cfg), model_dir=model_dir, work=os.path.join(work, side))
     job["result"] = job["work"] + ".json"
+    # both sides with the heap setting train.py makes (distributed.fixed_mmap_threshold): without it
+    # TRL's freed activations fragment glibc's heap, and the memory columns would compare allocators
+    heap = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     with open(job["work"] + ".log", "w+") as log:
         proc = subprocess.Popen(
             [sys.executable, bench_trl.__file__],
-            env={**os.environ, bench_trl.CHILD: json.dumps(job)},
+            env={**os.environ, **heap, bench_trl.CHILD: json.dumps(job)},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, not the max over all children
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.wait()
         if proc.returncode:
             log.seek(0)
             raise SystemExit(f"bench_scale: the {side} run failed (exit {proc.returncode}):\n{log.read()[-3000:]}")
     with open(job["result"]) as f:
-        return json.load(f), usage.ru_maxrss * 1024  # Linux: KiB
+        rows = json.load(f)
+    # the peak over the timed steps' phases (the child resets VmHWM per phase, so its ru_maxrss would
+    # hold only the peak since the last reset)
+    return rows, max(r["mem_update"] for r in rows) * 2**30
 
 
 def bench_train(path: Path, args, note: str) -> None:
@@ -377,8 +391,9 @@ def bench_train(path: Path, args, note: str) -> None:
             + "".join(f"{statistics.median(s[k] for s in ours):9.3f}" for k in keys)
             + f"{statistics.mean(s['length'] for s in ours):10.1f}"
         )
-    print(f"peak RSS of the process: train.py {rss_ours / 2**30:.2f} GiB", end="")
+    print(f"peak RSS of a timed step (its update): train.py {rss_ours / 2**30:.2f} GiB", end="")
     print(f", TRL {rss_trl / 2**30:.2f} GiB" if have_trl else "")
+    print(f"(both sides with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}, the heap setting train.py makes itself)")
     print(f"(both runs, start-up, warm-up step and train.py's start/end evaluation included: {elapsed:.0f}s)")
 
 

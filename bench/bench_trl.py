@@ -170,6 +170,9 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
     for r, t0, t1 in zip(rows, starts, ends):
         parts = dict(sample=r["time/sample_s"], score=r["time/score_s"], update=r["time/update_s"])
         steps.append(dict(parts, other=t1 - t0 - sum(parts.values()), total=t1 - t0, length=r["len/completion_mean"]))
+        # memory: the update's peak, and what the process held when it began (the score pass's peak:
+        # with mu = 1 and no reference model that phase runs no forward, only packing)
+        steps[-1].update(mem_update=r["mem/update_gib"], mem_base=r["mem/score_pass_gib"])
     return steps, examples
 
 
@@ -243,7 +246,10 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     data = Dataset.from_dict({"prompt": prompts, "idx": list(range(len(prompts)))})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer)
 
+    from distributed import memory_peak
+
     timings: dict[str, list[float]] = {"sample": [], "score": [], "gen_and_score": [], "step": []}
+    memory: dict[str, list[float]] = {"base": [], "update": []}  # GiB, as train.py measures its phases
     lengths: list[float] = []
 
     def timed(name: str, key: str) -> None:
@@ -255,6 +261,10 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
             timings[key].append(time.perf_counter() - t)
             if name == "_generate":  # (prompt_ids, completion_ids, ...): completion lengths incl. the stop token
                 lengths.append(statistics.mean(len(c) for c in out[1]))
+            if name == "_generate_and_score_completions":  # the update begins: its baseline, then its peak
+                with open("/proc/self/status") as f:
+                    memory["base"].append(next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 2**20)
+                memory_peak(torch.device("cpu"))  # resets the peak (VmHWM) to the current RSS
             return out
 
         setattr(trainer, name, wrapper)
@@ -271,19 +281,17 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
 
         def on_step_end(self, args, state, control, **kwargs):
             timings["step"].append(time.perf_counter() - self.t0)
+            memory["update"].append(memory_peak(torch.device("cpu")))
 
     trainer.add_callback(StepClock())
 
     def results() -> list[dict]:
         steps = []
-        for sample, score, gs, total, length in zip(
-            timings["sample"], timings["score"], timings["gen_and_score"], timings["step"], lengths
+        for sample, score, gs, total, length, base, peak in zip(
+            timings["sample"], timings["score"], timings["gen_and_score"], timings["step"], lengths, *memory.values()
         ):
-            steps.append(
-                dict(
-                    sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total, length=length
-                )
-            )
+            times = dict(sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total)
+            steps.append(dict(times, length=length, mem_update=peak, mem_base=base))
         return steps
 
     return trainer, results
@@ -380,6 +388,14 @@ def report(cfg: BenchConfig, ours: list[dict], trl: list[dict], model_note: str)
     # Time per generated token, so a side whose policy stops earlier does not look faster for it.
     per_tok = (median_of(trl, "total") / mean_of(trl, "length")) / (median_of(ours, "total") / mean_of(ours, "length"))
     print(f"step time per generated token, TRL / train.py: {per_tok:.1f}x")
+    # memory of the update (last timed step: AdamW's state exists throughout), CPU peak RSS in GiB
+    o, t = ours[-1], trl[-1]
+    o_act, t_act = o["mem_update"] - o["mem_base"], t["mem_update"] - t["mem_base"]
+    print(
+        f"update peak RSS: train.py {o['mem_update']:.2f} GiB, TRL {t['mem_update']:.2f} GiB "
+        f"(train.py / TRL = {o['mem_update'] / t['mem_update']:.2f}x); above the RSS at its start (activations, "
+        f"logits, gradients): train.py {o_act:.2f}, TRL {t_act:.2f} GiB ({o_act / max(t_act, 1e-9):.2f}x)"
+    )
     print(
         "(train.py 'other' = pack + advantages + logging inside its loop; TRL 'other' = padding, advantages and "
         "metrics inside _generate_and_score_completions)"
