@@ -190,6 +190,40 @@ def test_gradient_checkpointing_same_gradients(hf_checkpoint):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_swiglu_saves_two_activations_and_changes_no_bit(autocast):
+    """Guards the MLP's hand-written backward (_SwiGLUDown): the output and every gradient equal
+    plain autograd's bit for bit, in float32 and under bf16 autocast, and what it saves for backward
+    is gate and up only (plus the weight it already holds): saving silu(gate) or the product again,
+    as autograd does, doubles the largest activations of a training step."""
+    cfg = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, model_type="llama")  # fmt: skip
+    torch.manual_seed(0)
+    mlp = M.MLP(cfg)
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    w_out = torch.randn(3, 7, 32)
+
+    def run(fn):
+        mlp.zero_grad()
+        x.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = fn()
+        (y.float() * w_out).sum().backward()
+        return [y.detach(), x.grad] + [p.grad for p in mlp.parameters()], saved
+
+    plain, saved_plain = run(lambda: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    ours, saved = run(lambda: mlp(x))
+    for a, b in zip(plain, ours):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # (3, 7, intermediate) activations saved, each storage once (a linear saves its input as a 2-D view)
+    wide = lambda ts: len({t.untyped_storage().data_ptr() for t in ts if t.numel() == 3 * 7 * 88})  # noqa: E731
+    assert wide(saved) == 2 and wide(saved_plain) == 4
+    with torch.no_grad():  # sampling: the plain path, nothing saved
+        assert torch.equal(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+
+
 # ----------------------------------------------------------------------------- save / round trip
 
 
