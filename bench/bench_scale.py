@@ -366,7 +366,7 @@ def bench_train(path: Path, args, note: str) -> None:
         threads=args.threads,
         seed=args.seed,
     )
-    have_trl = importlib.util.find_spec("trl") is not None
+    have_trl = importlib.util.find_spec("trl") is not None and not args.no_trl
     with tempfile.TemporaryDirectory(prefix="bench_scale-") as work:
         t0 = time.perf_counter()
         ours, rss_ours = run_child("ours", cfg, str(path), work)
@@ -383,7 +383,7 @@ def bench_train(path: Path, args, note: str) -> None:
             bench_trl.report(fast_cfg, fast, trl, note + "; train.py with --rollout-dtype bfloat16")
             print(f"train.py with bf16 rollouts: peak RSS {rss_fast / 2**30:.2f} GiB")
     else:
-        print("\nTRL not installed (pip install trl): train.py alone")
+        print("\ntrain.py alone" + ("" if args.no_trl else " (TRL not installed: pip install trl)"))
         keys = ("sample", "score", "update", "other", "total")
         print(f"{'seconds/step':<16}" + "".join(f"{k:>9}" for k in keys) + f"{'mean len':>10}")
         print(
@@ -391,6 +391,8 @@ def bench_train(path: Path, args, note: str) -> None:
             + "".join(f"{statistics.median(s[k] for s in ours):9.3f}" for k in keys)
             + f"{statistics.mean(s['length'] for s in ours):10.1f}"
         )
+        o = ours[-1]
+        print(f"update peak RSS {o['mem_update']:.2f} GiB, {o['mem_update'] - o['mem_base']:.2f} above its start")
     print(f"peak RSS of a timed step (its update): train.py {rss_ours / 2**30:.2f} GiB", end="")
     print(f", TRL {rss_trl / 2**30:.2f} GiB" if have_trl else "")
     print(f"(both sides with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}, the heap setting train.py makes itself)")
@@ -428,6 +430,7 @@ def main() -> None:
     parser.add_argument("--train-tokens", type=int, default=64, help="GRPO step: completion limit in tokens")
     parser.add_argument("--train-steps", type=int, default=1, help="GRPO: timed steps per side, after 1 warm-up")
     parser.add_argument("--bf16-rollouts", action="store_true", help="GRPO: also train.py --rollout-dtype bfloat16")
+    parser.add_argument("--no-trl", action="store_true", help="GRPO: train.py alone, even if TRL is installed")
     args = parser.parse_args()
     unknown = [m for m in args.models if m not in MODELS]
     unknown += [p for p in args.parts if p not in ("load", "sample", "train")]
