@@ -82,9 +82,8 @@ def main() -> None:
         print("train.py", shlex.join(argv[2:]).replace(str(model), "<0.5B>").replace(data, "<gsm8k.jsonl>"))
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, cwd=ROOT)
-        _, status, _ = os.wait4(proc.pid, 0)
-        if os.waitstatus_to_exitcode(status):
-            raise SystemExit(f"bench_memory: train.py failed (exit {os.waitstatus_to_exitcode(status)})")
+        if proc.wait():
+            raise SystemExit(f"bench_memory: train.py failed (exit {proc.returncode})")
         rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
     print(f"\n{time.perf_counter() - t0:.0f} s in all (load, evaluations and final save included)")
     print(f"{'step':>4} {'sample':>8} {'score':>8} {'update':>8} {'peak':>8} {'budget':>8}  (GiB, peak RSS per phase)")

@@ -202,7 +202,8 @@ def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
             pass
     # one untimed load of each first: the first in a process pays one-off imports (torch._dynamo, 3 s
     # here, pulled in by the first meta-device init), which would land on whichever side goes first
-    load_model(path), transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    load_model(path)
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     gc.collect()
     t_ours = t_hf = float("inf")
     for _ in range(repeats):  # taking turns: a load change hits both
@@ -328,8 +329,8 @@ def bench_gap(ours: Transformer, fast: Transformer, args) -> None:
 MMAP_THRESHOLD = 8 << 20  # bytes: distributed.fixed_mmap_threshold's default
 
 
-def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) -> tuple[list[dict], int]:
-    """One bench_trl.py child (its BENCH_TRL_CHILD job): (its per-step rows, its peak RSS in bytes)."""
+def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) -> list[dict]:
+    """One bench_trl.py child (its BENCH_TRL_CHILD job): its per-step rows (times, update memory)."""
     job = dict(side=side, cfg=asdict(cfg), model_dir=model_dir, work=os.path.join(work, side))
     job["result"] = job["work"] + ".json"
     # both sides with the heap setting train.py makes (distributed.fixed_mmap_threshold): without it
@@ -347,10 +348,7 @@ def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) 
             log.seek(0)
             raise SystemExit(f"bench_scale: the {side} run failed (exit {proc.returncode}):\n{log.read()[-3000:]}")
     with open(job["result"]) as f:
-        rows = json.load(f)
-    # the peak over the timed steps' phases (the child resets VmHWM per phase, so its ru_maxrss would
-    # hold only the peak since the last reset)
-    return rows, max(r["mem_update"] for r in rows) * 2**30
+        return json.load(f)
 
 
 def bench_train(path: Path, args, note: str) -> None:
@@ -369,19 +367,18 @@ def bench_train(path: Path, args, note: str) -> None:
     have_trl = importlib.util.find_spec("trl") is not None and not args.no_trl
     with tempfile.TemporaryDirectory(prefix="bench_scale-") as work:
         t0 = time.perf_counter()
-        ours, rss_ours = run_child("ours", cfg, str(path), work)
+        ours = run_child("ours", cfg, str(path), work)
         if have_trl:
-            trl, rss_trl = run_child("trl", cfg, str(path), work)
+            trl = run_child("trl", cfg, str(path), work)
         if args.bf16_rollouts:  # train.py again, sampling from its bf16 copy (TRL's side is unchanged)
             fast_cfg = dataclasses.replace(cfg, rollout_dtype="bfloat16")
             os.makedirs(os.path.join(work, "bf16"))
-            fast, rss_fast = run_child("ours", fast_cfg, str(path), os.path.join(work, "bf16"))
+            fast = run_child("ours", fast_cfg, str(path), os.path.join(work, "bf16"))
         elapsed = time.perf_counter() - t0
     if have_trl:
         bench_trl.report(cfg, ours, trl, note)
         if args.bf16_rollouts:
             bench_trl.report(fast_cfg, fast, trl, note + "; train.py with --rollout-dtype bfloat16")
-            print(f"train.py with bf16 rollouts: peak RSS {rss_fast / 2**30:.2f} GiB")
     else:
         print("\ntrain.py alone" + ("" if args.no_trl else " (TRL not installed: pip install trl)"))
         keys = ("sample", "score", "update", "other", "total")
@@ -393,8 +390,6 @@ def bench_train(path: Path, args, note: str) -> None:
         )
         o = ours[-1]
         print(f"update peak RSS {o['mem_update']:.2f} GiB, {o['mem_update'] - o['mem_base']:.2f} above its start")
-    print(f"peak RSS of a timed step (its update): train.py {rss_ours / 2**30:.2f} GiB", end="")
-    print(f", TRL {rss_trl / 2**30:.2f} GiB" if have_trl else "")
     print(f"(both sides with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}, the heap setting train.py makes itself)")
     print(f"(both runs, start-up, warm-up step and train.py's start/end evaluation included: {elapsed:.0f}s)")
 

@@ -188,6 +188,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from distributed import memory_peak
     from eval import decode_completion
     from model import load_tokenizer
     from tasks import get_task, render_prompt
@@ -246,8 +247,6 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     data = Dataset.from_dict({"prompt": prompts, "idx": list(range(len(prompts)))})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer)
 
-    from distributed import memory_peak
-
     timings: dict[str, list[float]] = {"sample": [], "score": [], "gen_and_score": [], "step": []}
     memory: dict[str, list[float]] = {"base": [], "update": []}  # GiB, as train.py measures its phases
     lengths: list[float] = []
@@ -288,8 +287,9 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     def results() -> list[dict]:
         steps = []
         for sample, score, gs, total, length, base, peak in zip(
-            timings["sample"], timings["score"], timings["gen_and_score"], timings["step"], lengths, *memory.values()
-        ):
+            timings["sample"], timings["score"], timings["gen_and_score"], timings["step"], lengths,
+            memory["base"], memory["update"],
+        ):  # fmt: skip
             times = dict(sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total)
             steps.append(dict(times, length=length, mem_update=peak, mem_base=base))
         return steps
