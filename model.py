@@ -605,7 +605,6 @@ def load_model(
             for name, t in zip(tensors, cast):
                 module, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(module), leaf, nn.Parameter(t))
-        del tensors
     missing = sorted(expected.keys() - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
