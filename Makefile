@@ -43,7 +43,7 @@ bench: $(STAMP)         ## speed comparisons, printed as ratios
 	$(PY) bench/bench_trl.py
 	$(PY) bench/bench_trl.py --no-share-prompt
 
-experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 2 hours on 2 cores (skips finished runs)
+experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 2.3 hours on 2 cores (skips finished runs)
 	$(PY) experiments/run.py
 
 experiments-quick: $(STAMP)  ## the same suite, 1 seed x a tenth of the steps: under 15 minutes

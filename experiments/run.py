@@ -1,6 +1,6 @@
 """experiments/run.py: the papers' claims, side by side on the bundled task, in one command.
 
-    python experiments/run.py             # 3 seeds: about 2 hours on 2 CPU cores (budget below)
+    python experiments/run.py             # 3 seeds: about 2.3 hours on 2 CPU cores (times below)
     python experiments/run.py --quick     # 1 seed, a tenth of the steps, 50 eval prompts: under 15 minutes
     python experiments/run.py --jobs 1 --threads 1   # runs at a time, threads each (default: one run per core)
 
@@ -40,20 +40,24 @@ Claims and the runs that test them (same task, model, lengths and base learning 
 Left out since the previous round: A-GRAE at 100 steps on GRPO, Dr. GRPO and DAPO, and dapo (the
 300-step A-GRAE runs replace them).
 
-Time budget of the full suite: seconds of one job at one thread, from this round's probes and the
-previous suite's per-step times (2 jobs x 1 thread on 2 cores, under other users' load), each with
-its start-up and five in-run evaluations of 200 prompts:
+Time of the full suite: seconds of one job at one thread, 2 jobs at a time on 2 otherwise idle cores,
+measured in the suite's run at commit 4480a95 and in quiet re-runs of single jobs at the final commit
+(each with its start-up and in-run evaluations of 200 prompts). Jobs marked * were only timed while
+benchmarks shared the cores; their figure is that of the quiet jobs of the same shape:
 
   | jobs (x 3 seeds)                                                     | each s | jobs | total s |
   |----------------------------------------------------------------------|--------|------|---------|
-  | 300 steps, 16 prompts x 8: agrae_t8_a1, _a05, grpo_t8, dr_grpo_t8, dagrpo_t8 | 360 | 15 | 5400 |
-  | 100 steps, 16 x 16: gtpo, grpo_t16a1, dr_grpo and its 3 noise arms   | 245    | 18   | 4410    |
-  | 100 steps, 16 x 16 on the selected 10%: select_hardest10, _random10  | 250    | 6    | 1500    |
-  | 100 steps: grpo_ma_t4a8, grpo_ma_t4a4, grpo_t4a1                     | 115    | 9    | 1035    |
-  | two_grpo_lr8x, _lr1x (13 steps), two_grpo_p16 (100 steps)            | 70     | 9    | 630     |
-  | 200 steps, 2 x 4 or 2 x 3x3: stress_grpo_t4a1, stress_grpo_ma_t3a3   | 100    | 6    | 600     |
-  | eval.py: pass rates (2000 x 10), 25 pass@16, 16 pass@64, 13 OOD; variance | 5-60 | 56 | 1050   |
-  | all 119 jobs, 2 at a time                                            |        |      | 14625 / 2 = 2.0 h |
+  | 300 steps, 16 prompts x 8: agrae_t8_a1, _a05, grpo_t8, dr_grpo_t8, dagrpo_t8 | 445 | 15 | 6675 |
+  | 100 steps, 16 x 16: gtpo*, grpo_t16a1, dr_grpo*, and the 3 noise arms | 250   | 18   | 4500    |
+  | 100 steps, 16 x 16 on the selected 10%: select_hardest10, _random10* | 260    | 6    | 1560    |
+  | 100 steps: grpo_ma_t4a8 (175), grpo_ma_t4a4 (195), grpo_t4a1 (98)    | 156    | 9    | 1404    |
+  | two_grpo_lr8x (92), _lr1x (51) (13 steps), two_grpo_p16 (56, 100 steps) | 66  | 9    | 597     |
+  | 200 steps, 2 x 4 or 2 x 3x3: stress_grpo_t4a1, stress_grpo_ma_t3a3   | 56     | 6    | 333     |
+  | eval.py: pass rates (2000 x 10), 25 pass@16, 16 pass@64, 13 OOD; variance | 13-56 | 56 | 1160  |
+  | all 119 jobs, 2 at a time                                            |        |      | 16229 / 2 = 2.3 h |
+
+A degenerate run costs more: A-GRAE alpha 1 seed 0 collapsed, its completions grew long, and it took
+1309 s under load (the others 525-564 s).
 
 --quick (1 seed, a tenth of the steps, 50 eval prompts, 200 rated examples) took 13 min 19 s at
 --jobs 1 --threads 1 (about 7 minutes at 2 jobs).
