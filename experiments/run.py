@@ -47,7 +47,7 @@ benchmarks shared the cores; their figure is that of the quiet jobs of the same 
 
   | jobs (x 3 seeds)                                                     | each s | jobs | total s |
   |----------------------------------------------------------------------|--------|------|---------|
-  | 300 steps, 16 prompts x 8: agrae_t8_a1, _a05, grpo_t8, dr_grpo_t8, dagrpo_t8 | 445 | 15 | 6675 |
+  | 300 steps, 16 prompts x 8: agrae_t8_a1*, _a05*, grpo_t8, dr_grpo_t8, dagrpo_t8* | 445 | 15 | 6675 |
   | 100 steps, 16 x 16: gtpo*, grpo_t16a1, dr_grpo*, and the 3 noise arms | 250   | 18   | 4500    |
   | 100 steps, 16 x 16 on the selected 10%: select_hardest10, _random10* | 260    | 6    | 1560    |
   | 100 steps: grpo_ma_t4a8 (175), grpo_ma_t4a4 (195), grpo_t4a1 (98)    | 156    | 9    | 1404    |
