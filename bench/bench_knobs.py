@@ -34,14 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_scale import MODELS  # noqa: E402
+from bench_trl import rss_gib  # noqa: E402
 
 from distributed import fixed_mmap_threshold, memory_peak  # noqa: E402
 from model import ModelConfig, Transformer, head_logprobs  # noqa: E402
-
-
-def rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2**20
 
 
 def step(model: Transformer, ids: torch.Tensor, autocast: bool) -> dict:

@@ -83,6 +83,12 @@ class BenchConfig:
 # The model both sides train
 
 
+def rss_gib() -> float:
+    """The process's resident set size now, in GiB (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2**20
+
+
 def random_model(path: str) -> str:
     """A random checkpoint with the bundled tiny model's shape and tokenizer (sft.py's recipe)."""
     import torch
@@ -261,8 +267,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
             if name == "_generate":  # (prompt_ids, completion_ids, ...): completion lengths incl. the stop token
                 lengths.append(statistics.mean(len(c) for c in out[1]))
             if name == "_generate_and_score_completions":  # the update begins: its baseline, then its peak
-                with open("/proc/self/status") as f:
-                    memory["base"].append(next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 2**20)
+                memory["base"].append(rss_gib())
                 memory_peak(torch.device("cpu"))  # resets the peak (VmHWM) to the current RSS
             return out
 

@@ -249,7 +249,8 @@ def run_all(jobs: list[dict], args, phase: str) -> list[str]:
         return [f for f in pool.map(one, todo) if f]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, and what they imply: seeds, evaluation sizes, threads per job, the output directory."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
         "--quick", action="store_true", help="1 seed, a tenth of the steps, 50 eval prompts (a smoke test of the suite)"
@@ -257,13 +258,18 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time")
     p.add_argument("--threads", type=int, default=0, help="threads per run (default: cores / jobs, at least 1)")
     p.add_argument("--out", default="", help="run directory (default runs/exp or runs/exp-quick)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.jobs < 1 or args.threads < 0:
         raise SystemExit(f"--jobs must be >= 1 and --threads >= 0, got {args.jobs} and {args.threads}")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     args.seeds = [0] if args.quick else [0, 1, 2]
     args.eval_examples, args.variance_prompts, args.rated_examples = (50, 16, 200) if args.quick else (200, 64, 2000)
     args.out = os.path.abspath(args.out or os.path.join(ROOT, "runs", "exp-quick" if args.quick else "exp"))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     for sub in ("logs", "evals", "jobs"):
         os.makedirs(os.path.join(args.out, sub), exist_ok=True)
     t0 = time.time()

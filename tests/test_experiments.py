@@ -22,12 +22,7 @@ spec.loader.exec_module(suite)
 
 
 def suite_args(out, quick: bool = False) -> argparse.Namespace:
-    seeds = [0] if quick else [0, 1, 2]
-    examples, prompts, rated = (50, 16, 200) if quick else (200, 64, 2000)
-    return argparse.Namespace(
-        quick=quick, seeds=seeds, eval_examples=examples, variance_prompts=prompts, rated_examples=rated,
-        out=str(out), jobs=1, threads=1,
-    )  # fmt: skip
+    return suite.parse_args(["--out", str(out), "--jobs", "1"] + (["--quick"] if quick else []))
 
 
 @pytest.mark.parametrize("quick", [False, True])
