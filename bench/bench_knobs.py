@@ -11,7 +11,8 @@ chunk of logits at a time) and a loss on the log-probs, under each combination o
   their bf16 casts excluded): exact, and the same on any machine;
 - the peak RSS of the forward + backward above the RSS before it (Linux VmHWM, reset first), with
   the gradients already allocated by a warm-up step, as in a run's later steps: activations,
-  recomputation buffers, bf16 weight copies and temporaries;
+  recomputation buffers, bf16 weight copies and temporaries. At Qwen2.5-0.5B's shape most of it is
+  the tied head's and embedding's two (V, C) float32 gradients, made before being added in;
 - the time of the forward + backward, and the largest gradient difference from plain float32,
   relative to the largest gradient.
 `--optimizer-offload` is not a row: it moves AdamW's two float32 moments (8 bytes per parameter) and
