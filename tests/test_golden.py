@@ -7,8 +7,11 @@ that means to move them regenerates the file in the same commit and says why:
 
 The runs are subprocesses with one thread (OMP_NUM_THREADS=1): with two threads a multi-threaded
 CPU kernel may sum in a run-dependent order and change the last bits, and a golden file must be
-bit-stable. The CPU capability and torch version the file was made with are stored beside the
-numbers; on another machine (other kernels) the test is skipped rather than compared loosely.
+bit-stable. The numbers are kept per machine kind: the torch version, the CPU capability torch
+dispatches on, the CPU vendor (its BLAS picks other kernels on AMD and Intel) and the vector
+extensions it has. A machine kind with no entry is compared with an entry made without vendor and
+extensions if one matches its torch and capability, and skipped otherwise, never compared loosely.
+`--update` writes this machine's entry and drops the others, which it cannot regenerate.
 """
 
 from __future__ import annotations
@@ -46,8 +49,25 @@ STEP_KEYS = ("reward/mean", "loss", "grad_norm", "resampled")
 EVAL_KEYS = ("eval/greedy_accuracy", "eval/mean@2", "eval/len_mean")
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16")
+
+
 def machine() -> dict:
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    """The machine kind a golden entry is valid on (see the module docstring)."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    vendor = next((line.split(":")[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
+    flags = next((line.split(":")[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = [f for f in ISA_FLAGS if f in flags]
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "vendor": vendor, "isa": isa}
+
+
+def golden_entry(golden: dict, here: dict) -> dict | None:
+    """This machine's entry: the exact kind, else one made without vendor and extensions on the same torch and
+    capability (None: no entry can be compared here)."""
+    coarse = {k: here[k] for k in ("torch", "cpu")}
+    exact = [e for e in golden["machines"] if e["machine"] == here]
+    legacy = [e for e in golden["machines"] if e["machine"] == coarse]
+    return (exact or legacy or [None])[0]
 
 
 def weight_checksum(path: str) -> str:
@@ -83,11 +103,13 @@ def load_golden() -> dict:
 def test_golden_run(name, tmp_path):
     """Guards against a change (a refactor, a reordered reduction, a new default) silently altering
     what a run computes: per-step reward, loss, grad_norm, eval accuracy and final weights, bit for bit."""
-    golden = load_golden()
-    if golden["machine"] != machine():
-        pytest.skip(f"golden file made on {golden['machine']}, this is {machine()}: regenerate to compare here")
+    golden, here = load_golden(), machine()
+    entry = golden_entry(golden, here)
+    if entry is None:
+        made_on = [e["machine"] for e in golden["machines"]]
+        pytest.skip(f"golden numbers made on {made_on}, this is {here}: regenerate to compare here")
     got = golden_run(name, str(tmp_path / name))
-    want = golden["runs"][name]
+    want = entry["runs"][name]
     assert got["steps"] == want["steps"], f"{name}: per-step numbers moved"
     assert got["evals"] == want["evals"], f"{name}: evaluation moved"
     assert got["weights_sha256"] == want["weights_sha256"], f"{name}: final weights moved"
@@ -96,12 +118,18 @@ def test_golden_run(name, tmp_path):
 if __name__ == "__main__":
     import tempfile
 
-    if sys.argv[1:] != ["--update"]:
-        raise SystemExit("usage: python tests/test_golden.py --update   (rewrites tests/golden/golden_runs.json)")
+    if sys.argv[1:] not in (["--update"], ["--add"]):
+        raise SystemExit(
+            "usage: python tests/test_golden.py --update   (numbers meant to move: this machine's entry only)\n"
+            "       python tests/test_golden.py --add      (same code, a new machine kind: beside the others)"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         runs = {name: golden_run(name, os.path.join(tmp, name)) for name in RUNS}
+    here = machine()
+    others = [e for e in load_golden()["machines"] if e["machine"] != here] if sys.argv[1] == "--add" else []
     with open(GOLDEN, "w") as f:
-        json.dump({"machine": machine(), "command": COMMON, "configs": RUNS, "runs": runs}, f, indent=1)
+        entries = [*others, {"machine": here, "runs": runs}]
+        json.dump({"command": COMMON, "configs": RUNS, "machines": entries}, f, indent=1)
         f.write("\n")
     print(f"wrote {GOLDEN}")
 
