@@ -22,7 +22,7 @@ malformed or oversized reply, the solution's process ending. Arguments are copie
 mutates its argument in place is not seen to (call by value). A name the solution defines never
 replaces a builtin (`abs`, `len`, ...) or anything `setup` defines in the tests' namespace.
 
-Processes: the caller (the trainer); a disposable HARNESS (`python -I sandbox.py --sandbox-harness RUN_ID`,
+Processes: the caller (the trainer); a disposable HARNESS (`python -I -c 'import sandbox; sandbox._harness_main()'`,
 its own session, an environment without the caller's variables; this file imports only the standard
 library, so it starts fast), which sets up isolation and watches; an INIT process, PID 1 of the run's
 PID namespace; the SOLUTION, forked by INIT into a PID namespace nested in that one (it sees no process
@@ -68,6 +68,7 @@ trees of the solution's own class), in-place mutation of arguments, generator re
 Linux only (namespaces, prctl, pidfd: kernel 5.3+).
 """
 
+import _thread
 import builtins
 import ctypes
 import errno
@@ -77,14 +78,9 @@ import json
 import os
 import re
 import resource
-import secrets
 import select
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import traceback
 
 CODE_TIMEOUT_S = 10.0  # wall-clock limit of one run (s)
 CODE_CPU_S = 5  # CPU-time limit of each process of the run (s)
@@ -96,7 +92,7 @@ CODE_OUTPUT_BYTES = 4000  # tail of stdout+stderr kept in the run's report (byte
 CODE_MESSAGE_MB = 16  # largest message (the code, the tests, one call or one result) (MiB)
 PLAIN_DEPTH = 100  # deepest nesting of containers that crosses between the interpreters
 
-_HARNESS_FLAG = "--sandbox-harness"
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_sandboxed(
@@ -116,7 +112,10 @@ def run_sandboxed(
     process's end ("exit 0", "exit 1", "timeout", ...); "output" is the tail (CODE_OUTPUT_BYTES) of both
     interpreters' stdout+stderr; "isolation" says which layers were active. PASSING means the tests ran to
     the end: the tests' process writes the nonce drawn here after the last one, and exits 0."""
-    nonce, run_id = secrets.token_hex(16), secrets.token_hex(8)
+    import subprocess  # here, not at the top: the harness runs this file, and starts faster without them
+    import tempfile
+
+    nonce, run_id = os.urandom(16).hex(), os.urandom(8).hex()
     settings = {"timeout_s": timeout_s, "cpu_s": cpu_s, "memory_mb": memory_mb, "nproc": nproc}
     with (
         tempfile.TemporaryDirectory(prefix="nanorl-sandbox-") as workdir,
@@ -127,7 +126,9 @@ def run_sandboxed(
         # Two messages: the harness starts the solution's process after the first, before it reads the second.
         solution_part = {**settings, "code": code, "setup": setup, "workdir": workdir, "result_fd": result.fileno()}
         tests_part = {"tests": tests, "entry_point": entry_point, "nonce": nonce}
-        cmd = [sys.executable, "-I", os.path.abspath(__file__), _HARNESS_FLAG, run_id]
+        # This file imported as a module (not run as a script, which would be compiled anew each time).
+        start = f"import sys; sys.path[:0] = [{_HERE!r}]; import sandbox; del sys.path[0]; sandbox._harness_main()"
+        cmd = [sys.executable, "-I", "-c", start]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "NANORL_SANDBOX": run_id}
         try:
             proc = subprocess.Popen(
@@ -147,22 +148,7 @@ def run_sandboxed(
                 "isolation": {},
                 "run_id": run_id,
             }
-        try:
-            proc.stdin.write(_frame(solution_part) + _frame(tests_part))
-            proc.stdin.flush()
-            proc.wait(timeout_s + 5)  # the harness enforces timeout_s itself; this is a backstop
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            pass  # the harness died or hung; the cleanup below handles both
-        finally:
-            try:
-                proc.stdin.close()  # EOF tells a still-running harness to kill the run and exit
-            except BrokenPipeError:
-                pass
-            try:
-                proc.wait(2)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _feed_and_wait(proc, _frame(solution_part) + _frame(tests_part), timeout_s + 5)
         report.seek(0)
         output.seek(max(0, os.fstat(output.fileno()).st_size - CODE_OUTPUT_BYTES))
         result.seek(0)
@@ -177,6 +163,29 @@ def run_sandboxed(
             "isolation": info.get("isolation", {}),
             "run_id": run_id,
         }
+
+
+def _feed_and_wait(proc, request: bytes, timeout_s: float) -> None:
+    """Write the request to the harness, wait up to `timeout_s` for it to exit (it enforces the run's own
+    limit; this is a backstop), close its stdin (EOF: a harness still running kills the run and exits), and
+    reap it, killed if it hangs. A pidfd wakes us at its exit; Popen.wait(timeout) polls with sleeps of up
+    to 50 ms."""
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        proc.stdin.write(request)
+        proc.stdin.flush()
+        select.select([pidfd], [], [], timeout_s)
+    except BrokenPipeError:
+        pass  # the harness died: reaped below
+    finally:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        if not select.select([pidfd], [], [], 2)[0]:
+            os.killpg(proc.pid, signal.SIGKILL)
+        os.close(pidfd)
+        proc.wait()
 
 
 # ---------------------------------------------------------------- plain data and messages
@@ -292,7 +301,7 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 
 _CAPABILITY_VERSION_3 = 0x20080522
 
 
-def _harness_main(run_id: str) -> None:
+def _harness_main() -> None:
     """The disposable harness: isolate, start the solution's process (through INIT), read the tests, start
     the tests' process, watch it, kill the run, report JSON on stdout."""
     request = _receive(0)  # the code and the settings only: the tests are still in the pipe
@@ -320,13 +329,15 @@ def _harness_main(run_id: str) -> None:
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
     if not isolation["pid_namespace"]:  # with one, INIT's death killed every process of the run
-        _kill_leftovers(run_id)
+        _kill_leftovers(os.environ["NANORL_SANDBOX"])
     _, wait_status = os.waitpid(tests, 0) if tests is not None else (0, 0)
     os.waitpid(init, 0)
     if status == "exited":
         code = os.waitstatus_to_exitcode(wait_status)
         status = f"exit {code}" if code >= 0 else f"killed by signal {-code}"
     json.dump({"status": status, "isolation": isolation}, sys.stdout)
+    sys.stdout.flush()
+    os._exit(0)  # nothing to tear down: a disposable process
 
 
 def _watch(tests: int | None, timeout_s: float) -> str:
@@ -579,7 +590,7 @@ def _serve(setup: str, code: str) -> None:
             reply = _answer(scope, call)
     except BaseException:  # the code failed to load, or the tests' side is gone: it is printed, the tests fail
         try:
-            traceback.print_exc()
+            sys.__excepthook__(*sys.exc_info())
             sys.stdout.flush()
         finally:
             exit_now(1)
@@ -649,7 +660,7 @@ def _run_tests(setup: str, tests: str, entry_point: str | None, nonce: str) -> N
             scope["check"](proxies[entry_point])
     except BaseException:  # anything, SystemExit included, means the tests did not finish; it is printed
         try:
-            traceback.print_exc()
+            sys.__excepthook__(*sys.exc_info())
             sys.stdout.flush()
         finally:
             os._exit(1)
@@ -671,7 +682,7 @@ def _bind(scope: dict, entry_point: str | None) -> dict:
             _fail("the solution's code did not load (its traceback is above)")
         taken = (set(scope) | set(dir(builtins))) - {entry_point}
         free = lambda name: type(name) is str and not name.startswith("__") and name not in taken
-        lock = threading.Lock()
+        lock = _thread.allocate_lock()
         proxies = {name: _proxy(name, lock) for name in list(exports["functions"]) if free(name)}
         values = {name: from_plain(value) for name, value in list(exports["values"]) if free(name)}
         modules = {name: module for name, module in list(exports["modules"]) if free(name) and type(module) is str}
@@ -689,7 +700,7 @@ def _bind(scope: dict, entry_point: str | None) -> dict:
     return proxies
 
 
-def _proxy(name: str, lock: threading.Lock):
+def _proxy(name: str, lock: _thread.LockType):
     """A function of the tests' interpreter that calls the solution's `name`: plain arguments out, a plain
     result (or a builtin exception) back. Anything else ends the run (`_fail`): the tests cannot catch it."""
 
@@ -703,7 +714,7 @@ def _proxy(name: str, lock: threading.Lock):
     return call
 
 
-def _call_solution(name: str, args: tuple, kwargs: dict, lock: threading.Lock) -> tuple[object, Exception | None]:
+def _call_solution(name: str, args: tuple, kwargs: dict, lock: _thread.LockType) -> tuple[object, Exception | None]:
     """(result, None) or (None, the exception the solution raised, rebuilt); `_fail` for anything else."""
     try:
         request = {"name": name, "args": to_plain(args), "kwargs": to_plain(kwargs)}
@@ -752,9 +763,3 @@ def _kill_leftovers(run_id: str) -> None:
                         os.kill(int(entry), signal.SIGKILL)
             except OSError:  # gone meanwhile, or not ours to read or kill
                 pass
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != [_HARNESS_FLAG] or len(sys.argv) != 3:
-        sys.exit("sandbox.py is a library; `--sandbox-harness RUN_ID` is how run_sandboxed starts its harness.")
-    _harness_main(sys.argv[2])
