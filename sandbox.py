@@ -11,7 +11,7 @@ never share an interpreter:
   binds every function the solution defines to a proxy (and copies its plain-data globals), runs the
   tests (then `check(proxy of entry_point)` when given), and only then writes the run's pass signal.
 Arguments, results and exceptions cross between the two as PLAIN DATA only: None, bool, int, float (nan
-and inf included), str, bytes, list, tuple, set, frozenset, dict, nested. The tests' side rebuilds them
+and inf included), complex, str, bytes, list, tuple, set, frozenset, dict, nested. The tests' side rebuilds them
 from a tagged JSON form into exactly those types, so no object of the solution's (an `__eq__` that always
 answers True) ever reaches the tests. Subclasses (Counter, namedtuple) cross as their plain base; an
 exception of a builtin type (or a subclass: its builtin base) is raised again in the tests' interpreter
@@ -101,17 +101,19 @@ def run_sandboxed(
     *,
     setup: str = "",
     entry_point: str | None = None,
+    functions: tuple[str, ...] = (),
     timeout_s: float = CODE_TIMEOUT_S,
     cpu_s: int = CODE_CPU_S,
     memory_mb: int = CODE_MEMORY_MB,
     nproc: int = CODE_NPROC,
 ) -> dict:
     """Run untrusted `code` (after `setup`) in one sandboxed interpreter and `tests` (after `setup`, then
-    `check(entry_point)` when given) in another, calling the code's functions across (see the module
-    docstring); returns {"passed", "status", "output", "isolation", "run_id"}. "status" is the tests'
-    process's end ("exit 0", "exit 1", "timeout", ...); "output" is the tail (CODE_OUTPUT_BYTES) of both
-    interpreters' stdout+stderr; "isolation" says which layers were active. PASSING means the tests ran to
-    the end: the tests' process writes the nonce drawn here after the last one, and exits 0."""
+    `check(entry_point)` when given) in another, calling the code's functions across (see the module docstring).
+    `functions`, without an entry point: the functions under test, bound for the tests even where they shadow a
+    builtin (MBPP's `sum`); the code must define them. Returns {"passed", "status", "output", "isolation",
+    "run_id"}. "status" is the tests' process's end ("exit 0", "exit 1", "timeout", ...); "output" is the tail
+    (CODE_OUTPUT_BYTES) of both interpreters' stdout+stderr; "isolation" says which layers were active. PASSING
+    means the tests ran to the end: the tests' process writes the nonce drawn here after the last one, and exits 0."""
     import subprocess  # here, not at the top: the harness runs this file, and starts faster without them
     import tempfile
 
@@ -125,7 +127,7 @@ def run_sandboxed(
     ):
         # Two messages: the harness starts the solution's process after the first, before it reads the second.
         solution_part = {**settings, "code": code, "setup": setup, "workdir": workdir, "result_fd": result.fileno()}
-        tests_part = {"tests": tests, "entry_point": entry_point, "nonce": nonce}
+        tests_part = {"tests": tests, "entry_point": entry_point, "functions": list(functions), "nonce": nonce}
         # This file imported as a module (not run as a script, which would be compiled anew each time).
         start = f"import sys; sys.path[:0] = [{_HERE!r}]; import sandbox; del sys.path[0]; sandbox._harness_main()"
         cmd = [sys.executable, "-I", "-c", start]
@@ -193,8 +195,9 @@ def _feed_and_wait(proc, request: bytes, timeout_s: float) -> None:
 
 def to_plain(value: object, depth: int = 0) -> object:
     """`value` as tagged JSON: lists stay lists; a tuple is {"t": [...]}, a set {"s": [...]}, a frozenset
-    {"f": [...]}, a dict {"d": [[key, value], ...]}, bytes {"b": hex}, an int of over 10,000 bits {"i": hex}
-    (JSON's decimal digits are capped). Subclasses go as their plain base. TypeError for anything else."""
+    {"f": [...]}, a dict {"d": [[key, value], ...]}, bytes {"b": hex}, a complex {"c": [real, imag]}, an int
+    of over 10,000 bits {"i": hex} (JSON's decimal digits are capped). Subclasses go as their plain base.
+    TypeError for anything else."""
     if depth > PLAIN_DEPTH:
         raise ValueError(f"containers nested deeper than {PLAIN_DEPTH}")
     if value is None or value is True or value is False:
@@ -203,6 +206,8 @@ def to_plain(value: object, depth: int = 0) -> object:
         return int.__int__(value) if value.bit_length() <= 10_000 else {"i": format(value, "x")}
     if isinstance(value, float):
         return float.__float__(value)
+    if isinstance(value, complex):
+        return {"c": [value.real, value.imag]}
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, bytes):
@@ -221,8 +226,8 @@ _CONTAINERS = {"t": tuple, "s": set, "f": frozenset}
 
 
 def from_plain(data: object, depth: int = 0) -> object:
-    """The value `to_plain` encoded, built of exactly None/bool/int/float/str/bytes/list/tuple/set/frozenset/
-    dict; ValueError (or TypeError: an unhashable set item or dict key) for anything else. This side is
+    """The value `to_plain` encoded, built of exactly None/bool/int/float/complex/str/bytes/list/tuple/set/
+    frozenset/dict; ValueError (or TypeError: an unhashable set item or dict key) for anything else. This side is
     strict, since the other side may be hostile."""
     if depth > PLAIN_DEPTH:
         raise ValueError(f"containers nested deeper than {PLAIN_DEPTH}")
@@ -234,6 +239,8 @@ def from_plain(data: object, depth: int = 0) -> object:
         ((tag, inner),) = data.items()
         if tag in ("i", "b") and type(inner) is str:
             return int(inner, 16) if tag == "i" else bytes.fromhex(inner)
+        if tag == "c" and type(inner) is list and len(inner) == 2 and all(type(x) is float for x in inner):
+            return complex(*inner)
         if tag in _CONTAINERS and type(inner) is list:
             return _CONTAINERS[tag](from_plain(item, depth + 1) for item in inner)
         if tag == "d" and type(inner) is list and all(type(pair) is list and len(pair) == 2 for pair in inner):
@@ -463,7 +470,7 @@ def _tests_main(libc: ctypes.CDLL, request: dict, tests_part: dict, isolation: d
         nonce = tests_part.pop("nonce")
         _confine(libc, request, isolation, uid, fds)
         libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-        _run_tests(request["setup"], tests_part["tests"], tests_part["entry_point"], nonce)
+        _run_tests(request["setup"], tests_part, nonce)
     finally:
         os._exit(3)
 
@@ -648,14 +655,14 @@ def _exception_reply(e: Exception) -> dict:
 # ---------------------------------------------------------------- the tests' interpreter
 
 
-def _run_tests(setup: str, tests: str, entry_point: str | None, nonce: str) -> None:
+def _run_tests(setup: str, tests_part: dict, nonce: str) -> None:
     """exec `setup`, bind the solution's exports, exec the tests, call `check(entry_point)`; the nonce goes
     to fd 5 only if all of that finished."""
-    scope = {"__name__": "__main__"}
+    scope, entry_point = {"__name__": "__main__"}, tests_part["entry_point"]
     try:
         exec(compile(setup, "setup.py", "exec"), scope)
-        proxies = _bind(scope, entry_point)
-        exec(compile(tests, "tests.py", "exec"), scope)
+        proxies = _bind(scope, [entry_point] if entry_point else tests_part["functions"])
+        exec(compile(tests_part["tests"], "tests.py", "exec"), scope)
         if entry_point:
             scope["check"](proxies[entry_point])
     except BaseException:  # anything, SystemExit included, means the tests did not finish; it is printed
@@ -671,16 +678,17 @@ def _run_tests(setup: str, tests: str, entry_point: str | None, nonce: str) -> N
         os._exit(0)
 
 
-def _bind(scope: dict, entry_point: str | None) -> dict:
+def _bind(scope: dict, required: list[str]) -> dict:
     """Put the solution's exports into `scope`: its functions as proxies, its plain-data globals as copies,
     the standard-library modules it imported imported again here (trusted code, like the tests). Never
-    under names of builtins, dunder names, or names `setup` already defined (the entry point's stub aside).
-    Returns {name: proxy}."""
+    under dunder names, names of builtins or names `setup` already defined, except the `required` names
+    (the entry point, whose stub `setup` defines; MBPP's function under test named like a builtin, `sum`),
+    which must be functions of the solution's. Returns {name: proxy}."""
     try:
         exports = _receive(3)
         if exports is None:
             _fail("the solution's code did not load (its traceback is above)")
-        taken = (set(scope) | set(dir(builtins))) - {entry_point}
+        taken = (set(scope) | set(dir(builtins))) - set(required)
         free = lambda name: type(name) is str and not name.startswith("__") and name not in taken
         lock = _thread.allocate_lock()
         proxies = {name: _proxy(name, lock) for name in list(exports["functions"]) if free(name)}
@@ -688,8 +696,8 @@ def _bind(scope: dict, entry_point: str | None) -> dict:
         modules = {name: module for name, module in list(exports["modules"]) if free(name) and type(module) is str}
     except Exception as e:
         _fail(f"malformed exports from the solution ({type(e).__name__}: {e})")
-    if entry_point and entry_point not in proxies:
-        _fail(f"the solution defines no function {entry_point}")
+    if missing := [name for name in required if name not in proxies]:
+        _fail(f"the solution defines no function {', '.join(missing)}")
     for name, module in modules.items():
         if module.partition(".")[0] in sys.stdlib_module_names:
             try:
