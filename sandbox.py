@@ -3,41 +3,26 @@
 Model code is hostile: fork bombs, infinite loops, memory bombs, `os.kill(os.getppid(), 9)`, writes into
 the repository, reads of the trainer's API keys, and, since its reward is what a policy learns to raise,
 attacks on the tests themselves (replace `exec`, swallow AssertionError, return an object equal to
-everything, read the tests from the caller's frames, forge the pass signal). So the solution and the tests
-never share an interpreter:
-- the SOLUTION's interpreter runs `setup` (e.g. HumanEval's prompt: its imports and helpers), then the
-  code, then serves calls: it reads a call (a function name and arguments), runs it, writes the result;
-- the TESTS' interpreter, started apart and never reachable from the solution's, runs `setup` itself,
-  binds every function the solution defines to a proxy (and copies its plain-data globals), runs the
-  tests (then `check(proxy of entry_point)` when given), and only then writes the run's pass signal.
-Arguments, results and exceptions cross between the two as PLAIN DATA only: None, bool, int, float (nan
-and inf included), complex, str, bytes, list, tuple, set, frozenset, dict, nested. The tests' side rebuilds them
-from a tagged JSON form into exactly those types, so no object of the solution's (an `__eq__` that always
-answers True) ever reaches the tests. Subclasses (Counter, namedtuple) cross as their plain base; an
-exception of a builtin type (or a subclass: its builtin base) is raised again in the tests' interpreter
-with the same arguments, so tests that expect one still work. Anything else ends the run as a failure at
-once, out of reach of the tests' own `try`: a result that is not plain data (a generator, an iterator,
-a class instance, a function), an argument that is not (a callback), SystemExit inside a call, a
-malformed or oversized reply, the solution's process ending. Arguments are copies: a function that
-mutates its argument in place is not seen to (call by value). A name the solution defines never
-replaces a builtin (`abs`, `len`, ...) or anything `setup` defines in the tests' namespace.
+everything, read the tests from the runner's frames, forge the pass signal). So the solution and the tests
+never share an interpreter: the solution's serves calls, the tests' makes them through proxies, and only
+plain data crosses (calls.py holds both programs and the protocol). This file starts and confines them.
 
-Processes: the caller (the trainer); a disposable HARNESS (`python -I -c 'import sandbox; sandbox._harness_main()'`,
-its own session, an environment without the caller's variables; this file imports only the standard
-library, so it starts fast), which sets up isolation and watches; an INIT process, PID 1 of the run's
-PID namespace; the SOLUTION, forked by INIT into a PID namespace nested in that one (it sees no process
-outside it) before the harness has even read the tests, so no copy of them is in its memory; the TESTS,
-forked by the harness afterwards. Each layer is applied where the OS allows (reported in "isolation"):
+Processes: the caller (the trainer); a disposable HARNESS (`python -I -c "import sandbox; ..."`, its own
+session, an environment without the caller's variables; standard library only, so it starts fast), which
+sets up isolation and watches; INIT, PID 1 of the run's PID namespace; the SOLUTION, forked by INIT into a
+PID namespace nested in that one (it sees no process outside it) before the harness has even read the
+tests, so no copy of them is in its memory; the TESTS, forked by the harness afterwards. The pass signal is
+a random nonce that only the caller and the tests' process hold, written after the last test to a file
+that only they hold. Each layer is applied where the OS allows (reported in "isolation"):
 - PID namespaces (root, or a user namespace): killing INIT kills every process of the run, even ones
-  that called setsid(); the solution is PID 1 of its own namespace and can signal nothing outside it.
+  that called setsid(); the solution can signal nothing outside its own namespace.
 - network namespace: only a loopback device, which is down: no network at all.
 - IPC namespace: System V objects and POSIX message queues exist only for the run.
 - mount namespaces: every mount of the host read-only; each interpreter has a private tmpfs on /tmp
-  (also bound on /dev/shm; CODE_TMPFS_MB) and, with a PID namespace, its own /proc.
-- seccomp (x86-64, arm64): socket(AF_UNIX), so no path-named socket of the host (/run/...) can be reached,
-  and AF_UNIX socket pairs other than stream ones; memfd_create, System V shared memory and message queues
-  (memory that no address-space limit counts); io_uring; every other architecture's system-call ABI.
-  Each refused call fails with EPERM.
+  (also bound on /dev/shm; CODE_TMPFS_MB in all) and, with a PID namespace, its own /proc.
+- seccomp (x86-64, arm64; `_install_seccomp`): no AF_UNIX socket, so no path-named socket of the host
+  (/run/...) can be reached; no memfd_create, System V shared memory or message queues (memory no
+  address-space limit counts); no io_uring, no new user namespace, no other architecture's system calls.
 - root: each interpreter switches to its own uid that no one else uses (2,000,000,000 + 2 x harness pid,
   +1 for the tests), no groups, so RLIMIT_NPROC (which root ignores) applies to it alone, files not
   world-readable are unreadable and root-owned files unwritable. Without root, a user namespace gives
@@ -50,30 +35,26 @@ forked by the harness afterwards. Each layer is applied where the OS allows (rep
   (setuid binaries do not elevate), no capabilities, parent-death SIGKILL; the tests' process and the
   harness are not dumpable (no process of the same uid may trace them or read their memory); environment
   = PATH, HOME and LANG only; stdin /dev/null; stdout+stderr of both interpreters to one unlinked file.
-The pass signal is a random nonce that only the caller and the tests' process hold, written to a file
-that only they hold, after the last test. Without a PID namespace the harness also kills every process
-still carrying this run's marker in /proc/*/environ.
+Without a PID namespace the harness also kills every process still carrying this run's marker in
+/proc/*/environ.
 
-NOT contained (measured on Linux 6.18 as root): world-readable files can be read. Memory is bounded, not
-counted (no cgroup): nproc x memory_mb of address space per interpreter, plus its CODE_TMPFS_MB tmpfs.
-CPU time is shared with the trainer. Without seccomp (another architecture), memfd_create and System V
-memory are held outside the address-space limit until the run ends, and path-named sockets of the host
-can be connected to. Without a mount namespace, world-writable dirs (/tmp, /dev/shm) are writable (and a
-privately installed Python cannot import after the uid switch). Without a PID namespace, a process that
-calls setsid() and then exec()s with a fresh environment escapes the cleanup and `kill(-1)` reaches
-every process of the user; without the uid switch either (a plain user where user namespaces are off),
-the code runs as that user: it can trace the trainer, which holds the tests and the nonce.
-Not supported, by design: objects that are not plain data (the few MBPP rows whose test setup builds
-trees of the solution's own class), in-place mutation of arguments, generator results, module objects.
+NOT contained (measured on Linux 6.18, as root): world-readable files can be read. Memory is bounded, not
+counted (no cgroup): per interpreter nproc x memory_mb of address space, its CODE_TMPFS_MB tmpfs, and pipe
+buffers (kernel memory: 28 MiB held by one process at 64 open files; the kernel caps a uid at 64 MiB).
+CPU time is shared with the trainer, so a busy machine slows the runs (a slow run times out: 0).
+Without seccomp (another architecture): memfd_create and System V memory are held outside the
+address-space limit until the run ends, path-named sockets of the host can be connected to. Without a
+mount namespace, world-writable dirs (/tmp, /dev/shm) are writable (and a privately installed Python
+cannot import after the uid switch). Without a PID namespace, a process that calls setsid() and then
+exec()s with a fresh environment escapes the cleanup and `kill(-1)` reaches every process of the user;
+without the uid switch either (a plain user where user namespaces are off), the code runs as that user:
+it can trace the trainer, which holds the tests and the nonce.
 Linux only (namespaces, prctl, pidfd: kernel 5.3+).
 """
 
-import _thread
-import builtins
 import ctypes
 import errno
 import fcntl
-import importlib
 import json
 import os
 import re
@@ -82,6 +63,8 @@ import select
 import signal
 import sys
 
+from calls import frame, receive, run_tests, serve
+
 CODE_TIMEOUT_S = 10.0  # wall-clock limit of one run (s)
 CODE_CPU_S = 5  # CPU-time limit of each process of the run (s)
 CODE_MEMORY_MB = 512  # address-space limit of each process (MiB); worst case total = nproc x this, per interpreter
@@ -89,8 +72,6 @@ CODE_NPROC = 16  # processes (and threads) each interpreter may have at once
 CODE_FILE_MB = 16  # largest file (and total output) the code may write (MiB)
 CODE_TMPFS_MB = 64  # size of each interpreter's private tmpfs (/tmp, /dev/shm) (MiB)
 CODE_OUTPUT_BYTES = 4000  # tail of stdout+stderr kept in the run's report (bytes)
-CODE_MESSAGE_MB = 16  # largest message (the code, the tests, one call or one result) (MiB)
-PLAIN_DEPTH = 100  # deepest nesting of containers that crosses between the interpreters
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -150,7 +131,7 @@ def run_sandboxed(
                 "isolation": {},
                 "run_id": run_id,
             }
-        _feed_and_wait(proc, _frame(solution_part) + _frame(tests_part), timeout_s + 5)
+        _feed_and_wait(proc, frame(solution_part) + frame(tests_part), timeout_s + 5)
         report.seek(0)
         output.seek(max(0, os.fstat(output.fileno()).st_size - CODE_OUTPUT_BYTES))
         result.seek(0)
@@ -190,105 +171,6 @@ def _feed_and_wait(proc, request: bytes, timeout_s: float) -> None:
         proc.wait()
 
 
-# ---------------------------------------------------------------- plain data and messages
-
-
-def to_plain(value: object, depth: int = 0) -> object:
-    """`value` as tagged JSON: lists stay lists; a tuple is {"t": [...]}, a set {"s": [...]}, a frozenset
-    {"f": [...]}, a dict {"d": [[key, value], ...]}, bytes {"b": hex}, a complex {"c": [real, imag]}, an int
-    of over 10,000 bits {"i": hex} (JSON's decimal digits are capped). Subclasses go as their plain base.
-    TypeError for anything else."""
-    if depth > PLAIN_DEPTH:
-        raise ValueError(f"containers nested deeper than {PLAIN_DEPTH}")
-    if value is None or value is True or value is False:
-        return value
-    if isinstance(value, int):
-        return int.__int__(value) if value.bit_length() <= 10_000 else {"i": format(value, "x")}
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, complex):
-        return {"c": [value.real, value.imag]}
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, bytes):
-        return {"b": bytes.hex(value)}
-    if isinstance(value, list):
-        return [to_plain(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {"d": [[to_plain(k, depth + 1), to_plain(v, depth + 1)] for k, v in value.items()]}
-    for kind, tag in ((tuple, "t"), (set, "s"), (frozenset, "f")):
-        if isinstance(value, kind):
-            return {tag: [to_plain(item, depth + 1) for item in value]}
-    raise TypeError(f"{type(value).__name__} is not plain data")
-
-
-_CONTAINERS = {"t": tuple, "s": set, "f": frozenset}
-
-
-def from_plain(data: object, depth: int = 0) -> object:
-    """The value `to_plain` encoded, built of exactly None/bool/int/float/complex/str/bytes/list/tuple/set/
-    frozenset/dict; ValueError (or TypeError: an unhashable set item or dict key) for anything else. This side is
-    strict, since the other side may be hostile."""
-    if depth > PLAIN_DEPTH:
-        raise ValueError(f"containers nested deeper than {PLAIN_DEPTH}")
-    if data is None or type(data) in (bool, int, float, str):
-        return data
-    if type(data) is list:
-        return [from_plain(item, depth + 1) for item in data]
-    if type(data) is dict and len(data) == 1:
-        ((tag, inner),) = data.items()
-        if tag in ("i", "b") and type(inner) is str:
-            return int(inner, 16) if tag == "i" else bytes.fromhex(inner)
-        if tag == "c" and type(inner) is list and len(inner) == 2 and all(type(x) is float for x in inner):
-            return complex(*inner)
-        if tag in _CONTAINERS and type(inner) is list:
-            return _CONTAINERS[tag](from_plain(item, depth + 1) for item in inner)
-        if tag == "d" and type(inner) is list and all(type(pair) is list and len(pair) == 2 for pair in inner):
-            return {from_plain(k, depth + 1): from_plain(v, depth + 1) for k, v in inner}
-    raise ValueError(f"not plain data: {str(data)[:80]}")
-
-
-def _frame(message: dict) -> bytes:
-    """A message as 8 bytes of length, then JSON."""
-    body = json.dumps(message).encode()
-    return len(body).to_bytes(8, "big") + body
-
-
-def _send(fd: int, message: dict) -> None:
-    data = _frame(message)
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-def _receive(fd: int) -> dict | None:
-    """The next message on `fd`; None at end of file; ValueError if it is malformed or over CODE_MESSAGE_MB."""
-    header = _read_exactly(fd, 8)
-    if header is None:
-        return None
-    size = int.from_bytes(header, "big")
-    if size > CODE_MESSAGE_MB << 20:
-        raise ValueError(f"a message of {size} bytes, over the {CODE_MESSAGE_MB} MiB limit")
-    message = json.loads(_read_exactly(fd, size) or b"null")
-    if type(message) is not dict:
-        raise ValueError("a message that is not a JSON object")
-    return message
-
-
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    """`size` bytes from `fd`, or None at end of file before the first byte; ValueError at end of file
-    after it. Unbuffered: the harness must not read past the first message before it forks."""
-    chunks, left = [], size
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            if left == size:
-                return None
-            raise ValueError("end of file inside a message")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
 # ---------------------------------------------------------------- the harness and the confinement
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
@@ -311,7 +193,7 @@ _CAPABILITY_VERSION_3 = 0x20080522
 def _harness_main() -> None:
     """The disposable harness: isolate, start the solution's process (through INIT), read the tests, start
     the tests' process, watch it, kill the run, report JSON on stdout."""
-    request = _receive(0)  # the code and the settings only: the tests are still in the pipe
+    request = receive(0)  # the code and the settings only: the tests are still in the pipe
     if request is None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -324,7 +206,7 @@ def _harness_main() -> None:
     init = os.fork()
     if init == 0:
         _init_main(libc, request, isolation, uids[0], calls[0], replies[1])
-    tests_part = _receive(0)
+    tests_part = receive(0)
     tests = os.fork() if tests_part is not None else None
     if tests == 0:
         _tests_main(libc, request, tests_part, isolation, uids[1], (replies[0], calls[1], request["result_fd"]))
@@ -390,14 +272,21 @@ def _read_only_mounts(libc: ctypes.CDLL) -> bool:
     return root_read_only
 
 
-# seccomp: (audit architecture, {system call: number}) by machine; the numbers differ between architectures.
-_SECCOMP_ABI = {
-    "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "shmget": 29, "msgget": 68, "memfd_create": 319}),
-    "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "shmget": 194, "msgget": 186, "memfd_create": 279}),
+# seccomp: the audit architecture and the system calls the filter looks at, by machine (numbers differ).
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SYSCALLS = {  # name: (x86_64, aarch64)
+    "socket": (41, 198),
+    "socketpair": (53, 199),
+    "unshare": (272, 97),
+    "clone": (56, 220),
+    "memfd_create": (319, 279),
+    "shmget": (29, 194),
+    "msgget": (68, 186),
 }
-_IO_URING_SETUP, _X32_SYSCALL_BIT, _AF_UNIX, _SOCK_STREAM = 425, 0x40000000, 1, 1
-_BPF_LD, _BPF_JEQ, _BPF_JGE, _BPF_AND, _BPF_RET = 0x20, 0x15, 0x35, 0x54, 0x06  # ld [k], jeq #k, jge #k, and #k, ret #k
-_SECCOMP_ALLOW, _SECCOMP_DENY = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ERRNO | EPERM
+_IO_URING_SETUP, _CLONE3, _X32_SYSCALL_BIT, _AF_UNIX, _SOCK_STREAM = 425, 435, 0x40000000, 1, 1
+# ld [k], jeq #k, jge #k, jset #k (any bit of k set), and #k, ret #k
+_BPF_LD, _BPF_JEQ, _BPF_JGE, _BPF_JSET, _BPF_AND, _BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x54, 0x06
+_SECCOMP_ALLOW, _SECCOMP_ERRNO = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ERRNO | errno
 
 
 class _SockFilter(ctypes.Structure):
@@ -411,10 +300,14 @@ class _SockFprog(ctypes.Structure):
 def _install_seccomp(libc: ctypes.CDLL) -> bool:
     """Refuse (EPERM) socket(AF_UNIX), AF_UNIX socket pairs other than stream ones (a datagram one can
     sendto() any path), memfd_create, shmget, msgget, io_uring_setup (io_uring opens sockets without a
-    system call this filter sees) and every system call of another ABI. False on other machines."""
-    if os.uname().machine not in _SECCOMP_ABI:
+    system call this filter sees), new user namespaces (unshare or clone with CLONE_NEWUSER: kernel surface
+    a solution has no use for; clone3, whose flags a filter cannot read, gets ENOSYS, and C libraries fall
+    back to clone) and every system call of another ABI. False on other machines."""
+    machine = os.uname().machine
+    if machine not in _AUDIT_ARCH:
         return False
-    arch, nr = _SECCOMP_ABI[os.uname().machine]
+    arch, column = _AUDIT_ARCH[machine], list(_AUDIT_ARCH).index(machine)
+    nr = {name: numbers[column] for name, numbers in _SYSCALLS.items()}
     # (label, code, k, jump-if-true label, jump-if-false label); no label: the next one. Jumps go forward only.
     program = [
         ("", _BPF_LD, 4, "", ""),  # seccomp_data.arch
@@ -423,8 +316,13 @@ def _install_seccomp(libc: ctypes.CDLL) -> bool:
         ("", _BPF_JGE, _X32_SYSCALL_BIT, "deny", ""),
         ("", _BPF_JEQ, nr["socket"], "socket", ""),
         ("", _BPF_JEQ, nr["socketpair"], "pair", ""),
+        ("", _BPF_JEQ, nr["unshare"], "flags", ""),
+        ("", _BPF_JEQ, nr["clone"], "flags", ""),
+        ("", _BPF_JEQ, _CLONE3, "no such call", ""),
         *[("", _BPF_JEQ, n, "deny", "") for n in (nr["memfd_create"], nr["shmget"], nr["msgget"])],
         ("", _BPF_JEQ, _IO_URING_SETUP, "deny", "allow"),
+        ("flags", _BPF_LD, 16, "", ""),  # args[0], the namespace flags of unshare and clone
+        ("", _BPF_JSET, _CLONE_NEWUSER, "deny", "allow"),
         ("socket", _BPF_LD, 16, "", ""),  # args[0], the domain (low 32 bits, little-endian)
         ("", _BPF_JEQ, _AF_UNIX, "deny", "allow"),
         ("pair", _BPF_LD, 16, "", ""),
@@ -432,7 +330,8 @@ def _install_seccomp(libc: ctypes.CDLL) -> bool:
         ("", _BPF_LD, 24, "", ""),  # args[1], the type, with SOCK_NONBLOCK/SOCK_CLOEXEC in its high bits
         ("", _BPF_AND, 0xF, "", ""),
         ("", _BPF_JEQ, _SOCK_STREAM, "allow", "deny"),
-        ("deny", _BPF_RET, _SECCOMP_DENY, "", ""),
+        ("no such call", _BPF_RET, _SECCOMP_ERRNO | errno.ENOSYS, "", ""),
+        ("deny", _BPF_RET, _SECCOMP_ERRNO | errno.EPERM, "", ""),
         ("allow", _BPF_RET, _SECCOMP_ALLOW, "", ""),
     ]
     at = {label: i for i, (label, *_) in enumerate(program) if label}
@@ -454,7 +353,7 @@ def _init_main(libc: ctypes.CDLL, request: dict, isolation: dict, uid: int | Non
             os._exit(3)  # never run the solution where it could see the tests' process
         if os.fork() == 0:
             _confine(libc, request, isolation, uid, (calls, replies))
-            _serve(request["setup"], request["code"])
+            serve(request["setup"], request["code"])
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps orphans
         os.closerange(3, 1 << 16)
         while True:
@@ -470,7 +369,7 @@ def _tests_main(libc: ctypes.CDLL, request: dict, tests_part: dict, isolation: d
         nonce = tests_part.pop("nonce")
         _confine(libc, request, isolation, uid, fds)
         libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-        _run_tests(request["setup"], tests_part, nonce)
+        run_tests(request["setup"], tests_part, nonce)
     finally:
         os._exit(3)
 
@@ -575,187 +474,6 @@ def _expose_python(libc: ctypes.CDLL, private: str) -> None:
     if not ok:
         raise OSError(ctypes.get_errno(), f"could not expose Python at {sys.base_prefix}")
     os.rmdir(staged)
-
-
-# ---------------------------------------------------------------- the solution's interpreter: a server of calls
-
-
-def _serve(setup: str, code: str) -> None:
-    """Run `setup`, then the code, then answer calls (fd 3) with results (fd 4) until end of file. First
-    message: what the tests may bind (the code's functions and plain-data globals)."""
-    send, receive, exit_now, stdout = _send, _receive, os._exit, sys.stdout  # the code may patch this module's
-    scope = {"__name__": "solution"}  # not "__main__": a demo under `if __name__ == "__main__":` does not run
-    try:
-        exec(compile(setup, "setup.py", "exec"), scope)
-        exec(compile(code, "solution.py", "exec"), scope)  # compiled apart: an open string cannot swallow setup
-        reply = _exports(scope)
-        while True:
-            stdout.flush()  # before every reply: the run may be killed as soon as the tests end
-            send(4, reply)
-            if (call := receive(3)) is None:
-                break
-            reply = _answer(scope, call)
-    except BaseException:  # the code failed to load, or the tests' side is gone: it is printed, the tests fail
-        try:
-            sys.__excepthook__(*sys.exc_info())
-            sys.stdout.flush()
-        finally:
-            exit_now(1)
-    exit_now(0)
-
-
-def _exports(scope: dict) -> dict:
-    """What the tests may bind, for every global that is not a dunder name: {"functions": names of callables,
-    "modules": [[name, module name], ...], "values": [[name, plain value], ...]}; any other value is left out."""
-    exports = {"functions": [], "modules": [], "values": []}
-    for name, value in list(scope.items()):
-        if name.startswith("__"):
-            continue
-        if type(value) is type(sys):
-            exports["modules"].append([name, value.__name__])
-        elif callable(value):
-            exports["functions"].append(name)
-        else:
-            try:
-                exports["values"].append([name, to_plain(value)])
-            except (TypeError, ValueError, RecursionError):
-                pass
-    return exports
-
-
-def _answer(scope: dict, call: dict) -> dict:
-    """Run one call: {"value": plain result}, {"raise": builtin exception type, "args": plain args}, or
-    {"fatal": why} (a result that is not plain data, or SystemExit or another BaseException)."""
-    try:
-        result = scope[call["name"]](*from_plain(call["args"]), **from_plain(call["kwargs"]))
-    except Exception as e:
-        return _exception_reply(e)
-    except BaseException as e:
-        return {"fatal": f"{call['name']} raised {type(e).__name__}"}
-    try:
-        return {"value": to_plain(result)}
-    except (TypeError, ValueError, RecursionError):
-        return {"fatal": f"{call['name']} returned a {type(result).__name__}, which is not plain data"}
-
-
-def _exception_reply(e: Exception) -> dict:
-    """The exception as its nearest builtin type (json.JSONDecodeError -> ValueError) and its arguments
-    (its message alone when they are not plain data)."""
-    name = next(c.__name__ for c in type(e).__mro__ if getattr(builtins, c.__name__, None) is c)
-    try:
-        args = to_plain(e.args)
-    except (TypeError, ValueError, RecursionError):
-        try:
-            args = to_plain((str(e),))
-        except Exception:
-            args = to_plain(())
-    return {"raise": name, "args": args}
-
-
-# ---------------------------------------------------------------- the tests' interpreter
-
-
-def _run_tests(setup: str, tests_part: dict, nonce: str) -> None:
-    """exec `setup`, bind the solution's exports, exec the tests, call `check(entry_point)`; the nonce goes
-    to fd 5 only if all of that finished."""
-    scope, entry_point = {"__name__": "__main__"}, tests_part["entry_point"]
-    try:
-        exec(compile(setup, "setup.py", "exec"), scope)
-        proxies = _bind(scope, [entry_point] if entry_point else tests_part["functions"])
-        exec(compile(tests_part["tests"], "tests.py", "exec"), scope)
-        if entry_point:
-            scope["check"](proxies[entry_point])
-    except BaseException:  # anything, SystemExit included, means the tests did not finish; it is printed
-        try:
-            sys.__excepthook__(*sys.exc_info())
-            sys.stdout.flush()
-        finally:
-            os._exit(1)
-    os.write(5, nonce.encode())
-    try:
-        sys.stdout.flush()  # os._exit skips the flush of buffered prints
-    finally:
-        os._exit(0)
-
-
-def _bind(scope: dict, required: list[str]) -> dict:
-    """Put the solution's exports into `scope`: its functions as proxies, its plain-data globals as copies,
-    the standard-library modules it imported imported again here (trusted code, like the tests). Never
-    under dunder names, names of builtins or names `setup` already defined, except the `required` names
-    (the entry point, whose stub `setup` defines; MBPP's function under test named like a builtin, `sum`),
-    which must be functions of the solution's. Returns {name: proxy}."""
-    try:
-        exports = _receive(3)
-        if exports is None:
-            _fail("the solution's code did not load (its traceback is above)")
-        taken = (set(scope) | set(dir(builtins))) - set(required)
-        free = lambda name: type(name) is str and not name.startswith("__") and name not in taken
-        lock = _thread.allocate_lock()
-        proxies = {name: _proxy(name, lock) for name in list(exports["functions"]) if free(name)}
-        values = {name: from_plain(value) for name, value in list(exports["values"]) if free(name)}
-        modules = {name: module for name, module in list(exports["modules"]) if free(name) and type(module) is str}
-    except Exception as e:
-        _fail(f"malformed exports from the solution ({type(e).__name__}: {e})")
-    if missing := [name for name in required if name not in proxies]:
-        _fail(f"the solution defines no function {', '.join(missing)}")
-    for name, module in modules.items():
-        if module.partition(".")[0] in sys.stdlib_module_names:
-            try:
-                values[name] = importlib.import_module(module)
-            except Exception:  # not importable here: the name stays unbound
-                pass
-    scope.update(values, **proxies)
-    return proxies
-
-
-def _proxy(name: str, lock: _thread.LockType):
-    """A function of the tests' interpreter that calls the solution's `name`: plain arguments out, a plain
-    result (or a builtin exception) back. Anything else ends the run (`_fail`): the tests cannot catch it."""
-
-    def call(*args, **kwargs):
-        value, error = _call_solution(name, args, kwargs, lock)
-        if error is not None:
-            raise error
-        return value
-
-    call.__name__ = call.__qualname__ = name
-    return call
-
-
-def _call_solution(name: str, args: tuple, kwargs: dict, lock: _thread.LockType) -> tuple[object, Exception | None]:
-    """(result, None) or (None, the exception the solution raised, rebuilt); `_fail` for anything else."""
-    try:
-        request = {"name": name, "args": to_plain(args), "kwargs": to_plain(kwargs)}
-    except (TypeError, ValueError, RecursionError) as e:
-        _fail(f"a test passed {name} an argument that is not plain data ({e})")
-    try:
-        with lock:
-            _send(4, request)
-            reply = _receive(3)
-        if reply is None:
-            _fail(f"the solution's process ended during a call of {name}")
-        if "fatal" in reply:
-            _fail(str(reply["fatal"])[:1000])
-        return (from_plain(reply["value"]), None) if "value" in reply else (None, _rebuild_exception(reply))
-    except Exception as e:  # a broken pipe, a malformed reply: the protocol's failure, never the tests' to catch
-        _fail(f"a call of {name} failed ({type(e).__name__}: {str(e)[:200]})")
-
-
-def _rebuild_exception(reply: dict) -> Exception:
-    """The builtin exception a reply names, with its arguments; ValueError if it names anything else."""
-    kind = getattr(builtins, str(reply["raise"]), None)
-    if not (isinstance(kind, type) and issubclass(kind, Exception)):
-        raise ValueError(f"not a builtin exception: {str(reply['raise'])[:80]}")
-    return kind(*from_plain(reply["args"]))
-
-
-def _fail(reason: str) -> None:
-    """End the tests' process as a failure, past any `try` in the tests."""
-    try:
-        sys.stdout.flush()
-        os.write(2, f"sandbox: {reason}\n".encode(errors="replace"))
-    finally:
-        os._exit(1)
 
 
 def _kill_leftovers(run_id: str) -> None:

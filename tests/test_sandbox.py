@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from calls import PLAIN_DEPTH, from_plain, to_plain
 from rewards import code_reward, code_rewards
-from sandbox import CODE_OUTPUT_BYTES, PLAIN_DEPTH, _private_ancestor, from_plain, run_sandboxed, to_plain
+from sandbox import CODE_OUTPUT_BYTES, _private_ancestor, run_sandboxed
 
 FAST = {"timeout_s": 2.0, "cpu_s": 2}
 
@@ -426,6 +427,7 @@ def test_values_and_exceptions_cross_faithfully() -> None:
         ("def add(a, b):\n    yield a + b\n", "add returned a generator, which is not plain data"),
         ("def add(a, b):\n    return iter([a + b])\n", "add returned a list_iterator, which is not plain data"),
         ("def add(a, b):\n    raise SystemExit(0)\n", "add raised SystemExit"),
+        ("def add(a, b):\n    raise StopIteration\n", "a call of add failed (ValueError: not an exception that may"),
         ("import os\ndef add(a, b):\n    os.write(4, b'garbage')\n    return 5\n", "a call of add failed"),
         ("def add(a, b):\n    import os\n    os._exit(0)\n", "the solution's process ended during a call of add"),
         ("def plus(a, b):\n    return a + b\n", "the solution defines no function add"),
@@ -433,8 +435,9 @@ def test_values_and_exceptions_cross_faithfully() -> None:
 )
 def test_what_cannot_cross_fails_past_the_tests_try(code: str, why: str) -> None:
     """Guards against a failure of the protocol reaching the tests as an exception they can catch (a test
-    that expects one would then pass): a result that is not plain data, SystemExit inside a call, a forged
-    reply, the solution's process ending, a missing entry point all end the run as a failure, and say why."""
+    that expects one would then pass): a result that is not plain data, SystemExit or StopIteration (which
+    ends a `for ... in map(candidate, ...)` loop of tests early) inside a call, a forged reply, the solution's
+    process ending, a missing entry point all end the run as a failure, and say why."""
     tests = "def check(candidate):\n    try:\n        candidate(2, 3)\n    except BaseException:\n        pass"
     report = run(code, tests, entry_point="add")
     assert not report["passed"] and f"sandbox: {why}" in report["output"], report["output"]
@@ -507,14 +510,29 @@ def remove_system_v(key: int) -> None:
             remove(ident, 0, 0, None) if remove is libc.semctl else remove(ident, 0, None)
 
 
-def test_memfd_is_refused(isolation: dict) -> None:
-    """Guards against memory held outside the address-space limit: memfd_create kept 150 MiB past a 512 MiB
-    limit (its pages are no process's address space until mapped). Where seccomp runs it is refused."""
+def test_memfd_and_user_namespaces_are_refused(isolation: dict) -> None:
+    """Guards against memory held outside the address-space limit (memfd_create kept 150 MiB past a 512 MiB
+    limit: its pages are no process's address space until mapped) and against code making user namespaces
+    of its own (kernel surface it has no use for): where seccomp runs both are refused (EPERM), while threads,
+    fork and subprocess (clone3 refused with ENOSYS, so the C library falls back to clone) still work."""
     if not isolation.get("seccomp"):
         pytest.skip("no seccomp filter on this machine")
-    code = "import os\ntry:\n    os.memfd_create('hold')\nexcept OSError as e:\n    print('refused', e.errno)\n"
+    code = textwrap.dedent("""
+        import ctypes, os, subprocess, threading
+        try:
+            os.memfd_create("hold")
+        except OSError as e:
+            print("memfd refused", e.errno)
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("user namespace", libc.unshare(0x10000000), ctypes.get_errno())
+        thread = threading.Thread(target=print, args=("thread ran",))
+        thread.start()
+        thread.join()
+        print(subprocess.run(["/bin/echo", "spawned"], capture_output=True, text=True).stdout.strip())
+        """)
     report = run(code)
-    assert report["passed"] and "refused 1\n" in report["output"], report
+    assert report["passed"], report
+    assert report["output"] == "memfd refused 1\nuser namespace -1 1\nthread ran\nspawned\n", report["output"]
 
 
 def test_host_unix_sockets_are_unreachable(isolation: dict) -> None:
