@@ -36,6 +36,7 @@ import sys
 
 MESSAGE_MB = 16  # largest message (the code, the tests, one call or one result) (MiB)
 PLAIN_DEPTH = 100  # deepest nesting of containers that crosses between the interpreters
+VALUE_MB = 1  # largest global of the solution's copied into the tests' namespace (MiB of JSON)
 _ENDS_ITERATION = (StopIteration, StopAsyncIteration)
 
 
@@ -166,7 +167,8 @@ def serve(setup: str, code: str) -> None:
 
 def _exports(scope: dict) -> dict:
     """What the tests may bind, for every global that is not a dunder name: {"functions": names of callables,
-    "modules": [[name, module name], ...], "values": [[name, plain value], ...]}; any other value is left out."""
+    "modules": [[name, module name], ...], "values": [[name, plain value], ...]}; a value that is not plain
+    data, or takes over VALUE_MB (a precomputed table, which the tests do not read), is left out."""
     exports = {"functions": [], "modules": [], "values": []}
     for name, value in list(scope.items()):
         if name.startswith("__"):
@@ -177,9 +179,11 @@ def _exports(scope: dict) -> dict:
             exports["functions"].append(name)
         else:
             try:
-                exports["values"].append([name, to_plain(value)])
+                plain = to_plain(value)
             except (TypeError, ValueError, RecursionError):
-                pass
+                continue
+            if len(json.dumps(plain)) <= VALUE_MB << 20:
+                exports["values"].append([name, plain])
     return exports
 
 

@@ -391,12 +391,14 @@ def test_attacks_on_the_tests_score_zero(attack: str) -> None:
 def test_values_and_exceptions_cross_faithfully() -> None:
     """Guards against a proxy that changes what the tests see: floats (nan, inf, -0.0), big ints, bytes,
     sets, nested tuples, dicts with tuple keys, complex, subclasses (Counter, namedtuple) as their base,
-    plain globals copied, imported standard modules usable, builtin exceptions raised again with their type
+    plain globals copied (but not one over VALUE_MB, which would overflow the exports), imported standard
+    modules usable, builtin exceptions raised again with their type
     and arguments (a subclass as its builtin base) so that tests expecting them pass, and arguments passed
     by value (an in-place sort is not seen)."""
     code = (
         "import collections, json, math\n"
         "LIMIT = (1, 2.5)\n"
+        "TABLE = list(range(200_000))\n"
         "def echo(x):\n    return x\n"
         "def stats(xs):\n    return collections.Counter(xs), collections.namedtuple('P', 'x y')(1, 2)\n"
         "def parse(text):\n    return json.loads(text)\n"
@@ -410,7 +412,7 @@ def test_values_and_exceptions_cross_faithfully() -> None:
         "assert back == value and [type(v) for v in back] == [type(v) for v in value]\n"
         "assert math.isnan(echo(float('nan'))) and math.copysign(1, back[1]) == -1\n"
         "assert stats('aab') == ({'a': 2, 'b': 1}, (1, 2)) and type(stats('a')[0]) is dict\n"
-        "assert LIMIT == (1, 2.5) and json.dumps([1]) == '[1]'\n"
+        "assert LIMIT == (1, 2.5) and json.dumps([1]) == '[1]' and 'TABLE' not in globals()\n"
         "try:\n    parse('{')\nexcept ValueError as e:\n    assert type(e) is ValueError, type(e)\n"
         "else:\n    assert False\n"
         "try:\n    lookup({}, 'k')\nexcept KeyError as e:\n    assert e.args == ('k',)\n"
