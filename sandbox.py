@@ -197,8 +197,8 @@ def _harness_main() -> None:
     if request is None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
+    isolation = _isolate(libc)  # before the next line: a process that is not dumpable cannot write its uid_map
     libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # it will hold the tests: no process of the user may read them
-    isolation = _isolate(libc)
     # Uids unique among running harnesses, above the ranges container hosts usually map.
     uids = (2_000_000_000 + 2 * os.getpid(), 2_000_000_001 + 2 * os.getpid()) if os.geteuid() == 0 else (None, None)
     calls, replies = os.pipe(), os.pipe()  # (read, write): the tests call, the solution replies
@@ -401,6 +401,7 @@ def _confine(libc: ctypes.CDLL, request: dict, isolation: dict, uid: int | None,
             resource.setrlimit(kind, (value, value))
         if uid is not None:
             if not isolation["mount_namespace"]:  # a directory of its own in the shared work dir
+                os.chmod(workdir, 0o711)  # which the uid may pass through
                 workdir = os.path.join(workdir, str(uid))
                 os.mkdir(workdir, 0o700)
             os.chown(workdir, uid, uid)
