@@ -471,6 +471,30 @@ def test_plain_data_round_trip_and_refusals() -> None:
         from_plain(deep)
 
 
+def test_the_tests_interpreter_is_confined_too(isolation: dict) -> None:
+    """Guards against the tests' interpreter (the tests are data too: a downloaded file) running unconfined,
+    or as the solution's uid (which could then trace it): it cannot write into the repository, runs under
+    its own uid where uids are switched, and sees no process of the solution's namespace as its parent."""
+    if not (isolation.get("mount_namespace") and isolation.get("uid_switch")):
+        pytest.skip("no mount namespace or uid switch on this machine")
+    target = Path(__file__).parent / f"pwned-{secrets.token_hex(4)}"
+    code = "import os\nSOLUTION_UID = os.getuid()\ndef uid():\n    return os.getuid()\n"
+    tests = textwrap.dedent(f"""
+        import os
+        try:
+            open({str(target)!r}, "w")
+        except OSError as e:
+            print("write refused", e.errno)
+        assert uid() == SOLUTION_UID != os.getuid() and os.getuid() == SOLUTION_UID + 1, (uid(), os.getuid())
+        """)
+    try:
+        report = run(code, tests)
+        assert report["passed"] and report["output"] == "write refused 30\n", report
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------- containment: System V IPC, memfd, Unix sockets
 
 
