@@ -531,9 +531,11 @@ def system_v_keys(kind: str) -> set[int]:
 def remove_system_v(key: int) -> None:
     """Remove what a failed containment left on the host under `key` (IPC_RMID)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for get, remove in ((libc.semget, libc.semctl), (libc.shmget, libc.shmctl), (libc.msgget, libc.msgctl)):
+    if (ident := libc.semget(key, 0, 0)) >= 0:
+        libc.semctl(ident, 0, 0, None)  # (semid, semnum, IPC_RMID)
+    for get, remove in ((libc.shmget, libc.shmctl), (libc.msgget, libc.msgctl)):
         if (ident := get(key, 0, 0)) >= 0:
-            remove(ident, 0, 0, None) if remove is libc.semctl else remove(ident, 0, None)
+            remove(ident, 0, None)  # (id, IPC_RMID, NULL)
 
 
 def test_memfd_and_user_namespaces_are_refused(isolation: dict) -> None:
