@@ -42,6 +42,7 @@ bench: $(STAMP)         ## speed comparisons, printed as ratios
 	$(PY) bench/bench_tree.py
 	$(PY) bench/bench_trl.py
 	$(PY) bench/bench_trl.py --no-share-prompt
+	$(PY) bench/bench_humaneval.py
 
 experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 2.3 hours on 2 cores (skips finished runs)
 	$(PY) experiments/run.py

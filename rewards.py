@@ -297,14 +297,20 @@ def extract_code(completion: str) -> str | None:
 
 
 def code_reward(completion: str, example: dict) -> float:
-    """1.0 if the last ```python block passes `example["tests"]` (asserts; a list is joined by lines;
-    with `entry_point` the tests' `check(candidate)` is called on it) in the sandbox."""
+    """1.0 if the last ```python block passes `example["tests"]` (asserts; a list is joined by lines; with `entry_point`
+    the tests' `check(candidate)` is called on it) in the sandbox, `example["setup"]` (HumanEval's prompt: its
+    imports and helpers) run ahead of both the code and the tests; `example["functions"]` names the functions under
+    test that the tests may take from the code even where they shadow a builtin. The tests run in an interpreter of
+    their own and reach the code's functions only through plain-data calls (sandbox.py), so code that attacks the
+    tests instead of passing them scores 0."""
     code = extract_code(completion)
     if code is None:
         return 0.0
     tests = example["tests"]
     tests = "\n".join(tests) if isinstance(tests, list) else tests
-    return float(run_sandboxed(code, tests, entry_point=example.get("entry_point"))["passed"])
+    setup, functions = example.get("setup", ""), tuple(example.get("functions", ()))
+    report = run_sandboxed(code, tests, setup=setup, entry_point=example.get("entry_point"), functions=functions)
+    return float(report["passed"])
 
 
 def code_rewards(completions: list[str], examples: list[dict], max_workers: int = 4) -> list[float]:

