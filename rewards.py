@@ -65,6 +65,8 @@ def strip_end_tokens(text: str) -> str:
 MAX_VERIFY_CHARS = 1000  # longer final answers (or references) are not compared: 0
 MATH_VERIFY_SECONDS = 3.0  # wall-clock bound of one math-verify comparison (both parses and the verify)
 
+_EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*-?(\d+)")  # the integer an exponent starts with
+_NESTED_POWER = re.compile(r"\^\s*\{[^{}]*\^|(?:\^|\*\*)\s*\w+\s*(?:\^|\*\*)")  # 9^{9^9}, 9^9^9, 9**9**9
 _BOX = re.compile(r"(?:\\boxed|\\fbox)\s*")
 _BRACE = re.compile(r"[{}]")
 _TOKEN = re.compile(r"\S+")
@@ -82,16 +84,11 @@ _NUMBER_TOKEN = re.compile(  # a number or fraction as prose writes it: -1,234.5
 _CONNECTIVE = r"(?:,|\b(?:or|and|plus|minus|times|over)\b)"  # `18 or 20`, `1, 2`: neither number is the answer
 _LISTED_BEFORE = re.compile(rf"\d[^\s\d]{{0,3}}\s*{_CONNECTIVE}\s*\$?$", re.IGNORECASE)
 _LISTED_AFTER = re.compile(rf"[^\s\d]{{0,3}}\s*{_CONNECTIVE}\s*\$?-?\.?\d", re.IGNORECASE)
+_SPAN_LISTED_BEFORE = re.compile(rf"(?:\$|\\\)|\\\]|\d)\s*{_CONNECTIVE}\s*$", re.IGNORECASE)
+_SPAN_LISTED_AFTER = re.compile(rf"\s*{_CONNECTIVE}\s*(?:\$|\\\(|\\\[|-?\d)", re.IGNORECASE)
 _JOINS_BEFORE = set("+-*/^_<>([{|$\\×÷·")  # a number after one of these belongs to an expression (`x+5`, `(0`)
 _JOINS_AFTER = set("^_!\\([{/")  # ... and so does one glued to one of these (`2^4`, `6!`, `12\sqrt{2}`)
 _OPERATORS = set("+-*/^=<>×÷·")  # ... or followed by an operator (`5 + 3`)
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last outermost `\\boxed{...}` / `\\fbox{...}` (nested braces), or of `\\boxed 5`; None
-    if absent or a box never closes."""
-    boxes = boxed_answers(text)
-    return boxes[-1][0] if boxes else None
 
 
 def boxed_answers(text: str) -> list[tuple[str, int, int]] | None:
@@ -151,15 +148,18 @@ def final_answer(text: str) -> str | None:
 
 
 def _last_candidate(text: str) -> str | None:
-    """Rule 4 of `final_answer`: the last math span or the last number outside spans, whichever ends last."""
+    """Rule 4 of `final_answer`: the last math span or the last number outside spans, whichever ends last; None
+    when that one is not alone (`_stands_alone`; a span next to another span or number: `$18$ or $20$`)."""
     spans = list(_MATH_SPAN.finditer(text))
-    numbers = [m for m in _NUMBER_TOKEN.finditer(text, spans[-1].end() if spans else 0)]
+    numbers = list(_NUMBER_TOKEN.finditer(text, spans[-1].end() if spans else 0))
     if numbers:
-        number = numbers[-1]
-        return number[0] if _stands_alone(text, number.start(), number.end()) else None
-    if spans:
-        return next(group for group in spans[-1].groups() if group is not None).strip() or None
-    return None
+        return numbers[-1][0] if _stands_alone(text, numbers[-1].start(), numbers[-1].end()) else None
+    if not spans:
+        return None
+    start, end = spans[-1].span()
+    if _SPAN_LISTED_BEFORE.search(text, max(0, start - 40), start) or _SPAN_LISTED_AFTER.match(text, end):
+        return None
+    return next(group for group in spans[-1].groups() if group is not None).strip() or None
 
 
 def _stands_alone(text: str, start: int, end: int) -> bool:
@@ -184,9 +184,6 @@ def _stands_alone(text: str, start: int, end: int) -> bool:
 _FRAC_COMMANDS = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _THOUSANDS_LATEX = re.compile(r"\{,\}|,\\!\s*")  # 14{,}916 and 10,\!000: LaTeX thousands separators
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
-_TEXT_UNIT = re.compile(
-    r"(?<=[\d}])\s*\\(?:text|textbf|textnormal|textrm|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?[23]\}?)?$"
-)
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![a-zA-Z])|~")
 _DROPPED = re.compile(
     r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle|\\\$|\$|\\[()\[\]]|\^\{?\\circ\}?|°|\\%|%"
@@ -204,7 +201,12 @@ _BARE_ARGUMENTS = (  # one-character arguments without braces: \sqrt3, \frac34, 
     (re.compile(r"\\frac\s*([0-9a-zA-Z])\s*\{"), r"\\frac{\1}{"),
     (re.compile(r"\\frac\s*(\{[^{}]*\})\s*([0-9a-zA-Z])"), r"\\frac\1{\2}"),
 )
-_UNIT_WORDS = re.compile(r"(?<=\d)(?:\s+[A-Za-z]{2,})+(?:\^?[23²³])?$")  # 18 dollars, 12 square feet, 5 cm^2
+_TRAILING_WORDS = re.compile(r"(.*?[\d}])((?:\s+[A-Za-z]+)+)\s*(?:\^?\{?[23²³]\}?)?")  # 18 dollars, 5 cm^2
+_QUALIFIERS = {  # words after a number that make it something else than that number: `20 or more`
+    *("or", "and", "nor", "either", "not", "no", "to", "than", "at", "least", "most", "more", "less", "fewer"),
+    *("greater", "smaller", "larger", "bigger", "higher", "lower", "above", "below", "over", "under", "maybe"),
+    *("perhaps", "possibly", "plus", "minus", "times", "divided", "by", "approximately", "about", "roughly"),
+}
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
 _LATEX_FRAC = re.compile(r"(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}")
 _ASSIGNMENT = re.compile(r"([A-Za-z|(\\][^=<>!+\-*/]*?)\s*(?:=|\\approx|\\in(?![a-zA-Z]))\s*([^=<>]+)")  # x = 5
@@ -222,7 +224,6 @@ def normalize_answer(s: str) -> str:
     whitespace become one space (a space can still separate thousands, `1 000`, and a comma-space a list)."""
     s = _FRAC_COMMANDS.sub(r"\\frac", s[:MAX_ANSWER_CHARS])
     s = _THOUSANDS_LATEX.sub(",", s)
-    s = _TEXT_UNIT.sub("", s)
     s = _TEXT_WRAPPER.sub(r" \1 ", s)
     s = _DROPPED.sub("", _SPACING.sub(" ", s))
     for pattern, replacement in _RELATIONS + _BARE_ARGUMENTS:
@@ -232,9 +233,14 @@ def normalize_answer(s: str) -> str:
 
 def parse_number(s: str) -> Fraction | None:
     """Exact value of a normalized answer that is one number: `1,234`, `1 000`, `2.50`, `-3`, `3/4`, `\\frac{3}{4}`,
-    `-\\frac{1}{2}`, optionally followed by unit words (`18 dollars`); None for anything else, and for strings
-    longer than MAX_NUMBER_CHARS. `32, 349` is a list, not a number."""
-    s = _UNIT_WORDS.sub("", s) if not s[-1:].isdigit() else s
+    `-\\frac{1}{2}`, optionally followed by unit words of two letters or more (`18 dollars`, not `20 or more`);
+    None for anything else, and for strings longer than MAX_NUMBER_CHARS. `32, 349` is a list, not a number."""
+    if len(s) > 4 * MAX_NUMBER_CHARS:
+        return None
+    if (m := _TRAILING_WORDS.fullmatch(s)) is not None:
+        if any(len(word) < 2 or word.lower() in _QUALIFIERS for word in m[2].split()):
+            return None
+        s = m[1]
     if len(s) > MAX_NUMBER_CHARS:
         return None
     if (m := _LATEX_FRAC.fullmatch(s)) is not None:
@@ -247,6 +253,12 @@ def parse_number(s: str) -> Fraction | None:
         return None
     num_value, den_value = (Fraction(x.replace(",", "").replace(" ", "")) for x in (num, den))
     return None if den_value == 0 else sign * num_value / den_value
+
+
+def _qualified(s: str) -> bool:
+    """Whether s is a number followed by words with a qualifier in them (`20 or more`, `20 at most`)."""
+    m = _TRAILING_WORDS.fullmatch(s) if len(s) <= 4 * MAX_NUMBER_CHARS else None
+    return m is not None and parse_number(m[1]) is not None and any(w.lower() in _QUALIFIERS for w in m[2].split())
 
 
 def numbers_equal(a: Fraction, b: Fraction, decimal: bool) -> bool:
@@ -262,6 +274,10 @@ def builtin_verdict(pred: str, ref: str) -> bool | None:
     by value (`numbers_equal`): the only False it gives. Anything else is equal when `_same` says so."""
     a, b = normalize_answer(pred), normalize_answer(ref)
     if not a or not b:
+        return False
+    if a == b:
+        return True
+    if _qualified(a) or _qualified(b):  # `20 or more` is not 20 (math-verify would read it as 20)
         return False
     if _is_relation(a) != _is_relation(b):
         a, b = _right_side(a), _right_side(b)
@@ -416,9 +432,10 @@ def _within_deadline(fn: Callable[[], bool], seconds: float) -> bool:
 def _math_verify_equal(pred: str, ref: str) -> bool:
     """math-verify's verdict on a final answer and a reference, each handed over exactly as extracted, inside
     `\\boxed{}` (so it reads the whole answer and nothing else: first match, LaTeX only); False when it is not
-    installed, when either is longer than MAX_VERIFY_CHARS, or when it runs past MATH_VERIFY_SECONDS."""
+    installed, when either is longer than MAX_VERIFY_CHARS or `_too_costly`, or when it runs past
+    MATH_VERIFY_SECONDS."""
     mv = _math_verify()
-    if mv is None or len(pred) > MAX_VERIFY_CHARS or len(ref) > MAX_VERIFY_CHARS:
+    if mv is None or any(len(s) > MAX_VERIFY_CHARS or _too_costly(s) for s in (pred, ref)):
         return False
     config = [mv.LatexExtractionConfig(boxed_match_priority=0)]
 
@@ -428,6 +445,15 @@ def _math_verify_equal(pred: str, ref: str) -> bool:
         return bool(gold and guess and mv.verify(gold, guess, timeout_seconds=None))
 
     return _within_deadline(compare, MATH_VERIFY_SECONDS)
+
+
+def _too_costly(s: str) -> bool:
+    """Whether sympy could spend minutes inside ONE C call on s (no deadline interrupts that: a signal handler and
+    `_within_deadline` both wait for the interpreter loop): a power of a power (`9^{9^9}`, `(10^{100})^{100}`)
+    or an exponent of 7 digits or more (`10^{10000000}`). Factorials and simplification stay in Python and
+    are cut by the deadline."""
+    digits = [len(m[1]) for m in _EXPONENT.finditer(s)]
+    return _NESTED_POWER.search(s) is not None or any(n >= 7 for n in digits) or sum(n >= 3 for n in digits) >= 2
 
 
 def exact_reward(completion: str, example: dict) -> float:
@@ -583,29 +609,6 @@ def combine_rewards(
 
 # ---------------------------------------------------------------- partial credit (DaGRPO's fine-grained score)
 # A RECONSTRUCTION (bibliography §1.7): the paper scores with an LLM; these are deterministic local stand-ins.
-
-
-def _lines_and_answer(text: str) -> tuple[list[str], str]:
-    """The non-empty stripped lines of the thought (before the last `</think>`) and the answer after it."""
-    i = text.rfind("</think>")
-    thought, answer = (text[:i], strip_end_tokens(text[i + len("</think>") :])) if i >= 0 else (text, "")
-    return [line.strip() for line in thought.strip().removeprefix("<think>").split("\n") if line.strip()], answer
-
-
-def synthetic_partial_credit(completion: str, example: dict) -> float:
-    """Fine-grained score in [0, 1] of an addition completion against `tasks.sft_completion(example)`:
-    (scratchpad lines equal to the reference's line at the same position + answer characters equal to
-    the reference answer's, right-aligned) / (max(#lines) + max(#answer characters)) of the two, so
-    missing and extra lines or digits both count against it. The reference itself scores 1; for 357+68
-    (reference lines 7+8=15, 5+6+1=12, 3+0+1=4, answer 425), a thought with 5+6=11 and answer 415 scores
-    (2 + 2) / (3 + 3)."""
-    from tasks import sft_completion  # here, not at the top: tasks.py imports this module
-
-    ref_lines, ref_answer = _lines_and_answer(sft_completion(example))
-    lines, answer = _lines_and_answer(completion[:MAX_ANSWER_CHARS])
-    same_lines = sum(a == b for a, b in zip(lines, ref_lines))
-    same_chars = sum(a == b for a, b in zip(reversed(answer), reversed(ref_answer)))
-    return (same_lines + same_chars) / (max(len(lines), len(ref_lines)) + max(len(answer), len(ref_answer)))
 
 
 _CALC_RESULT = re.compile(r"<<[^<>]*=([^<>=]*)>>")  # GSM8K calculator annotation <<48/2=24>>: its result
