@@ -29,15 +29,14 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from math_answers import boxed_answers, reference_answer
 from rewards import (
     MAX_ANSWER_CHARS,
-    boxed_answers,
     calculator_partial_credit,
     code_reward,
     countdown_reward,
     exact_reward,
     math_reward,
-    reference_answer,
     strip_end_tokens,
 )
 
