@@ -40,7 +40,7 @@ from types import ModuleType
 
 MAX_NUMBER_CHARS = 64  # longer numeric strings are compared as text, never parsed
 MAX_VERIFY_CHARS = 1000  # longer final answers (or references) are not compared: 0
-MATH_VERIFY_SECONDS = 3.0  # wall-clock bound of one math-verify comparison (both parses and the verify)
+MATH_VERIFY_SECONDS = 5.0  # wall-clock bound of one math-verify comparison (both parses and the verify)
 
 _EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*-?(\d+)")  # the integer an exponent starts with
 _NESTED_POWER = re.compile(r"\^\s*\{[^{}]*\^|(?:\^|\*\*)\s*\w+\s*(?:\^|\*\*)")  # 9^{9^9}, 9^9^9, 9**9**9
