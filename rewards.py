@@ -12,26 +12,28 @@ fork bombs. Every reward returns in bounded time and never raises on any complet
   code block in the scratchpad earns nothing. Of that text only the last `MAX_ANSWER_CHARS` (code:
   `MAX_CODE_CHARS`) are searched, so a 10 MB completion costs one `rfind`.
 - Regexes have no nested quantifiers (no catastrophic backtracking); numbers longer than
-  `MAX_NUMBER_CHARS` are not parsed (Python refuses or crawls on huge int strings); Countdown has no
+  `math_answers.MAX_NUMBER_CHARS` are not parsed (Python refuses or crawls on huge int strings); Countdown has no
   `**` and bounds expression length and parenthesis depth.
 - Failures are caught by class, only where they can happen: ValueError (a malformed Countdown
   equation, or nesting past MAX_EXPR_DEPTH: that explicit counter is why RecursionError cannot
   occur), ZeroDivisionError (x/0 in Countdown); sandbox.py catches its own (a process that cannot start).
   Floats and powers are never evaluated, so OverflowError cannot occur; math-verify catches its
-  own errors. A reward raises only for a malformed *example* (a missing "answer"), which is a bug
-  in the task, not model output.
+  own errors and runs under a deadline (math_answers.py). A reward raises only for a malformed *example* (a
+  missing "answer"), which is a bug in the task, not model output.
+
+Math answers: `math_reward` is `final_answer` of the graded text against `reference_answer`, compared by
+`answers_match`; math_answers.py holds those rules, with math-verify behind them when it is installed.
 """
 
 import re
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
+from math_answers import answers_match, extract_tag, final_answer, parse_number, reference_answer
 from sandbox import run_sandboxed
 
 MAX_ANSWER_CHARS = 20_000  # tail of the post-</think> text searched for an answer
-MAX_NUMBER_CHARS = 64  # longer numeric strings are compared as text, never parsed
 MAX_EXPR_CHARS = 256  # Countdown: longer equations score 0
 MAX_EXPR_DEPTH = 32  # Countdown: deeper parenthesis nesting scores 0
 MAX_CODE_CHARS = 100_000  # tail of the post-</think> text searched for a ```python block
@@ -57,138 +59,19 @@ def strip_end_tokens(text: str) -> str:
             return text
 
 
-# ---------------------------------------------------------------- answer extraction and equivalence
-
-_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
-_LATEX_FRAC = re.compile(r"(-?)\\frac(?:\{([^{}]*)\}\{([^{}]*)\}|(\d)(\d))")
-_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\{([^{}]*)\}")
-_LATEX_NOISE = (
-    "\\left",
-    "\\right",
-    "\\displaystyle",
-    "\\,",
-    "\\!",
-    "\\;",
-    "\\:",
-    "\\ ",
-    "~",
-    "$",
-    "\\(",
-    "\\)",
-    "\\[",
-    "\\]",
-    "^\\circ",
-    "^{\\circ}",
-    "\\%",
-    "%",
-)
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` (nested braces), or of `\\boxed 5`; None if
-    absent or its braces never close."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    keyword = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
-    rest = text[start + len(keyword) :].lstrip()
-    if not rest.startswith("{"):  # `\boxed 5`: the next whitespace-delimited token
-        return rest.split(maxsplit=1)[0].rstrip("$") if rest.strip() else None
-    depth = 0
-    for j, ch in enumerate(rest):  # linear scan; depth is a counter, not recursion
-        depth += (ch == "{") - (ch == "}")
-        if depth == 0:
-            return rest[1:j]
-    return None
-
-
-def extract_tag(text: str, tag: str) -> str | None:
-    """Content of the last `<tag>...</tag>`, or None."""
-    end = text.rfind(f"</{tag}>")
-    start = text.rfind(f"<{tag}>", 0, max(end, 0))
-    return text[start + len(tag) + 2 : end] if 0 <= start < end else None
+# ---------------------------------------------------------------- math answers (rules: math_answers.py)
 
 
 def extract_answer(completion: str) -> str | None:
-    """The final answer of a math completion, first found of: last `\\boxed{}`, last
-    `<answer>...</answer>`, last `#### N` line, last number. Only text after the last `</think>`."""
-    text = answer_text(completion)
-    for found in (extract_boxed(text), extract_tag(text, "answer")):
-        if found is not None:
-            return found
-    i = text.rfind("####")
-    if i >= 0:
-        return text[i + 4 :].strip().split("\n", 1)[0]
-    numbers = _LAST_NUMBER.findall(text)
-    return numbers[-1].rstrip(",") if numbers else None
-
-
-def normalize_answer(s: str) -> str:
-    """Drop LaTeX wrappers and spacing so `$\\text{5}$`, `5\\%` and `\\dfrac{1}{2}` read as 5, 5, \\frac{1}{2}."""
-    s = s[:MAX_ANSWER_CHARS].replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
-    s = _TEXT_WRAPPER.sub(r"\1", s)
-    for noise in _LATEX_NOISE:
-        s = s.replace(noise, "")
-    return "".join(s.split()).rstrip(".")
-
-
-def parse_number(s: str) -> Fraction | None:
-    """Exact value of a normalized answer: `1,234`, `2.50`, `-3`, `3/4`, `\\frac{3}{4}`, `\\frac34`;
-    None if it is anything else (or longer than MAX_NUMBER_CHARS)."""
-    if len(s) > MAX_NUMBER_CHARS:
-        return None
-    if (m := _LATEX_FRAC.fullmatch(s)) is not None:
-        num, den = (m[2], m[3]) if m[2] is not None else (m[4], m[5])
-        sign = -1 if m[1] else 1
-    elif s.count("/") == 1:
-        (num, den), sign = s.split("/"), 1
-    else:
-        return Fraction(s.replace(",", "")) if _PLAIN_NUMBER.fullmatch(s) else None
-    if not (_PLAIN_NUMBER.fullmatch(num) and _PLAIN_NUMBER.fullmatch(den)):
-        return None
-    num_value, den_value = Fraction(num.replace(",", "")), Fraction(den.replace(",", ""))
-    return None if den_value == 0 else sign * num_value / den_value
-
-
-def answers_match(pred: str, ref: str) -> bool:
-    """Equivalence of a predicted and a reference answer. Numbers compare exactly as fractions
-    (`2.50 == 5/2`, `1,000 == 1000`, `50\\% == 50`, but `0.333 != 1/3`); a numeric reference
-    matched by a non-numeric prediction uses the prediction's last number (`18 dollars`).
-    Otherwise the normalized strings must be equal, or math-verify must say they are equal."""
-    a, b = normalize_answer(pred), normalize_answer(ref)
-    if a == b:
-        return True
-    x, y = parse_number(a), parse_number(b)
-    if y is not None and x is None and (numbers := _LAST_NUMBER.findall(a)):
-        x = parse_number(numbers[-1].rstrip(","))
-    if x is not None and y is not None:
-        return x == y
-    return _math_verify_equal(pred, ref)
-
-
-def _math_verify_equal(pred: str, ref: str) -> bool:
-    """Symbolic equivalence by math-verify (optional extra; False when not installed). Its timeout is
-    SIGALRM, which works only in the main thread, so elsewhere (a scoring pool) and for inputs that
-    could make sympy compute for minutes (long, stacked powers, factorials) we do not call it."""
-    if threading.current_thread() is not threading.main_thread() or len(pred) > 200 or len(ref) > 200:
-        return False
-    if pred.count("^") + pred.count("**") > 1 or "!" in pred:
-        return False
-    try:
-        import math_verify
-    except ImportError:
-        return False
-    # math-verify catches its own parsing and timeout errors and answers []/False.
-    gold = math_verify.parse(f"${ref}$", parsing_timeout=2)
-    guess = math_verify.parse(f"${pred}$", parsing_timeout=2)
-    return bool(math_verify.verify(gold, guess, timeout_seconds=2))
+    """The final answer of a math completion, from its text after the last `</think>` (see `final_answer`)."""
+    return final_answer(answer_text(completion))
 
 
 def math_reward(completion: str, example: dict) -> float:
-    """1.0 if the final answer (see `extract_answer`) equals `example["answer"]` (see `answers_match`)."""
+    """1.0 if the final answer (`extract_answer`) matches the reference (`reference_answer` of
+    `example["answer"]`, compared by `answers_match`), else 0.0."""
     pred = extract_answer(completion)
-    return float(pred is not None and answers_match(pred, str(example["answer"])))
+    return float(pred is not None and answers_match(pred, reference_answer(str(example["answer"]))))
 
 
 def exact_reward(completion: str, example: dict) -> float:
@@ -350,29 +233,6 @@ def combine_rewards(
 
 # ---------------------------------------------------------------- partial credit (DaGRPO's fine-grained score)
 # A RECONSTRUCTION (bibliography §1.7): the paper scores with an LLM; these are deterministic local stand-ins.
-
-
-def _lines_and_answer(text: str) -> tuple[list[str], str]:
-    """The non-empty stripped lines of the thought (before the last `</think>`) and the answer after it."""
-    i = text.rfind("</think>")
-    thought, answer = (text[:i], strip_end_tokens(text[i + len("</think>") :])) if i >= 0 else (text, "")
-    return [line.strip() for line in thought.strip().removeprefix("<think>").split("\n") if line.strip()], answer
-
-
-def synthetic_partial_credit(completion: str, example: dict) -> float:
-    """Fine-grained score in [0, 1] of an addition completion against `tasks.sft_completion(example)`:
-    (scratchpad lines equal to the reference's line at the same position + answer characters equal to
-    the reference answer's, right-aligned) / (max(#lines) + max(#answer characters)) of the two, so
-    missing and extra lines or digits both count against it. The reference itself scores 1; for 357+68
-    (reference lines 7+8=15, 5+6+1=12, 3+0+1=4, answer 425), a thought with 5+6=11 and answer 415 scores
-    (2 + 2) / (3 + 3)."""
-    from tasks import sft_completion  # here, not at the top: tasks.py imports this module
-
-    ref_lines, ref_answer = _lines_and_answer(sft_completion(example))
-    lines, answer = _lines_and_answer(completion[:MAX_ANSWER_CHARS])
-    same_lines = sum(a == b for a, b in zip(lines, ref_lines))
-    same_chars = sum(a == b for a, b in zip(reversed(answer), reversed(ref_answer)))
-    return (same_lines + same_chars) / (max(len(lines), len(ref_lines)) + max(len(answer), len(ref_answer)))
 
 
 _CALC_RESULT = re.compile(r"<<[^<>]*=([^<>=]*)>>")  # GSM8K calculator annotation <<48/2=24>>: its result

@@ -31,14 +31,15 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from math_answers import boxed_answers, reference_answer
 from rewards import (
+    MAX_ANSWER_CHARS,
     calculator_partial_credit,
     code_reward,
     countdown_reward,
     exact_reward,
-    extract_boxed,
     math_reward,
-    synthetic_partial_credit,
+    strip_end_tokens,
 )
 
 SYSTEM_PROMPT = (
@@ -262,6 +263,28 @@ def sft_completion(example: dict) -> str:
     return "<think>" + "".join(lines) + "</think>" + str(int(a) + int(b))
 
 
+def _lines_and_answer(text: str) -> tuple[list[str], str]:
+    """The non-empty stripped lines of the thought (before the last `</think>`) and the answer after it."""
+    i = text.rfind("</think>")
+    thought, answer = (text[:i], strip_end_tokens(text[i + len("</think>") :])) if i >= 0 else (text, "")
+    return [line.strip() for line in thought.strip().removeprefix("<think>").split("\n") if line.strip()], answer
+
+
+def synthetic_partial_credit(completion: str, example: dict) -> float:
+    """DaGRPO's fine-grained score (a RECONSTRUCTION, bibliography §1.7: the paper scores with an LLM; this is a
+    deterministic local stand-in) in [0, 1] of an addition completion against `sft_completion(example)`:
+    (scratchpad lines equal to the reference's line at the same position + answer characters equal to
+    the reference answer's, right-aligned) / (max(#lines) + max(#answer characters)) of the two, so
+    missing and extra lines or digits both count against it. The reference itself scores 1; for 357+68
+    (reference lines 7+8=15, 5+6+1=12, 3+0+1=4, answer 425), a thought with 5+6=11 and answer 415 scores
+    (2 + 2) / (3 + 3)."""
+    ref_lines, ref_answer = _lines_and_answer(sft_completion(example))
+    lines, answer = _lines_and_answer(completion[:MAX_ANSWER_CHARS])
+    same_lines = sum(a == b for a, b in zip(lines, ref_lines))
+    same_chars = sum(a == b for a, b in zip(reversed(answer), reversed(ref_answer)))
+    return (same_lines + same_chars) / (max(len(lines), len(ref_lines)) + max(len(answer), len(ref_answer)))
+
+
 # ---------------------------------------------------------------- GSM8K / MATH reference completions
 
 _CALC_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2 = <<48/2=24>>24
@@ -411,9 +434,9 @@ def _gsm8k(row: dict, where: str, max_chars: int) -> dict:
 
 def _math(row: dict, where: str, max_chars: int) -> dict:
     solution = _field(row, "solution", where, max_chars)
-    answer = extract_boxed(solution)
-    if answer is None:
+    if not boxed_answers(solution):  # no box, or one that never closes
         raise ValueError(f"{where}: field 'solution' has no \\boxed{{...}} final answer.")
+    answer = reference_answer(solution)
     return {"prompt": _field(row, "problem", where, max_chars), "answer": answer, "solution": solution}
 
 

@@ -18,8 +18,8 @@ import train
 from eval import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
 from helpers import SMALL_RUN
 from model import load_model, load_tokenizer
-from rewards import calculator_partial_credit, synthetic_partial_credit
-from tasks import get_task, sft_completion
+from rewards import calculator_partial_credit
+from tasks import get_task, sft_completion, synthetic_partial_credit
 from train import PRESETS, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -126,14 +126,13 @@ def test_load_formats(tmp_path: Path) -> None:
     )
     where = f"{tmp_path / 'g.jsonl'} line 1"
     assert gsm == [{"prompt": "How many?", "answer": "1,024", "solution": "48/2 = 24\n#### 1,024", "_where": where}]
-    math = load_jsonl(
-        write_jsonl(
-            tmp_path / "m.jsonl",
-            [{"problem": "P", "solution": r"so \boxed{\frac{1}{2}} or \boxed{\dfrac{1}{\sqrt{4}}}"}],
-        ),
-        "math",
-    )
-    assert math[0]["answer"] == r"\dfrac{1}{\sqrt{4}}"
+    solutions = [  # the last box; boxes a short gap or a separator joins to it are one answer (a list)
+        r"first \boxed{\frac{1}{2}} is a guess that the check below rules out as too large for the sum to hold here."
+        r" So \boxed{\dfrac{1}{\sqrt{4}}}.",
+        r"The roots are $\boxed{1}$ and $\boxed{-2}$.",
+    ]
+    math = load_jsonl(write_jsonl(tmp_path / "m.jsonl", [{"problem": "P", "solution": s} for s in solutions]), "math")
+    assert [row["answer"] for row in math] == [r"\dfrac{1}{\sqrt{4}}", "1, -2"]
     code = load_jsonl(
         write_jsonl(tmp_path / "c.jsonl", [{"prompt": "Write f.", "tests": ["assert f() == 1"], "entry_point": "f"}]),
         "code",
