@@ -29,6 +29,7 @@ from cli import user_errors
 from rewards import format_reward
 from sampler import generate
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt, restrict_train
+from tokenizer import decode_completion
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,13 +41,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def decode_completion(tokenizer, tokens: list[int]) -> str:
-    """Completion text as rewards see it: everything before the first stop token."""
-    stops = set(tokenizer.stop_ids)
-    end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
-    return tokenizer.decode(tokens[:end])
 
 
 @torch.no_grad()
@@ -465,7 +459,8 @@ def load_examples(cfg: EvalConfig) -> tuple[Task, list[dict]]:
 
 
 def main(cfg: EvalConfig) -> dict:
-    from model import load_model, load_tokenizer
+    from hf import load_model
+    from tokenizer import load_tokenizer
 
     # Data first, then the model: a bad file or flag fails in seconds, not after loading weights.
     # A user's error (data, checkpoint, a prompt too long) ends in one sentence, not a traceback.

@@ -73,12 +73,14 @@ from checkpoint import (
 )
 from cli import UserError, parse_config, user_errors
 from distributed import all_sum, fixed_mmap_threshold, full_params, gather_full_state, memory_peak, setup_distributed
-from eval import calibrate_noise, decode_completion, evaluate, select_examples
-from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
+from eval import calibrate_noise, evaluate, select_examples
+from hf import load_model
+from model import Transformer, cast_copy, copy_weights_
 from pack import Batch, pack, select_rows, split_rows, token_stats
 from rewards import noise_rates, score_batch
 from sampler import StopText, Tree, sample_tree, splice_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
+from tokenizer import decode_completion, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.

@@ -11,9 +11,10 @@ from itertools import combinations
 
 import pytest
 
-from eval import EvalConfig, decode_completion, evaluate, main, pass_at_k, plot_runs
-from model import load_model, load_tokenizer
+from eval import EvalConfig, evaluate, main, pass_at_k, plot_runs
+from hf import load_model
 from tasks import TASK_NAMES, get_task
+from tokenizer import decode_completion, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "assets", "tiny-model")

@@ -10,8 +10,10 @@ import torch
 
 import sampler
 from helpers import make_char_tokenizer, make_hf_checkpoint
-from model import ModelConfig, Transformer, load_model, load_tokenizer, token_logprobs
+from hf import load_model
+from model import ModelConfig, Transformer, token_logprobs
 from sampler import KVCache, StopText, decode_step, extend, generate, prefill, sample_next, sample_tree
+from tokenizer import load_tokenizer
 
 PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]  # different lengths
 
@@ -28,7 +30,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """One tiny random checkpoint per family, loaded with model.load_model (float32)."""
+    """One tiny random checkpoint per family, loaded with hf.load_model (float32)."""
     d = tmp_path_factory.mktemp("ckpt")
     return {f: load_model(make_hf_checkpoint(d, f, tied=f == "qwen3")) for f in ("llama", "qwen2", "qwen3")}
 
@@ -468,7 +470,7 @@ IM_END = 151645
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """The real Qwen2.5 tokenizer (tests/qwen_fixture.py, built once per session) loaded with
-    model.load_tokenizer, and the StopText for </think> over its vocabulary."""
+    tokenizer.load_tokenizer, and the StopText for </think> over its vocabulary."""
     from qwen_fixture import qwen25_dir
 
     tok = load_tokenizer(qwen25_dir(tmp_path_factory))

@@ -15,9 +15,11 @@ import torch
 import cli
 import sft
 import train
-from model import ModelConfig, Transformer, load_model, load_tokenizer, save_model
+from hf import load_model, save_model
+from model import ModelConfig, Transformer
 from sft import build_char_tokenizer, write_tokenizer
 from tasks import SYNTHETIC_CHARS
+from tokenizer import load_tokenizer
 from train import PRESETS, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
