@@ -500,3 +500,104 @@ def test_qwen25_stop_and_pad_ids(qwen25, qwen25_hf):
     assert qwen25_hf.eos_token_id == 151645
     assert (tok.template, tok.thinking) == ("chatml", False)
     assert tok.token_to_id("</think>") is None
+
+
+# ----------------------------------------------------------------------------- Qwen3's thinking switch, system prompts
+
+QWEN3_ADDED = ["<tool_response>", "</tool_response>", "<think>", "</think>"]  # added after Qwen2.5's, not special
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen25, tmp_path_factory):
+    """A Qwen3 tokenizer directory: Qwen2.5's vocabulary and added tokens, Qwen3's four added tokens at
+    151665..151668 (<think> among them, not special, as published) and Qwen3's chat template."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = tmp_path_factory.mktemp("qwen3")
+    tok = HFTokenizer.from_file(str(qwen25 / "tokenizer.json"))
+    for content in QWEN3_ADDED:
+        tok.add_tokens([AddedToken(content, special=False, normalized=False)])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((qwen25 / "tokenizer_config.json").read_text())
+    flags = dict(lstrip=False, normalized=False, rstrip=False, single_word=False, special=False)
+    config["added_tokens_decoder"] |= {str(151665 + i): {"content": c, **flags} for i, c in enumerate(QWEN3_ADDED)}
+    config["chat_template"] = QWEN3_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    (path / "generation_config.json").write_bytes((qwen25 / "generation_config.json").read_bytes())
+    return path
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("system", [None, "", "Answer with a number."])
+def test_qwen3_thinking_switch_and_system_prompt_match_transformers(qwen3, thinking, system):
+    """Guards train.py/eval.py --no-enable-thinking and --system-prompt on a real Qwen3 vocabulary: the
+    prompt render_prompt makes with a tokenizer loaded with enable_thinking equals transformers'
+    apply_chat_template(enable_thinking=...) with Qwen3's own template, as text and as ids; an empty
+    system prompt means no system turn (not an empty one)."""
+    transformers = pytest.importorskip("transformers")
+    from tasks import render_prompt
+
+    hf = transformers.AutoTokenizer.from_pretrained(qwen3)
+    tok = load_tokenizer(qwen3, enable_thinking=thinking)
+    assert tok.token_to_id("<think>") == 151667 == hf.convert_tokens_to_ids("<think>")
+    example = {"prompt": r"Solve $x^2 = 49$ for $x > 0$; 答案用 \boxed{}."}
+    ids = render_prompt(tok, example, system)
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs.append({"role": "user", "content": example["prompt"]})
+    ref = hf.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=thinking, tokenize=False)
+    assert tok.decode(ids) == ref
+    assert ids == hf.encode(ref, add_special_tokens=False)
+    assert ref.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
+    assert ref.startswith("<|im_start|>system\n" if system else "<|im_start|>user\n")
+
+
+@pytest.mark.parametrize("fam", ["qwen2", "llama3"])
+def test_thinking_switch_needs_a_qwen3_tokenizer(fam, tmp_path):
+    """Guards --no-enable-thinking being ignored silently where the chat format has no thinking switch."""
+    with pytest.raises(ValueError, match=r"enable_thinking=False \(--no-enable-thinking\) is Qwen3's switch"):
+        load_tokenizer(make_bpe_tokenizer(tmp_path, fam), enable_thinking=False)
+
+
+def test_checkpoint_template_not_reproduced_warns_at_load(tmp_path, recwarn):
+    """Guards a checkpoint's own chat template being replaced silently: when it is not the official
+    template the built-in renderer reproduces (another default system prompt, Qwen2.5's template on a
+    Qwen3-style tokenizer), loading warns once (at load, not per rendered prompt), naming the
+    checkpoint and the built-in used instead; the reproduced templates (in tokenizer_config.json, as a
+    named list, or in chat_template.jinja) and a checkpoint without a template load silently."""
+    from qwen_fixture import QWEN25_TEMPLATE
+
+    def checkpoint(name: str, fam: str, template: str | list | None, jinja: bool = False):
+        path = make_bpe_tokenizer(tmp_path / name, fam)
+        if template is not None and not jinja:
+            (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        if jinja:
+            (path / "chat_template.jinja").write_text(template)
+        return path
+
+    math_template = QWEN25_TEMPLATE.replace(QWEN25_SYSTEM, "Please reason step by step.")  # another default
+    silent = [
+        checkpoint("q25", "qwen2", QWEN25_TEMPLATE),
+        checkpoint(
+            "q3", "qwen3", [{"name": "tool_use", "template": "x"}, {"name": "default", "template": QWEN3_TEMPLATE}]
+        ),
+        checkpoint("l31", "llama3", LLAMA31_TEMPLATE + "\n", jinja=True),
+        checkpoint("plain", "qwen2", None),
+    ]
+    for path in silent:
+        load_tokenizer(path)
+    assert not recwarn.list
+    loud = {
+        checkpoint("math", "qwen2", math_template): "ChatML as Qwen2.5-Instruct renders it",
+        checkpoint("q3-with-q25", "qwen3", QWEN25_TEMPLATE): "ChatML as Qwen3 renders it",
+        checkpoint("l31-as-q25", "llama3", QWEN25_TEMPLATE, jinja=True): "Llama 3.1 Instruct's header format",
+    }
+    for path, built_in in loud.items():
+        tok = load_tokenizer(path)
+        tok.apply_chat_template([{"role": "user", "content": "2+2?"}])
+        [w] = recwarn.list
+        assert str(w.message) == (
+            f"{path}: the checkpoint's own chat template is not one tokenizer.py reproduces; prompts use the "
+            f"built-in {built_in} instead."
+        )
+        recwarn.clear()
