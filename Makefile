@@ -10,7 +10,7 @@ PY := .venv/bin/python
 endif
 STAMP := $(VENV)/.nanorl-installed
 
-.PHONY: install test lint format train eval bench tiny-model experiments experiments-quick plot clean
+.PHONY: install test lint format train eval gpu-check bench tiny-model experiments experiments-quick plot clean
 
 install: $(STAMP)
 
@@ -36,6 +36,9 @@ train: $(STAMP)         ## the bundled default: GRPO-MA on the synthetic task, a
 
 eval: $(STAMP)          ## evaluate the bundled model (or MODEL=path) on held-out prompts
 	$(PY) eval.py --model $(or $(MODEL),assets/tiny-model) $(ARGS)
+
+gpu-check: $(STAMP)     ## the checks that need a CUDA GPU, as one table (ARGS=--cpu: on CPU, tiny model)
+	PYTHON=$(PY) bash bench/gpu_check.sh $(ARGS)
 
 bench: $(STAMP)         ## speed comparisons, printed as ratios
 	$(PY) bench/bench_sampler.py

@@ -1,7 +1,7 @@
 """checkpoint.py: a run's checkpoints, written atomically and found again, and its output directory.
 
 A checkpoint is a directory in Hugging Face layout (config.json, model.safetensors and the
-tokenizer files, loadable by model.load_model and by transformers) plus train_config.json (the
+tokenizer files, loadable by hf.load_model and by transformers) plus train_config.json (the
 run's flags) and trainer_state.pt: the optimizer, the learning-rate schedule, the trainer's own
 state and, when the weights are written in a lower precision than the float32 masters, the masters
 themselves, so that a resumed run equals the uninterrupted one bit for bit. It is written to a
@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from cli import UserError
-from model import save_model
+from hf import save_model
 
 CONFIG = "train_config.json"  # the run's flags, beside each checkpoint's weights
 STATE = "trainer_state.pt"

@@ -1,10 +1,10 @@
 """cli.py: turn a config dataclass into a command line, so every default lives in one place.
 
-Each dataclass field becomes `--kebab-case` with its type taken from the default, booleans get
-`--flag/--no-flag`, and the help text is the field's trailing comment in the source; `# -- family`
-comments group the flags in --help, and a `CHOICES` class attribute lists the values of choice
-flags. Unknown flags are an error. `parse_config` also reports which flags the user typed, so
-presets can fill only the rest (style: "presets fill defaults the user did not set").
+Each dataclass field becomes `--kebab-case` with its type taken from the default (None: text, unset
+unless typed), booleans get `--flag/--no-flag`, and the help text is the field's trailing comment in
+the source; `# -- family` comments group the flags in --help, and a `CHOICES` class attribute lists
+the values of choice flags. Unknown flags are an error. `parse_config` also reports which flags the
+user typed, so presets can fill only the rest (style: "presets fill defaults the user did not set").
 
 Errors a user can cause end as one line, `error: <sentence>`, exit status 2, no traceback: flags
 through the parser, everything else (files, data, checkpoints) through `user_errors`.
@@ -45,7 +45,7 @@ def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
     sections: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kind = type(f.default)
+        kind = str if f.default is None else type(f.default)  # None: an optional text flag, unset by default
         title = groups.get(f.name, "options")
         section = sections.get(title) or sections.setdefault(title, parser.add_argument_group(title))
         # SUPPRESS: a flag the user did not type is absent from the namespace (see parse_config).

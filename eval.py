@@ -18,7 +18,8 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -27,8 +28,9 @@ from tqdm import tqdm
 from advantage import estimate_noise_rates, flip_rewards, select_hard_examples
 from cli import user_errors
 from rewards import format_reward
-from sampler import generate
+from sampler import decode_step_static, generate
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt, restrict_train
+from tokenizer import decode_completion
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,13 +42,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def decode_completion(tokenizer, tokens: list[int]) -> str:
-    """Completion text as rewards see it: everything before the first stop token."""
-    stops = set(tokenizer.stop_ids)
-    end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
-    return tokenizer.decode(tokens[:end])
 
 
 @torch.no_grad()
@@ -63,9 +58,11 @@ def evaluate(
     top_p: float = 1.0,
     seed: int = 0,
     batch_prompts: int = 64,
+    static_step: Callable | None = None,
 ) -> dict:
     """Greedy accuracy, mean@n and pass@k at `temperature`, format rate, length, truncation.
-    n = 0: greedy only (`ks` unused); otherwise every k must be in 1..n (pass@k needs k samples)."""
+    n = 0: greedy only (`ks` unused); otherwise every k must be in 1..n (pass@k needs k samples).
+    static_step: the decode step to sample through (sampler.decode), e.g. a compiled one."""
     if not examples:
         raise ValueError("evaluate: no examples; pass at least one.")
     if n < 0 or (n > 0 and not all(1 <= k <= n for k in ks)):
@@ -75,7 +72,13 @@ def evaluate(
     for start in range(0, len(prompts), batch_prompts):
         chunk, exs = prompts[start : start + batch_prompts], examples[start : start + batch_prompts]
         greedy = generate(
-            model, chunk, max_new_tokens=max_new_tokens, n=1, temperature=0.0, stop_ids=tokenizer.stop_ids
+            model,
+            chunk,
+            max_new_tokens=max_new_tokens,
+            n=1,
+            temperature=0.0,
+            stop_ids=tokenizer.stop_ids,
+            static_step=static_step,
         )
         greedy_correct += [task.correct(decode_completion(tokenizer, t), ex) for t, ex in zip(greedy.tokens, exs)]
         if n > 0:
@@ -89,6 +92,7 @@ def evaluate(
                 top_p=top_p,
                 stop_ids=tokenizer.stop_ids,
                 seed=seeds,
+                static_step=static_step,
             )
             texts = [decode_completion(tokenizer, t) for t in sampled.tokens]
             sampled_correct += [[task.correct(texts[i * n + j], ex) for j in range(n)] for i, ex in enumerate(exs)]
@@ -185,6 +189,7 @@ def write_pass_rates(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seed: int = 0,
+    static_step: Callable | None = None,
 ) -> list[float]:
     """Per example, the fraction of k samples that task.correct accepts, appended to `path` as it goes (after the
     settings header, for a new file); the examples in `done` (resume_pass_rates) are skipped. Example i samples
@@ -207,6 +212,7 @@ def write_pass_rates(
                 top_p=top_p,
                 stop_ids=tokenizer.stop_ids,
                 seed=[seed + start + j for j in range(len(chunk))],
+                static_step=static_step,
             )
             for j, ex in enumerate(chunk):
                 if start + j not in done:
@@ -393,6 +399,9 @@ class EvalConfig:
     top_p: float = 1.0  # sampling nucleus, in (0, 1] (1 = off)
     max_new_tokens: int = 80  # completion length limit
     seed: int = 0  # sampling seed and held-out sample seed
+    system_prompt: str | None = None  # system turn of every prompt, replacing the task's ("" = no system turn)
+    enable_thinking: bool = True  # Qwen3 chat template's thinking switch (off: an empty thought is pre-filled)
+    compile: bool = False  # decode through torch.compile (CUDA graphs on a GPU; on CPU it takes minutes to compile)
     # -- output
     device: str = "cpu"  # where to run (cuda:N picks a GPU)
     out: str = ""  # write the results as JSON here (empty = print only)
@@ -465,13 +474,15 @@ def load_examples(cfg: EvalConfig) -> tuple[Task, list[dict]]:
 
 
 def main(cfg: EvalConfig) -> dict:
-    from model import load_model, load_tokenizer
+    from hf import load_model
+    from tokenizer import load_tokenizer
 
     # Data first, then the model: a bad file or flag fails in seconds, not after loading weights.
     # A user's error (data, checkpoint, a prompt too long) ends in one sentence, not a traceback.
     with user_errors():
         task, examples = load_examples(cfg)
-        tokenizer = load_tokenizer(cfg.model)
+        task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
+        tokenizer = load_tokenizer(cfg.model, enable_thinking=cfg.enable_thinking)
         model = load_model(cfg.model, device=cfg.device)
         context = model.config.max_position_embeddings
         if cfg.max_new_tokens >= context:
@@ -482,8 +493,11 @@ def main(cfg: EvalConfig) -> dict:
         limit = f"the model's context of {context} tokens minus --max-new-tokens {cfg.max_new_tokens}"
         check_prompt_lengths(tokenizer, examples, task.system_prompt, context - cfg.max_new_tokens, limit)
         keys = ("model", "task", "data", "examples", "temperature", "top_p", "max_new_tokens", "seed")
+        keys += ("system_prompt", "enable_thinking")  # they change the prompts
         settings = {**{key: getattr(cfg, key) for key in keys}, "k": cfg.rate_samples()} if cfg.pass_rates else {}
         done = resume_pass_rates(cfg.out, settings, examples) if cfg.pass_rates else {}
+    # --compile: the caller compiles the sampler's small decode step; CUDA replays it as a graph
+    static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True) if cfg.compile else None
     if cfg.pass_rates:
         rates = write_pass_rates(
             model,
@@ -498,6 +512,7 @@ def main(cfg: EvalConfig) -> dict:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             seed=cfg.seed,
+            static_step=static_step,
         )
         res = {"pass_rate_mean": sum(rates) / len(rates), "zero_frac": sum(r == 0 for r in rates) / len(rates)}
         mean, zero = res["pass_rate_mean"], res["zero_frac"]
@@ -514,6 +529,7 @@ def main(cfg: EvalConfig) -> dict:
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         seed=cfg.seed,
+        static_step=static_step,
     )
     width = max(map(len, res))
     print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in res.items()))

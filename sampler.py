@@ -34,14 +34,12 @@ Decisions (deliberate simplifications):
 * No marker (end_of_thought=()) or max_thought_tokens=0 is plain group sampling: empty thoughts,
   each answer a whole completion of at most max_answer_tokens.
 * Greedy (temperature 0) reports temperature-1 log-probs (the point mass it samples from has 0).
-* compile=True (meant for CUDA): a static-shape decode step (in-place cache writes at a tensor
-  slot, attention over all max_len slots) under torch.compile "reduce-overhead" (CUDA graphs);
-  rows are then never compacted. The static path is tested eagerly on CPU, and compiling it on CPU
-  traces without graph breaks and matches eager up to float rounding (slower than eager there);
-  the CUDA-graph run itself is untested here (no GPU was available).
+* Compiled decoding is the caller's choice: decode takes `static_step`, e.g. torch.compile of
+  decode_step_static (train.py and eval.py --compile), a static-shape step (in-place cache writes at
+  a tensor slot, attention over all slots) that CUDA replays as a graph; rows are never compacted
+  then. Tested eagerly on CPU; bench/gpu_check.sh measures the CUDA-graph run on a GPU.
 """
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +50,7 @@ from model import Transformer, token_logprobs
 
 COMPACT_WHEN_DONE = 0.5  # compact the batch once this fraction of the active rows has finished
 SYNC_EVERY = 8  # on GPU, look at the done flags (a host sync) only every this many steps
+STATIC_SLOTS = 64  # a static cache's slots are padded to a multiple of this: few shapes to compile
 
 
 class KVCache:
@@ -126,16 +125,8 @@ class KVCache:
 
     def fork(self, rows: Tensor, max_len: int) -> "KVCache":
         """A new cache of len(rows) rows; row i copies the caller's row rows[i] (prefix sharing)."""
-        src, s = torch.argsort(self.rows)[rows], self.length
-        new = KVCache(
-            self.k.shape[0],
-            len(rows),
-            self.k.shape[2],
-            max_len,
-            self.k.shape[4],
-            dtype=self.k.dtype,
-            device=self.k.device,
-        )
+        src, s, (L, _, Hkv, _, hd) = torch.argsort(self.rows)[rows], self.length, self.k.shape
+        new = KVCache(L, len(rows), Hkv, max_len, hd, dtype=self.k.dtype, device=self.k.device)
         new.k[:, :, :, :s] = self.k[:, src, :, :s]
         new.v[:, :, :, :s] = self.v[:, src, :, :s]
         new.key_valid[:, :s] = self.key_valid[src, :s]
@@ -145,7 +136,13 @@ class KVCache:
 
     def make_static(self) -> None:
         """Static shapes for a compiled decode step: writes go to the tensor slot `self.slot`,
-        attention covers all max_len slots, and the buffers keep fixed addresses (CUDA graphs)."""
+        attention covers all slots, and the buffers keep fixed addresses (CUDA graphs). The slots
+        are padded (never valid) to a multiple of STATIC_SLOTS, so prompts of varying lengths share
+        a few compiled shapes (and recorded CUDA graphs) instead of one per length."""
+        pad = -self.k.shape[3] % STATIC_SLOTS
+        if pad:
+            self.k, self.v = (torch.cat([x, x.new_zeros(*x.shape[:3], pad, x.shape[4])], 3) for x in (self.k, self.v))
+            self.key_valid = torch.cat([self.key_valid, self.key_valid.new_zeros(len(self.key_valid), pad)], 1)
         self.slot = torch.tensor([self.length], device=self.k.device)
         if self.k.is_cuda:  # only CUDA graphs care (and it costs a dynamo import)
             for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
@@ -260,12 +257,6 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
     return logits[:, -1]
 
 
-@functools.cache
-def compiled_decode_step() -> Callable[[Transformer, KVCache, Tensor, Tensor], Tensor]:
-    """decode_step_static compiled once per process; "reduce-overhead" replays it as a CUDA graph."""
-    return torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
-
-
 # ----------------------------------------------------------------------------- sampling
 
 
@@ -314,6 +305,101 @@ def host_sync_every(device: torch.device) -> int:
     return 1 if device.type == "cpu" else SYNC_EVERY
 
 
+@dataclass
+class Samples:
+    """What decode has sampled so far, in the caller's row order."""
+
+    tokens: Tensor  # (B, max_steps) long
+    logp: Tensor  # (B, max_steps) float32, under the distribution sampled from
+    n_tokens: Tensor  # (B,) tokens that count: max_steps until the row ends
+    stopped: Tensor  # (B,) bool: ended by a stop id or the marker
+
+    @classmethod
+    def empty(cls, B: int, max_steps: int, device: torch.device) -> "Samples":
+        return cls(
+            torch.zeros(B, max_steps, dtype=torch.long, device=device),
+            torch.zeros(B, max_steps, device=device),
+            torch.full((B,), max_steps, device=device),
+            torch.zeros(B, dtype=torch.bool, device=device),
+        )
+
+
+@dataclass
+class TextWatch:
+    """Matching a StopText against the rows' decoded tokens: where the rows started (to cut a row
+    back to its marker) and how many steps have been checked."""
+
+    stop: StopText
+    can_end: Tensor  # (V,) bool over the model's vocabulary: the token can end the marker
+    start_slot: int  # cache slot of every row's first sampled token
+    start_pos: Tensor  # (B,) RoPE position of each caller row's first sampled token
+    checked: int = 0  # steps before this one have been matched against the text
+
+
+def watch_text(stop: StopText, vocab_size: int, cache: KVCache) -> TextWatch:
+    """A TextWatch for the cache's active rows, about to sample their first token."""
+    can_end = torch.zeros(vocab_size, dtype=torch.bool)  # the model's vocab may be padded
+    n = min(vocab_size, len(stop.candidates))
+    can_end[:n] = stop.candidates[:n]
+    B = cache.batch
+    start_pos = torch.empty_like(cache.next_pos[:B])
+    start_pos[cache.rows[:B]] = cache.next_pos[:B]
+    return TextWatch(stop, can_end.to(cache.k.device), cache.length, start_pos)
+
+
+def end_on_ids(out: Samples, t: int, rows: Tensor, tok: Tensor, alive: Tensor, stop: Tensor, mark: Tensor) -> Tensor:
+    """Active rows whose token t is a stop id, or whose tokens now end with the marker, end after
+    t + 1 tokens; returns the new alive (per active cache row)."""
+    hit = torch.isin(tok, stop)
+    if len(mark) and t + 1 >= len(mark):
+        hit |= (out.tokens[rows, t + 1 - len(mark) : t + 1] == mark).all(-1)
+    ended = alive & hit
+    out.n_tokens[rows] = torch.where(ended, t + 1, out.n_tokens[rows])
+    out.stopped[rows] = out.stopped[rows] | ended
+    return alive & ~hit
+
+
+def end_on_text(watch: TextWatch, out: Samples, cache: KVCache, alive: Tensor, steps: int) -> None:
+    """End the rows whose text first contains the marker within the steps since the last check.
+    On GPU the marker may be found a few steps late, after the row's later tokens were fed to the
+    cache: their slots become holes and the row's position is rewound (a no-op on CPU)."""
+    rows_hit, steps_hit = text_hits(watch.stop, watch.can_end, out.tokens, out.n_tokens, watch.checked, steps)
+    watch.checked = steps
+    if not rows_hit:
+        return
+    dev = out.tokens.device
+    r, s = torch.tensor(rows_hit, device=dev), torch.tensor(steps_hit, device=dev)
+    out.n_tokens[r] = torch.minimum(out.n_tokens[r], s + 1)
+    out.stopped[r] = True
+    c = torch.argsort(cache.rows)[r]  # cache row of each caller row
+    fed = torch.arange(watch.start_slot, cache.length, device=dev)
+    cache.key_valid[c, watch.start_slot : cache.length] &= fed[None] < (watch.start_slot + s)[:, None]
+    cache.next_pos[c] = watch.start_pos[r] + s
+    alive[c[c < cache.batch]] = False
+
+
+def compact_finished(cache: KVCache, tok: Tensor, alive: Tensor) -> tuple[Tensor, Tensor]:
+    """Once enough active rows have finished, move the live ones first and run only those."""
+    live = int(alive.sum())
+    if live > (1 - COMPACT_WHEN_DONE) * cache.batch:
+        return tok, alive
+    perm = cache.compact(alive)[:live]
+    return tok[perm], alive[perm]
+
+
+def next_logits(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor, static_step: Callable | None) -> Tensor:
+    """Feed tok to the cache: through decode_step, or through static_step (static shapes, maybe
+    compiled) and then advance the tensor slot it writes at."""
+    if static_step is None:
+        return decode_step(model, cache, tok, alive)
+    if tok.is_cuda:
+        torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs have been consumed
+    logits = static_step(model, cache, tok, alive)
+    cache.slot += 1
+    cache.length += 1
+    return logits
+
+
 def decode(
     model: Transformer,
     cache: KVCache,
@@ -327,76 +413,39 @@ def decode(
     stop_ids: Sequence[int] = (),
     marker: Sequence[int] = (),
     stop_text: StopText | None = None,
-    compile: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    static_step: Callable | None = None,
+) -> Samples:
     """Sample up to max_steps tokens for every cache row, starting from `logits` (B, V) of each row's
     next token; a row ends on a stop id, once its tokens end with `marker`, or once their text
-    contains stop_text.text. The last sampled token is not fed to the cache. Returns, in the
-    caller's row order: tokens (B, max_steps), logp (B, max_steps), n_tokens (B,) and stopped (B,)
-    (ended by a stop id or the marker)."""
-    B, dev = cache.batch, logits.device
-    tokens = torch.zeros(B, max_steps, dtype=torch.long, device=dev)
-    logp = torch.zeros(B, max_steps, device=dev)
-    n_tokens = torch.full((B,), max_steps, device=dev)
-    stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)  # per active cache row
+    contains stop_text.text. The last sampled token is not fed to the cache.
+
+    static_step: None feeds each token through decode_step (rows compacted as they finish); else
+    a function like decode_step_static, typically `torch.compile(decode_step_static, ...)`
+    applied by the caller (static shapes: rows are never compacted)."""
+    dev = logits.device
+    out = Samples.empty(cache.batch, max_steps, dev)
+    alive = torch.ones(cache.batch, dtype=torch.bool, device=dev)  # per active cache row
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=dev)
     mark = torch.tensor(list(marker), dtype=torch.long, device=dev)
+    watch = watch_text(stop_text, logits.shape[-1], cache) if stop_text is not None else None
     sync_every = host_sync_every(dev)
-    if stop_text is not None:
-        can_end = torch.zeros(logits.shape[-1], dtype=torch.bool)  # the model's vocab may be padded
-        n = min(len(can_end), len(stop_text.candidates))
-        can_end[:n] = stop_text.candidates[:n]
-        can_end = can_end.to(dev)
-        start_slot, start_pos = cache.length, torch.empty_like(cache.next_pos[:B])
-        start_pos[cache.rows[:B]] = cache.next_pos[:B]  # RoPE position of each caller row's first token
-        checked = 0  # steps before this one have been matched against the text
-    if compile:
+    if static_step is not None:
         cache.make_static()
     for t in range(max_steps):
         rows = cache.rows[: cache.batch]  # caller's row ids of the active rows
         tok, lp = sample_next(logits, uniforms[rows, t], temperature, top_k, top_p)
-        tokens[rows, t], logp[rows, t] = tok, lp
-        hit = torch.isin(tok, stop)
-        if len(mark) and t + 1 >= len(mark):
-            hit |= (tokens[rows, t + 1 - len(mark) : t + 1] == mark).all(-1)
-        ended = alive & hit
-        n_tokens[rows] = torch.where(ended, t + 1, n_tokens[rows])
-        stopped[rows] = stopped[rows] | ended
-        alive = alive & ~hit
-        if stop_text is not None and ((t + 1) % sync_every == 0 or t + 1 == max_steps):
-            rows_hit, steps_hit = text_hits(stop_text, can_end, tokens, n_tokens, checked, t + 1)
-            checked = t + 1
-            if rows_hit:
-                r, s = torch.tensor(rows_hit, device=dev), torch.tensor(steps_hit, device=dev)
-                n_tokens[r] = torch.minimum(n_tokens[r], s + 1)
-                stopped[r] = True
-                # on GPU the marker may be found a few steps late: the row's tokens from the hit on were
-                # fed to the cache; make their slots holes and rewind its position (a no-op on CPU)
-                c = torch.argsort(cache.rows)[r]  # cache row of each caller row
-                fed = torch.arange(start_slot, cache.length, device=dev)
-                cache.key_valid[c, start_slot : cache.length] &= fed[None] < (start_slot + s)[:, None]
-                cache.next_pos[c] = start_pos[r] + s
-                alive[c[c < cache.batch]] = False
-        if t + 1 == max_steps:
+        out.tokens[rows, t], out.logp[rows, t] = tok, lp
+        alive = end_on_ids(out, t, rows, tok, alive, stop, mark)
+        last, sync = t + 1 == max_steps, (t + 1) % sync_every == 0
+        if watch is not None and (sync or last):
+            end_on_text(watch, out, cache, alive, t + 1)
+        if last or (sync and not alive.any()):
             break
-        if (t + 1) % sync_every == 0:
-            live = int(alive.sum())
-            if live == 0:
-                break
-            if not compile and live <= (1 - COMPACT_WHEN_DONE) * cache.batch:
-                perm = cache.compact(alive)[:live]
-                tok, alive = tok[perm], alive[perm]
-        if compile:
-            if logits.is_cuda:
-                torch.compiler.cudagraph_mark_step_begin()  # outputs of the last replay are consumed
-            logits = compiled_decode_step()(model, cache, tok, alive)
-            cache.slot += 1
-            cache.length += 1
-        else:
-            logits = decode_step(model, cache, tok, alive)
+        if sync and static_step is None:
+            tok, alive = compact_finished(cache, tok, alive)
+        logits = next_logits(model, cache, tok, alive, static_step)
     cache.slot = None
-    return tokens, logp, n_tokens, stopped
+    return out
 
 
 def text_hits(
@@ -464,9 +513,11 @@ def _check(
     return [int(s) for s in seed]
 
 
-def _finish(tokens: Tensor, logp: Tensor, n_tokens: Tensor) -> tuple[list[list[int]], list[list[float]]]:
-    tokens, logp, n_tokens = tokens.tolist(), logp.tolist(), n_tokens.tolist()
-    return [t[:n] for t, n in zip(tokens, n_tokens)], [lp[:n] for lp, n in zip(logp, n_tokens)]
+def _finish(out: Samples) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Per row: its tokens, their log-probs and "stop" | "length", as Python lists."""
+    tokens, logp, n_tokens = out.tokens.tolist(), out.logp.tolist(), out.n_tokens.tolist()
+    finish = ["stop" if s else "length" for s in out.stopped.tolist()]
+    return [t[:n] for t, n in zip(tokens, n_tokens)], [lp[:n] for lp, n in zip(logp, n_tokens)], finish
 
 
 @torch.inference_mode()
@@ -481,9 +532,10 @@ def generate(
     top_p: float = 1.0,
     stop_ids: Sequence[int] = (),
     seed: int | Sequence[int] | None = None,
-    compile: bool = False,
+    static_step: Callable | None = None,
 ) -> Generation:
-    """n samples of at most max_new_tokens for each prompt (token ids), prompt-major."""
+    """n samples of at most max_new_tokens for each prompt (token ids), prompt-major. static_step:
+    see decode (e.g. `torch.compile(decode_step_static, mode="reduce-overhead")` on CUDA)."""
     if max_new_tokens < 1 or n < 1:
         raise ValueError(f"generate: max_new_tokens and n must be >= 1, got {max_new_tokens} and {n}.")
     seeds = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, "generate")
@@ -491,20 +543,9 @@ def generate(
     rows = torch.arange(len(prompts), device=logits.device).repeat_interleave(n)
     cache, logits = cache.fork(rows, cache.length + max_new_tokens), logits[rows]
     u = torch.cat([torch.rand(n, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
-    tokens, logp, n_tokens, stopped = decode(
-        model,
-        cache,
-        logits,
-        u.to(logits.device),
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_ids=stop_ids,
-        compile=compile,
-    )
-    tokens, logprobs = _finish(tokens, logp, n_tokens)
-    return Generation(tokens, logprobs, ["stop" if s else "length" for s in stopped.tolist()])
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, static_step=static_step)
+    out = decode(model, cache, logits, u.to(logits.device), max_new_tokens, stop_ids=stop_ids, **sampling)
+    return Generation(*_finish(out))
 
 
 @torch.inference_mode()
@@ -522,7 +563,7 @@ def sample_tree(
     top_p: float = 1.0,
     stop_ids: Sequence[int] = (),
     seed: int | Sequence[int] | None = None,
-    compile: bool = False,
+    static_step: Callable | None = None,
 ) -> Tree:
     """K thoughts per prompt, each ended by the end_of_thought marker (appended if cut off), then M
     answers from each thought; the prompt and each thought are computed once and shared. The
@@ -535,18 +576,10 @@ def sample_tree(
         )
     text = end_of_thought if isinstance(end_of_thought, StopText) else None
     marker = list(text.ids if text else end_of_thought)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, static_step=static_step)
     if not marker or max_thought_tokens == 0:  # no thought phase: plain group sampling, G = K*M
         g = generate(
-            model,
-            prompts,
-            max_new_tokens=max_answer_tokens,
-            n=K * M,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=stop_ids,
-            seed=seed,
-            compile=compile,
+            model, prompts, max_new_tokens=max_answer_tokens, n=K * M, stop_ids=stop_ids, seed=seed, **sampling
         )
         return Tree(
             [[] for _ in range(P * K)], [[] for _ in range(P * K)], [False] * (P * K), g.tokens, g.logprobs, g.finish
@@ -556,20 +589,20 @@ def sample_tree(
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     u_thought = torch.cat([torch.rand(K, Tt, generator=g) for g in gens])  # per prompt: thoughts first,
     u_answer = torch.cat([torch.rand(K * M, Ta, generator=g) for g in gens])  # then answers
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, compile=compile)
 
     # 1. prefill each prompt once, fork it K ways, decode the thoughts (marker or length ends them)
     cache, logits = prefill(model, prompts)
     rows = torch.arange(P, device=logits.device).repeat_interleave(K)
     cache, logits = cache.fork(rows, cache.length + Tt + Lm), logits[rows]
     ends = dict(stop_text=text) if text else dict(marker=marker)
-    tok, lp, n_tok, ended = decode(model, cache, logits, u_thought.to(logits.device), Tt, **ends, **sampling)
+    th = decode(model, cache, logits, u_thought.to(logits.device), Tt, **ends, **sampling)
+    ended = th.stopped
 
     # 2. one chunk per thought: its last token, preceded by the forced marker if it was cut off
     # (left-padded to Lm + 1 where the thought ended on its own); logits give the marker log-probs
     cache.restore_order()
-    last = tok.gather(1, (n_tok - 1)[:, None])  # (PK, 1)
-    mark = torch.tensor(marker, device=tok.device).expand(P * K, Lm)
+    last = th.tokens.gather(1, (th.n_tokens - 1)[:, None])  # (PK, 1)
+    mark = torch.tensor(marker, device=last.device).expand(P * K, Lm)
     chunk = torch.where(ended[:, None], torch.cat([mark, last], 1), torch.cat([last, mark], 1))
     valid = torch.ones_like(chunk, dtype=torch.bool)
     valid[:, :Lm] = ~ended[:, None]
@@ -577,26 +610,16 @@ def sample_tree(
     forced_lp = token_logprobs(logits[:, :Lm], mark, temperature or 1.0)  # (PK, Lm)
 
     # 3. fork each thought M ways and decode the answers
-    rows = torch.arange(P * K, device=tok.device).repeat_interleave(M)
+    rows = torch.arange(P * K, device=last.device).repeat_interleave(M)
     cache, logits = cache.fork(rows, cache.length + Ta), logits[rows, -1]
-    a_tok, a_lp, a_n, a_stopped = decode(
-        model, cache, logits, u_answer.to(logits.device), Ta, stop_ids=stop_ids, **sampling
-    )
+    ans = decode(model, cache, logits, u_answer.to(logits.device), Ta, stop_ids=stop_ids, **sampling)
 
-    thoughts, thought_lp = _finish(tok, lp, n_tok)
+    thoughts, thought_lp, _ = _finish(th)
     for i, cut in enumerate((~ended).tolist()):
         if cut:
             thoughts[i] += marker
             thought_lp[i] += forced_lp[i].tolist()
-    answers, answer_lp = _finish(a_tok, a_lp, a_n)
-    return Tree(
-        thoughts,
-        thought_lp,
-        (~ended).tolist(),
-        answers,
-        answer_lp,
-        ["stop" if s else "length" for s in a_stopped.tolist()],
-    )
+    return Tree(thoughts, thought_lp, (~ended).tolist(), *_finish(ans))
 
 
 def splice_tree(tree: Tree, i: int, new: Tree, j: int, k: int, m: int) -> None:

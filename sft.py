@@ -23,8 +23,10 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from cli import parse_config, user_errors
-from model import ModelConfig, Transformer, load_tokenizer, save_model, token_logprobs
+from hf import save_model
+from model import ModelConfig, Transformer, token_logprobs
 from tasks import SYNTHETIC_CHARS, get_task, render_prompt, sft_completion
+from tokenizer import load_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as Qwen
 THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode keeps them)
@@ -117,7 +119,7 @@ def make_batch(
 
 
 def build_model(cfg: SFTConfig, tokenizer) -> Transformer:
-    """A freshly initialised Qwen2-architecture model of cfg's shape for `tokenizer` (model.Tokenizer);
+    """A freshly initialised Qwen2-architecture model of cfg's shape for `tokenizer` (tokenizer.Tokenizer);
     draws from torch's global generator."""
     config = ModelConfig(
         vocab_size=tokenizer.vocab_size,

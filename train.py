@@ -32,6 +32,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
@@ -73,12 +74,14 @@ from checkpoint import (
 )
 from cli import UserError, parse_config, user_errors
 from distributed import all_sum, fixed_mmap_threshold, full_params, gather_full_state, memory_peak, setup_distributed
-from eval import calibrate_noise, decode_completion, evaluate, select_examples
-from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
+from eval import calibrate_noise, evaluate, select_examples
+from hf import load_model
+from model import Transformer, cast_copy, copy_weights_
 from pack import Batch, pack, select_rows, split_rows, token_stats
 from rewards import noise_rates, score_batch
-from sampler import StopText, Tree, sample_tree, splice_tree
+from sampler import StopText, Tree, decode_step_static, sample_tree, splice_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
+from tokenizer import decode_completion, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
@@ -111,6 +114,9 @@ class TrainConfig:
     temperature: float = 1.0  # rollout temperature (the trainer divides logits by the same value)
     top_k: int = 0  # rollout top-k (0 = off); truncation makes rollouts slightly off-policy
     top_p: float = 1.0  # rollout nucleus (1 = off)
+    system_prompt: str | None = None  # system turn of every prompt, replacing the task's ("" = no system turn)
+    enable_thinking: bool = True  # Qwen3 chat template's thinking switch (off: an empty thought is pre-filled)
+    compile: bool = False  # decode through torch.compile (CUDA graphs on a GPU; on CPU it takes minutes to compile)
     rollout_dtype: str = "auto"  # sampler and eval weights: a cast copy of the masters; auto = bf16 on CUDA, else fp32
     select: str = ""  # Hard Examples: draw prompts only from the hardest|medium|easiest|random --pass-rates ("" = off)
     select_fraction: float = 0.1  # fraction of the rated examples that --select keeps, in (0, 1] (the paper: 0.1)
@@ -214,6 +220,8 @@ class TrainConfig:
              "already shards the optimizer state over the ranks")  # fmt: skip
         need(self.thoughts * self.answers >= 2, "a group needs at least 2 samples: raise --thoughts or --answers")
         need(self.answers == 1 or bool(self.end_of_thought), "--answers > 1 needs an --end-of-thought marker")
+        no_thought = "--no-enable-thinking pre-fills an empty thought, leaving none to sample answers from"
+        need(self.enable_thinking or self.answers == 1, f"{no_thought}: it needs --answers 1")
         two = self.advantage != "two_grpo" or (self.thoughts, self.answers) == (2, 1)
         need(two, "--advantage two_grpo needs --thoughts 2 --answers 1")
         need(self.select in ("", *SELECTIONS), f"--select must be one of {', '.join(SELECTIONS)} or empty (off)")
@@ -311,6 +319,7 @@ class Run:
     state: dict  # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, gate_on
     wandb: object | None = None
     sampler: Transformer | None = None  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
+    static_step: Callable | None = None  # --compile: the compiled decode step sampling and evaluation run
     host_params: list[torch.Tensor] | None = None  # --optimizer-offload: the CPU float32 copies AdamW steps
 
 
@@ -322,6 +331,7 @@ def setup(cfg: TrainConfig) -> Run:
     task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
     task = select_examples(task, cfg.pass_rates, cfg.select, cfg.select_fraction, cfg.seed) if cfg.select else task
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
+    task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
     # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
     # and a second one for dynamic-sampling top-ups.
     n = cfg.max_steps * cfg.prompts_per_step
@@ -342,7 +352,8 @@ def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     policy = load_model(resume_dir or cfg.model, dtype=torch.float32, device=device)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
-    tokenizer = load_tokenizer(resume_dir or cfg.model)  # a checkpoint carries its run's tokenizer files
+    # a checkpoint carries its run's tokenizer files
+    tokenizer = load_tokenizer(resume_dir or cfg.model, enable_thinking=cfg.enable_thinking)
     reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta else None
     # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
     marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
@@ -384,6 +395,8 @@ def setup(cfg: TrainConfig) -> Run:
                 h.copy_(p)
     rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     run.sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
+    if cfg.compile:  # the caller compiles the small decode step; the sampler replays it as a CUDA graph
+        run.static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
     if cfg.noise_correct and "noise_rates" not in run.state:  # fixed, or "auto": fit at the start (resume keeps it)
         with rollout_weights(run), precision(run):
             run.state["noise_rates"] = noise_rates(cfg.noise_correct, "--noise-correct", auto=True) or calibrate_noise(
@@ -458,7 +471,7 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
             run.sampler, prompts, k=cfg.thoughts, m=M, max_thought_tokens=cfg.max_thought_tokens if M > 1 else 0,
             max_answer_tokens=cfg.max_answer_tokens + (0 if M > 1 else cfg.max_thought_tokens),
             end_of_thought=run.marker if M > 1 else (), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-            stop_ids=run.tokenizer.stop_ids, seed=seeds,
+            stop_ids=run.tokenizer.stop_ids, seed=seeds, static_step=run.static_step,
         )  # fmt: skip
     return prompts, tree
 
@@ -809,6 +822,7 @@ def evaluate_heldout(run: Run, step: int) -> dict:
             res = evaluate(
                 run.sampler, run.tokenizer, run.task, run.heldout, n=cfg.eval_samples, temperature=cfg.temperature,
                 max_new_tokens=cfg.max_thought_tokens + cfg.max_answer_tokens, seed=derive_seed(cfg.seed, 10**9),
+                static_step=run.static_step,
             )  # fmt: skip
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     log(run, row)

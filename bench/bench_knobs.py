@@ -38,7 +38,8 @@ from bench_scale import MODELS  # noqa: E402
 from bench_trl import rss_gib  # noqa: E402
 
 from distributed import fixed_mmap_threshold, memory_peak  # noqa: E402
-from model import ModelConfig, Transformer, head_logprobs  # noqa: E402
+from hf import config_from_hf  # noqa: E402
+from model import Transformer, head_logprobs  # noqa: E402
 
 
 def step(model: Transformer, ids: torch.Tensor, autocast: bool) -> dict:
@@ -79,7 +80,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     fixed_mmap_threshold()  # the heap setting train.py makes (otherwise RSS measures glibc's fragmentation)
     torch.manual_seed(0)
-    config = dataclasses.replace(ModelConfig.from_hf(MODELS[args.model]), num_hidden_layers=args.layers)
+    config = dataclasses.replace(config_from_hf(MODELS[args.model]), num_hidden_layers=args.layers)
     model = Transformer(config).train()
     ids = torch.randint(config.vocab_size, (args.rows, args.tokens + 1))
     print(

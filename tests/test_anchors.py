@@ -17,9 +17,11 @@ import torch
 
 import train
 from helpers import BUNDLED, SMALL_RUN
-from model import load_model, load_tokenizer, token_logprobs
+from hf import load_model
+from model import token_logprobs
 from sampler import Tree
 from tasks import get_task, no_reference, render_prompt, sft_completion, solution_completion
+from tokenizer import load_tokenizer
 from train import PRESETS, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,9 +17,10 @@ import pytest
 import train
 from eval import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
 from helpers import SMALL_RUN
-from model import load_model, load_tokenizer
+from hf import load_model
 from rewards import calculator_partial_credit
 from tasks import get_task, sft_completion, synthetic_partial_credit
+from tokenizer import load_tokenizer
 from train import PRESETS, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ import checkpoint
 import train
 from cli import UserError
 from helpers import SMALL_RUN
-from model import load_model
+from hf import load_model
 from train import TrainConfig, resume_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,9 +11,10 @@ from itertools import combinations
 
 import pytest
 
-from eval import EvalConfig, decode_completion, evaluate, main, pass_at_k, plot_runs
-from model import load_model, load_tokenizer
+from eval import EvalConfig, evaluate, main, pass_at_k, plot_runs
+from hf import load_model
 from tasks import TASK_NAMES, get_task
+from tokenizer import decode_completion, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "assets", "tiny-model")
@@ -206,3 +207,40 @@ def test_test_data_flag_evaluates_the_whole_test_file(tmp_path) -> None:
         f"{test} line 1: the prompt is 201 tokens, more than the 176 allowed by the model's "
         "context of 256 tokens minus --max-new-tokens 80; shorten or drop that example."
     )
+
+
+def test_system_prompt_and_thinking_flags_reach_the_prompts(tmp_path) -> None:
+    """Guards eval.py --system-prompt and --no-enable-thinking being parsed but not used: the prompt
+    that overflows the context with the task's system prompt (201 tokens, see above) fits without it
+    ("": 22 tokens), and a 100-character replacement (132) or the pre-filled empty thought (28) has
+    the length the limit check then reports."""
+    test = write_rows(tmp_path / "t.jsonl", [{"prompt": f"{i}+2", "answer": i + 2} for i in range(3)])
+    cfg = dict(model=BUNDLED, task="jsonl", test_data=test, examples=3, n=1, max_new_tokens=80)
+    assert main(EvalConfig(**cfg, system_prompt=""))["examples"] == 3
+    for extra, length in (({"system_prompt": "9" * 100}, 132), ({"system_prompt": "", "enable_thinking": False}, 28)):
+        cfg["max_new_tokens"] = 256 - length + 1  # one token too many for this prompt length
+        with pytest.raises(SystemExit, match=f"the prompt is {length} tokens"):
+            main(EvalConfig(**cfg, **extra))
+
+
+def test_compile_flag_decodes_through_the_compiled_step(monkeypatch) -> None:
+    """Guards eval.py --compile being parsed but not used: the sampler's static decode step is
+    compiled once and decoding goes through it (torch.compile is replaced by a counting wrapper here:
+    compiling takes minutes on CPU), with the same results as without."""
+    import torch
+
+    import sampler
+
+    calls = []
+
+    def fake_compile(fn, **kw):
+        assert fn is sampler.decode_step_static and kw == dict(mode="reduce-overhead", fullgraph=True)
+        calls.append("compile")
+        return lambda *args: calls.append("step") or fn(*args)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cfg = dict(model=BUNDLED, examples=4, n=2, max_new_tokens=20, seed=1)
+    res = main(EvalConfig(**cfg, compile=True))
+    assert calls[0] == "compile" and calls.count("compile") == 1 and calls.count("step") > 0
+    for key, value in main(EvalConfig(**cfg)).items():
+        assert res[key] == pytest.approx(value, abs=1e-12), key

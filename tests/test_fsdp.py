@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from model import load_model
+from hf import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = os.path.join(ROOT, "assets", "tiny-model")  # tied embeddings: the shared Parameter sits in the root's group

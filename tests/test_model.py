@@ -1,4 +1,4 @@
-"""model.py: logits parity with transformers for every family, the cache protocol, checkpoint
+"""model.py and hf.py: logits parity with transformers for every family, the cache protocol, checkpoint
 load/save (strict errors, shards, both config layouts, atomic save, the checkpoint's dtype kept).
 The log-prob functions are tested in test_logprobs.py."""
 
@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import model as M
 from helpers import CatCache, bottom_right_causal, hf_logits, make_hf_model
+from hf import config_from_hf, config_to_hf, load_model, save_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 # (family, tied, extra config): GQA, MQA, tied and untied heads, Qwen3's head_dim != hidden / heads
@@ -38,7 +39,7 @@ def test_logits_match_transformers(variant, hf_checkpoint):
     family, tied, kw = VARIANTS[variant]
     path = hf_checkpoint(family, tied, **kw)
     x = ids()
-    ours = M.load_model(path)
+    ours = load_model(path)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf_logits(path, x), **TOL)
 
@@ -55,7 +56,7 @@ def test_published_config_layout(tmp_path):
     cfg["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
     cfg["torch_dtype"] = cfg.pop("dtype")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    ours = M.load_model(tmp_path)
+    ours = load_model(tmp_path)
     assert ours.config.rope_theta == 500000.0 and ours.config.rope_scaling["rope_type"] == "llama3"
     x = ids()
     with torch.no_grad():
@@ -69,7 +70,7 @@ def test_sharded_checkpoint(hf_checkpoint):
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
     x = ids()
     with torch.no_grad():
-        torch.testing.assert_close(M.load_model(path)(x), hf_logits(path, x), **TOL)
+        torch.testing.assert_close(load_model(path)(x), hf_logits(path, x), **TOL)
 
 
 def test_bf16_weights_and_dtype(tmp_path):
@@ -77,7 +78,7 @@ def test_bf16_weights_and_dtype(tmp_path):
     and load_model(dtype=bf16) must give bf16 parameters whose log-probs stay near float32's."""
     hf = make_hf_model("qwen3", True)
     hf.to(torch.bfloat16).save_pretrained(tmp_path)
-    m32, m16 = M.load_model(tmp_path), M.load_model(tmp_path, dtype=torch.bfloat16)
+    m32, m16 = load_model(tmp_path), load_model(tmp_path, dtype=torch.bfloat16)
     for (name, p32), (_, p16) in zip(m32.named_parameters(), m16.named_parameters()):
         assert p32.dtype == torch.float32 and p16.dtype == torch.bfloat16, name
         assert torch.equal(p32, p16.float()), name
@@ -100,7 +101,7 @@ def test_bf16_logits_bitwise_equal_transformers(family, hf_checkpoint):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     x = ids()
     with torch.no_grad():
-        assert torch.equal(M.load_model(path, dtype=torch.bfloat16)(x), hf(x).logits)
+        assert torch.equal(load_model(path, dtype=torch.bfloat16)(x), hf(x).logits)
 
 
 def test_load_shares_tied_parameter_and_leaves_nothing_on_meta(hf_checkpoint, monkeypatch):
@@ -116,7 +117,7 @@ def test_load_shares_tied_parameter_and_leaves_nothing_on_meta(hf_checkpoint, mo
         return normal_(tensor, *a, **k)
 
     monkeypatch.setattr(torch.nn.init, "normal_", spy)
-    m = M.load_model(path)
+    m = load_model(path)
     assert init_devices and set(init_devices) == {"meta"}
     assert m.lm_head.weight is m.model.embed_tokens.weight
     assert all(p.device.type == "cpu" for p in m.parameters())
@@ -132,7 +133,7 @@ def test_cache_prefill_chunk_decode_equals_full_forward(variant, hf_checkpoint):
     bottom-right mask, is_causal would be wrong), then token-by-token decode (the pack-GQA path)
     must reproduce the full forward's logits; wrong positions or head grouping break it."""
     family, tied, kw = VARIANTS[variant]
-    m = M.load_model(hf_checkpoint(family, tied, **kw))
+    m = load_model(hf_checkpoint(family, tied, **kw))
     x = ids(T=40)
     B, T = x.shape
     with torch.no_grad():
@@ -149,7 +150,7 @@ def test_left_padding_with_positions_and_mask(hf_checkpoint):
     """Guards explicit positions: a left-padded row with positions cumsum(valid)-1 and a padding
     mask must give the same logits as the unpadded sequence alone (RoPE must use the given
     positions, not the slot index)."""
-    m = M.load_model(hf_checkpoint("llama", False))
+    m = load_model(hf_checkpoint("llama", False))
     x = ids(B=1, T=20)
     pad = 7
     padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), x], dim=1)
@@ -164,7 +165,7 @@ def test_logits_to_keep_positions_and_cache_without_mask(hf_checkpoint):
     """Guards logits_to_keep (only the last N rows, same values), (T,) positions broadcasting over
     the batch, and the contract that a cache without an explicit mask is refused (is_causal on a
     non-empty cache is silently wrong)."""
-    m = M.load_model(hf_checkpoint("qwen3", True))
+    m = load_model(hf_checkpoint("qwen3", True))
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(m(x, logits_to_keep=3), m(x)[:, -3:], atol=1e-6, rtol=1e-6)
@@ -176,7 +177,7 @@ def test_logits_to_keep_positions_and_cache_without_mask(hf_checkpoint):
 def test_gradient_checkpointing_same_gradients(hf_checkpoint):
     """Guards activation checkpointing: recomputing layers in backward must give the same loss
     gradients as the plain forward (and must be active only in training with grad enabled)."""
-    m = M.load_model(hf_checkpoint("qwen2", True)).train()
+    m = load_model(hf_checkpoint("qwen2", True)).train()
     x = ids()
 
     def grads() -> list[torch.Tensor]:
@@ -233,14 +234,14 @@ def test_save_model_round_trip(variant, hf_checkpoint, tmp_path):
     logits (a missing bias flag, head_dim or rope_scaling in config.json breaks this), and our own
     loader must get back identical tensors with the tied head still tied."""
     family, tied, kw = VARIANTS[variant]
-    m = M.load_model(hf_checkpoint(family, tied, **kw))
+    m = load_model(hf_checkpoint(family, tied, **kw))
     out = tmp_path / "saved"
-    M.save_model(m, out)
+    save_model(m, out)
     x = ids()
     with torch.no_grad():
         ref = m(x)
         torch.testing.assert_close(hf_logits(out, x), ref, **TOL)
-        back = M.load_model(out)
+        back = load_model(out)
         assert torch.equal(back(x), ref)
     assert back.config == m.config
     assert (back.lm_head.weight is back.model.embed_tokens.weight) == tied
@@ -251,7 +252,7 @@ def test_save_model_atomic_and_copies_tokenizer(hf_checkpoint, tmp_path, monkeyp
     """Guards atomic saving: overwriting a checkpoint replaces it completely, a save that fails
     midway leaves the previous checkpoint intact and no temporary directory behind; tokenizer
     files are copied and generation_config.json carries the eos ids."""
-    m = M.load_model(hf_checkpoint("qwen2", True))
+    m = load_model(hf_checkpoint("qwen2", True))
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     (tok_dir / "tokenizer.json").write_text("{}")
@@ -259,7 +260,7 @@ def test_save_model_atomic_and_copies_tokenizer(hf_checkpoint, tmp_path, monkeyp
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    M.save_model(m, out, tokenizer_dir=tok_dir)
+    save_model(m, out, tokenizer_dir=tok_dir)
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
@@ -273,9 +274,9 @@ def test_save_model_atomic_and_copies_tokenizer(hf_checkpoint, tmp_path, monkeyp
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(M, "save_file", boom)
+    monkeypatch.setattr("hf.save_file", boom)
     with pytest.raises(OSError, match="disk full"):
-        M.save_model(m, out)
+        save_model(m, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "qwen2-tied", "tok"]
 
@@ -290,10 +291,10 @@ def test_save_model_writes_the_checkpoint_dtype(tmp_path):
 
     src = tmp_path / "bf16"
     make_hf_model("qwen2", True).to(torch.bfloat16).save_pretrained(src)
-    m = M.load_model(src)
+    m = load_model(src)
     assert m.config.torch_dtype == "bfloat16" and m.lm_head.weight.dtype == torch.float32
-    M.save_model(m, tmp_path / "default")
-    M.save_model(m, tmp_path / "fp32", dtype=torch.float32)
+    save_model(m, tmp_path / "default")
+    save_model(m, tmp_path / "fp32", dtype=torch.float32)
     for name, dtype in [("default", torch.bfloat16), ("fp32", torch.float32)]:
         hf_config = json.loads((tmp_path / name / "config.json").read_text())
         assert hf_config["torch_dtype"] == str(dtype).removeprefix("torch.")
@@ -304,19 +305,19 @@ def test_save_model_writes_the_checkpoint_dtype(tmp_path):
     x = ids()
     with torch.no_grad():  # the values are bf16-exact, so every copy gives the same logits
         torch.testing.assert_close(hf_logits(tmp_path / "default", x), m(x), **TOL)
-    assert M.load_model(tmp_path / "fp32").config.torch_dtype == "float32"
-    assert M.load_model(tmp_path / "default").config == m.config
+    assert load_model(tmp_path / "fp32").config.torch_dtype == "float32"
+    assert load_model(tmp_path / "default").config == m.config
 
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("dtype", None)
     cfg.pop("torch_dtype", None)
     (src / "config.json").write_text(json.dumps(cfg))
-    assert M.load_model(src).config.torch_dtype == "bfloat16"  # from the safetensors
+    assert load_model(src).config.torch_dtype == "bfloat16"  # from the safetensors
     scratch = M.Transformer(M.ModelConfig(32, 16, 32, 1, 2, 1, 8, attention_bias=True))  # dtype not given
-    M.save_model(scratch, tmp_path / "scratch")
+    save_model(scratch, tmp_path / "scratch")
     assert load_file(tmp_path / "scratch" / "model.safetensors")["model.norm.weight"].dtype == torch.float32
-    M.save_model(scratch, tmp_path / "scratch16", dtype=torch.bfloat16)
-    assert M.load_model(tmp_path / "scratch16").config.torch_dtype == "bfloat16"
+    save_model(scratch, tmp_path / "scratch16", dtype=torch.bfloat16)
+    assert load_model(tmp_path / "scratch16").config.torch_dtype == "bfloat16"
 
 
 # ----------------------------------------------------------------------------- strict errors
@@ -394,7 +395,7 @@ def test_bad_checkpoint_raises_one_clear_error(case, hf_checkpoint):
     path = hf_checkpoint("qwen2", True)
     corrupt(path)
     with pytest.raises(exc, match=pattern):
-        M.load_model(path)
+        load_model(path)
 
 
 def test_model_config_validation():
@@ -433,7 +434,7 @@ def test_model_config_validation():
             "original_max_position_embeddings": 64,
         },
     )
-    assert M.ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert config_from_hf(config_to_hf(cfg)) == cfg
 
 
 def test_config_json_that_is_not_an_object_is_one_sentence(tmp_path):
@@ -444,4 +445,4 @@ def test_config_json_that_is_not_an_object_is_one_sentence(tmp_path):
     shutil.copytree(bundled, tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text("[1]")
     with pytest.raises(ValueError, match=r"config.json: expected a JSON object, got list"):
-        M.load_model(tmp_path / "m")
+        load_model(tmp_path / "m")

@@ -11,7 +11,8 @@ import torch
 from test_train import BUNDLED, small, weights
 
 import train
-from model import cast_copy, copy_weights_, load_model
+from hf import load_model
+from model import cast_copy, copy_weights_
 
 
 def metrics(out: str) -> list[dict]:

@@ -10,8 +10,10 @@ import torch
 
 import sampler
 from helpers import make_char_tokenizer, make_hf_checkpoint
-from model import ModelConfig, Transformer, load_model, load_tokenizer, token_logprobs
+from hf import load_model
+from model import ModelConfig, Transformer, token_logprobs
 from sampler import KVCache, StopText, decode_step, extend, generate, prefill, sample_next, sample_tree
+from tokenizer import load_tokenizer
 
 PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]  # different lengths
 
@@ -28,7 +30,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """One tiny random checkpoint per family, loaded with model.load_model (float32)."""
+    """One tiny random checkpoint per family, loaded with hf.load_model (float32)."""
     d = tmp_path_factory.mktemp("ckpt")
     return {f: load_model(make_hf_checkpoint(d, f, tied=f == "qwen3")) for f in ("llama", "qwen2", "qwen3")}
 
@@ -190,18 +192,34 @@ def test_compaction_changes_no_output(peaky, monkeypatch, fraction):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
 
-def test_static_decode_path_matches_dynamic(models, monkeypatch):
-    """Guards against the static-shape (compile=True) decode step diverging from the default one:
-    in-place writes at a tensor slot and attention over all slots give the same samples. Run
-    eagerly (torch.compile itself and CUDA graphs are not exercised on CPU)."""
+def test_static_decode_path_matches_dynamic(models):
+    """Guards against the static-shape decode step (static_step=decode_step_static, what a caller
+    compiles) diverging from the default one: in-place writes at a tensor slot and attention over
+    all slots give the same samples. Run eagerly (torch.compile itself and CUDA graphs are not
+    exercised on CPU)."""
     model = models["qwen2"]
     args = dict(max_new_tokens=10, n=2, temperature=1.0, stop_ids=[3, 17, 50], seed=[4, 5, 6])
     ref = generate(model, PROMPTS, **args)
-    monkeypatch.setattr(sampler, "compiled_decode_step", lambda: sampler.decode_step_static)
-    out = generate(model, PROMPTS, compile=True, **args)
+    out = generate(model, PROMPTS, static_step=sampler.decode_step_static, **args)
     assert out.tokens == ref.tokens and out.finish == ref.finish
     for a, b in zip(out.logprobs, ref.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_static_cache_pads_its_slots():
+    """Guards the compiled decode step seeing a new shape for every prompt length (one CUDA graph
+    recorded per length): make_static pads the slots to a multiple of STATIC_SLOTS, never valid,
+    and keeps what was written and where the next token goes."""
+    cache = KVCache(2, 3, 2, 70, 4, dtype=torch.float32, device=torch.device("cpu"))
+    cache.k.normal_(), cache.v.normal_()
+    cache.key_valid[:, :5], cache.length = True, 5
+    k, v, valid = cache.k.clone(), cache.v.clone(), cache.key_valid.clone()
+    cache.make_static()
+    assert sampler.STATIC_SLOTS == 64 and cache.k.shape == cache.v.shape == (2, 3, 2, 128, 4)
+    assert cache.key_valid.shape == (3, 128)
+    assert torch.equal(cache.k[:, :, :, :70], k) and torch.equal(cache.v[:, :, :, :70], v)
+    assert torch.equal(cache.key_valid[:, :70], valid) and not cache.key_valid[:, 70:].any()
+    assert cache.slot.tolist() == [5]
 
 
 # ----------------------------------------------------------------------------- log-probs and trees
@@ -468,7 +486,7 @@ IM_END = 151645
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """The real Qwen2.5 tokenizer (tests/qwen_fixture.py, built once per session) loaded with
-    model.load_tokenizer, and the StopText for </think> over its vocabulary."""
+    tokenizer.load_tokenizer, and the StopText for </think> over its vocabulary."""
     from qwen_fixture import qwen25_dir
 
     tok = load_tokenizer(qwen25_dir(tmp_path_factory))
@@ -601,16 +619,15 @@ def test_text_marker_found_late_is_cut_back(qwen, monkeypatch, static):
     thoughts, answers and every log-prob equal the every-step (CPU) schedule. Prompts of different
     lengths read the script from different offsets, so the marker ends at step 28 (found 3 steps
     late), 31 (on a check), 33 (the last step) or not at all (cut off); the answers end in freely
-    sampled tokens, which see the whole cache. Also on the static (compile=True) path, run eagerly."""
+    sampled tokens, which see the whole cache. Also on the static path (static_step=decode_step_static),
+    run eagerly."""
     tok, stop = qwen
     script = tok.encode(THOUGHT) + [522, 26865, 1339] + tok.encode(ANSWER)
     e = first_marker_end(tok, script)  # 35
     prompts = [[5] * 4, [6] * 6, [7] * 8, [8] * 11]  # offsets 0, 2, 4, 7 into the script
     kw = dict(k=2, m=2, max_thought_tokens=e - 1, max_answer_tokens=len(script) - e + 2, end_of_thought=stop)
-    kw |= dict(temperature=1.0, seed=[1, 2, 3, 4], compile=static)
+    kw |= dict(temperature=1.0, seed=[1, 2, 3, 4], static_step=sampler.decode_step_static if static else None)
     model = Scripted(script, start=4)
-    if static:
-        monkeypatch.setattr(sampler, "compiled_decode_step", lambda: sampler.decode_step_static)
     ref = sample_tree(model, prompts, **kw)
     assert ref.thought_truncated == [True] * 2 + [False] * 6
     assert [len(t) - 1 for t in ref.thoughts[2::2]] == [e - 2, e - 4, e - 7]  # the steps the marker ends at

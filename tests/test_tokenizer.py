@@ -1,4 +1,4 @@
-"""model.py's tokenizer: hand-written chat templates against the official Jinja templates, encoding
+"""tokenizer.py: hand-written chat templates against the official Jinja templates, encoding
 without a second BOS, atomic special tokens, stop ids and pad id. Tokenizers are built in the test
 (ByteLevel BPE with Qwen / Llama 3 specials, and a character-level one like the bundled model's)."""
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-import model as M
 from helpers import make_bpe_tokenizer, make_char_tokenizer
+from tokenizer import QWEN25_SYSTEM, Tokenizer, load_tokenizer
 
 # Official chat templates (tokenizer_config.json "chat_template") of Qwen2.5-Instruct (in
 # qwen_fixture.py, which also writes it into the real Qwen2.5 tokenizer directory), Qwen3 (the
@@ -252,9 +252,9 @@ def jinja_render(template: str, messages: list[dict], **kw) -> str:
 
 
 @pytest.fixture(scope="module")
-def toks(tmp_path_factory) -> dict[str, M.Tokenizer]:
+def toks(tmp_path_factory) -> dict[str, Tokenizer]:
     root = tmp_path_factory.mktemp("tok")
-    return {fam: M.load_tokenizer(make_bpe_tokenizer(root / fam, fam)) for fam in ("qwen2", "qwen3", "llama3")}
+    return {fam: load_tokenizer(make_bpe_tokenizer(root / fam, fam)) for fam in ("qwen2", "qwen3", "llama3")}
 
 
 @pytest.mark.parametrize("conv", CONVERSATIONS)
@@ -311,7 +311,7 @@ def test_template_selection_and_flags(toks, tmp_path):
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
-    plain = M.load_tokenizer(tmp_path)
+    plain = load_tokenizer(tmp_path)
     assert plain.template is None and plain.stop_ids == []
     with pytest.raises(ValueError, match="no chat format"):
         plain.apply_chat_template([{"role": "user", "content": "x"}])
@@ -350,7 +350,7 @@ def test_char_tokenizer_like_bundled_model(tmp_path):
     """Guards the bundled tiny model's tokenizer: character-level with Qwen specials and <think>
     must select Qwen3-style ChatML, stop on [<|im_end|>, <|endoftext|>] without a
     generation_config, pad with <|endoftext|> and round-trip text exactly."""
-    tok = M.load_tokenizer(make_char_tokenizer(tmp_path))
+    tok = load_tokenizer(make_char_tokenizer(tmp_path))
     assert (tok.template, tok.thinking) == ("chatml", True)
     assert tok.stop_ids == [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     text = tok.apply_chat_template([{"role": "user", "content": "12+34=?"}]) + "<think>\n2+4=6\n</think>\n\n46"
@@ -368,14 +368,14 @@ def test_stop_ids_and_pad_id_sources(tmp_path):
     eos, then the template's end tokens; ChatML's <|im_end|> is always included (a base Qwen
     prompted with ChatML ends its turn with it). The pad id comes from tokenizer_config.json."""
     path = make_bpe_tokenizer(tmp_path, "qwen2")
-    tok = M.load_tokenizer(path)
+    tok = load_tokenizer(path)
     im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     assert tok.stop_ids == [im_end, eot] and tok.pad_id == im_end
     (path / "config.json").write_text(json.dumps({"eos_token_id": eot}))
-    assert M.load_tokenizer(path).stop_ids == [eot, im_end]
+    assert load_tokenizer(path).stop_ids == [eot, im_end]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eot, 7]}))
     (path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>"}))
-    tok = M.load_tokenizer(path)
+    tok = load_tokenizer(path)
     assert tok.stop_ids == [im_end, eot, 7] and tok.pad_id == eot
 
 
@@ -383,10 +383,10 @@ def test_missing_or_corrupt_tokenizer(tmp_path):
     """Guards the error a user sees for a wrong --model path or a damaged tokenizer.json: one
     sentence naming the file."""
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json: missing"):
-        M.load_tokenizer(tmp_path)
+        load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"tokenizer\.json: not a valid tokenizers file"):
-        M.load_tokenizer(tmp_path)
+        load_tokenizer(tmp_path)
 
 
 # ----------------------------------------------------------------------------- the real Qwen2.5 tokenizer
@@ -429,7 +429,7 @@ def test_qwen25_fixture_is_qwens_tokenizer(qwen25):
 
     from qwen_fixture import FIRST_ADDED_ID, QWEN25_ADDED, qwen_ranks_file
 
-    tok = M.load_tokenizer(qwen25)
+    tok = load_tokenizer(qwen25)
     ref = QwenTokenizer(qwen_ranks_file(), special_tokens=list(enumerate((c for c, _ in QWEN25_ADDED), FIRST_ADDED_ID)))
     for text in QWEN_TEXTS:
         assert tok.encode(text) == ref.encode(text), text
@@ -446,7 +446,7 @@ def test_qwen25_round_trip_and_atomic_specials(qwen25):
     digits, LaTeX, CJK, emoji and special tokens; every special token is one id; skipping special
     tokens drops ChatML's but keeps the added non-special ones (<tool_call>, FIM), as Qwen2.5's
     tokenizer.json marks them."""
-    tok = M.load_tokenizer(qwen25)
+    tok = load_tokenizer(qwen25)
     for text in QWEN_TEXTS:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
@@ -465,7 +465,7 @@ def test_qwen25_chat_prompt_matches_transformers(conv, qwen25, qwen25_hf):
     """Guards the prompt a real Qwen2.5-Instruct would see: load_tokenizer's hand-written ChatML with
     add_generation_prompt equals transformers' apply_chat_template with the checkpoint's own Jinja
     template, as text and as ids (the default system prompt when there is no system turn)."""
-    tok = M.load_tokenizer(qwen25)
+    tok = load_tokenizer(qwen25)
     msgs = CONVERSATIONS[conv][:-1] + [{"role": "user", "content": r"Solve $x^2 = 49$ for $x > 0$; 答案用 \boxed{}."}]
     ours = tok.apply_chat_template(msgs, add_generation_prompt=True)
     ref = qwen25_hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -474,7 +474,7 @@ def test_qwen25_chat_prompt_matches_transformers(conv, qwen25, qwen25_hf):
     ref_ids = ref_ids["input_ids"] if not isinstance(ref_ids, list) else ref_ids  # a BatchEncoding in v5
     assert tok.encode(ours) == list(ref_ids)
     if conv == "user only":
-        assert ours.startswith(f"<|im_start|>system\n{M.QWEN25_SYSTEM}<|im_end|>\n")
+        assert ours.startswith(f"<|im_start|>system\n{QWEN25_SYSTEM}<|im_end|>\n")
     assert ours.endswith("<|im_start|>assistant\n")
 
 
@@ -482,7 +482,7 @@ def test_qwen25_ids_and_text_agree_with_transformers(qwen25, qwen25_hf):
     """Guards encode/decode against transformers' Qwen2 tokenizer on the same directory: the same ids
     for every text (no BOS added, specials atomic), the same decoded text with and without
     special tokens."""
-    tok = M.load_tokenizer(qwen25)
+    tok = load_tokenizer(qwen25)
     for text in QWEN_TEXTS:
         ids = tok.encode(text)
         assert ids == qwen25_hf.encode(text, add_special_tokens=False), text
@@ -494,9 +494,110 @@ def test_qwen25_stop_and_pad_ids(qwen25, qwen25_hf):
     """Guards where a Qwen2.5-Instruct rollout stops: generation_config.json's [<|im_end|>,
     <|endoftext|>] = [151645, 151643]; pad is tokenizer_config.json's <|endoftext|>; ChatML without
     Qwen3's thinking (no <think> token in Qwen2.5)."""
-    tok = M.load_tokenizer(qwen25)
+    tok = load_tokenizer(qwen25)
     assert tok.stop_ids == [151645, 151643]
     assert tok.pad_id == 151643 == qwen25_hf.pad_token_id
     assert qwen25_hf.eos_token_id == 151645
     assert (tok.template, tok.thinking) == ("chatml", False)
     assert tok.token_to_id("</think>") is None
+
+
+# ----------------------------------------------------------------------------- Qwen3's thinking switch, system prompts
+
+QWEN3_ADDED = ["<tool_response>", "</tool_response>", "<think>", "</think>"]  # added after Qwen2.5's, not special
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen25, tmp_path_factory):
+    """A Qwen3 tokenizer directory: Qwen2.5's vocabulary and added tokens, Qwen3's four added tokens at
+    151665..151668 (<think> among them, not special, as published) and Qwen3's chat template."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = tmp_path_factory.mktemp("qwen3")
+    tok = HFTokenizer.from_file(str(qwen25 / "tokenizer.json"))
+    for content in QWEN3_ADDED:
+        tok.add_tokens([AddedToken(content, special=False, normalized=False)])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((qwen25 / "tokenizer_config.json").read_text())
+    flags = dict(lstrip=False, normalized=False, rstrip=False, single_word=False, special=False)
+    config["added_tokens_decoder"] |= {str(151665 + i): {"content": c, **flags} for i, c in enumerate(QWEN3_ADDED)}
+    config["chat_template"] = QWEN3_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    (path / "generation_config.json").write_bytes((qwen25 / "generation_config.json").read_bytes())
+    return path
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("system", [None, "", "Answer with a number."])
+def test_qwen3_thinking_switch_and_system_prompt_match_transformers(qwen3, thinking, system):
+    """Guards train.py/eval.py --no-enable-thinking and --system-prompt on a real Qwen3 vocabulary: the
+    prompt render_prompt makes with a tokenizer loaded with enable_thinking equals transformers'
+    apply_chat_template(enable_thinking=...) with Qwen3's own template, as text and as ids; an empty
+    system prompt means no system turn (not an empty one)."""
+    transformers = pytest.importorskip("transformers")
+    from tasks import render_prompt
+
+    hf = transformers.AutoTokenizer.from_pretrained(qwen3)
+    tok = load_tokenizer(qwen3, enable_thinking=thinking)
+    assert tok.token_to_id("<think>") == 151667 == hf.convert_tokens_to_ids("<think>")
+    example = {"prompt": r"Solve $x^2 = 49$ for $x > 0$; 答案用 \boxed{}."}
+    ids = render_prompt(tok, example, system)
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs.append({"role": "user", "content": example["prompt"]})
+    ref = hf.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=thinking, tokenize=False)
+    assert tok.decode(ids) == ref
+    assert ids == hf.encode(ref, add_special_tokens=False)
+    assert ref.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
+    assert ref.startswith("<|im_start|>system\n" if system else "<|im_start|>user\n")
+
+
+@pytest.mark.parametrize("fam", ["qwen2", "llama3"])
+def test_thinking_switch_needs_a_qwen3_tokenizer(fam, tmp_path):
+    """Guards --no-enable-thinking being ignored silently where the chat format has no thinking switch."""
+    with pytest.raises(ValueError, match=r"enable_thinking=False \(--no-enable-thinking\) is Qwen3's switch"):
+        load_tokenizer(make_bpe_tokenizer(tmp_path, fam), enable_thinking=False)
+
+
+def test_checkpoint_template_not_reproduced_warns_at_load(tmp_path, recwarn):
+    """Guards a checkpoint's own chat template being replaced silently: when it is not the official
+    template the built-in renderer reproduces (another default system prompt, Qwen2.5's template on a
+    Qwen3-style tokenizer), loading warns once (at load, not per rendered prompt), naming the
+    checkpoint and the built-in used instead; the reproduced templates (in tokenizer_config.json, as a
+    named list, or in chat_template.jinja) and a checkpoint without a template load silently."""
+    from qwen_fixture import QWEN25_TEMPLATE
+
+    def checkpoint(name: str, fam: str, template: str | list | None, jinja: bool = False):
+        path = make_bpe_tokenizer(tmp_path / name, fam)
+        if template is not None and not jinja:
+            (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        if jinja:
+            (path / "chat_template.jinja").write_text(template)
+        return path
+
+    math_template = QWEN25_TEMPLATE.replace(QWEN25_SYSTEM, "Please reason step by step.")  # another default
+    silent = [
+        checkpoint("q25", "qwen2", QWEN25_TEMPLATE),
+        checkpoint(
+            "q3", "qwen3", [{"name": "tool_use", "template": "x"}, {"name": "default", "template": QWEN3_TEMPLATE}]
+        ),
+        checkpoint("l31", "llama3", LLAMA31_TEMPLATE + "\n", jinja=True),
+        checkpoint("plain", "qwen2", None),
+    ]
+    for path in silent:
+        load_tokenizer(path)
+    assert not recwarn.list
+    loud = {
+        checkpoint("math", "qwen2", math_template): "ChatML as Qwen2.5-Instruct renders it",
+        checkpoint("q3-with-q25", "qwen3", QWEN25_TEMPLATE): "ChatML as Qwen3 renders it",
+        checkpoint("l31-as-q25", "llama3", QWEN25_TEMPLATE, jinja=True): "Llama 3.1 Instruct's header format",
+    }
+    for path, built_in in loud.items():
+        tok = load_tokenizer(path)
+        tok.apply_chat_template([{"role": "user", "content": "2+2?"}])
+        [w] = recwarn.list
+        assert str(w.message) == (
+            f"{path}: the checkpoint's own chat template is not one tokenizer.py reproduces; prompts use the "
+            f"built-in {built_in} instead."
+        )
+        recwarn.clear()

@@ -15,9 +15,11 @@ import torch
 import cli
 import sft
 import train
-from model import ModelConfig, Transformer, load_model, load_tokenizer, save_model
+from hf import load_model, save_model
+from model import ModelConfig, Transformer
 from sft import build_char_tokenizer, write_tokenizer
 from tasks import SYNTHETIC_CHARS
+from tokenizer import load_tokenizer
 from train import PRESETS, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -373,6 +375,7 @@ def test_help_lists_every_flag():
         (["--rollout-dtype", "fp16"], "--rollout-dtype must be one of auto, float32, bfloat16"),
         (["--tis-cap", "-1"], "--tis-cap must be >= 0 and finite"),
         (["--optimizer-offload", "--fsdp"], "--optimizer-offload is for one process or DDP"),
+        (["--no-enable-thinking"], "--no-enable-thinking pre-fills an empty thought, leaving none to sample answers"),
     ],
 )
 def test_bad_flags_are_one_clear_error(argv, message):
@@ -380,6 +383,52 @@ def test_bad_flags_are_one_clear_error(argv, message):
     r = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "task, system_prompt, thinking, start, end",
+    [
+        ("synthetic", "yes=1+1", True, "<|im_start|>system\nyes=1+1<|im_end|>\n<|im_start|>user\n", "assistant\n"),
+        ("jsonl", None, True, "<|im_start|>system\n", "<|im_start|>assistant\n"),
+        ("jsonl", "", True, "<|im_start|>user\n", "<|im_start|>assistant\n"),
+        ("synthetic", None, False, "<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    ],
+)
+def test_system_prompt_and_thinking_switch_reach_rollouts(tiny, tmp_path, task, system_prompt, thinking, start, end):
+    """Guards --system-prompt and --no-enable-thinking being parsed but not used: the prompts a training
+    step samples from carry the given system turn (a text replaces the task's, "" removes it, unset
+    keeps it: the jsonl task has one) and, with thinking off, the pre-filled empty thought."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+2", "answer": i + 2}) + "\n" for i in range(100)))
+    kw = dict(system_prompt=system_prompt, enable_thinking=thinking)
+    cfg = small(tiny, str(tmp_path / "run"), task=task, data=str(data) if task == "jsonl" else "", **kw)
+    run = train.setup(cfg)
+    prompts, _ = train.sample(run, run.pool[:1], [0])
+    text = run.tokenizer.decode(prompts[0])
+    assert text.startswith(start) and text.endswith(end)
+
+
+def test_compile_flag_samples_through_the_compiled_step(tiny, tmp_path, monkeypatch):
+    """Guards train.py --compile being parsed but not used: the sampler's static decode step is
+    compiled once, and rollouts and the held-out evaluation both decode through it (torch.compile is
+    replaced by a counting wrapper here: compiling takes minutes on CPU), sampling what eager does."""
+    import sampler
+
+    calls = []
+
+    def fake_compile(fn, **kw):
+        assert fn is sampler.decode_step_static and kw == dict(mode="reduce-overhead", fullgraph=True)
+        calls.append("compile")
+        return lambda *args: calls.append("step") or fn(*args)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    run = train.setup(small(tiny, str(tmp_path / "compiled"), compile=True))
+    _, tree = train.sample(run, run.pool[:2], [0, 1])
+    steps = calls.count("step")
+    train.evaluate_heldout(run, 0)
+    assert calls.count("compile") == 1 and steps > 0 and calls.count("step") > steps
+    eager = train.setup(small(tiny, str(tmp_path / "eager")))
+    assert eager.static_step is None and train.sample(eager, eager.pool[:2], [0, 1])[1].answers == tree.answers
 
 
 def test_presets_fill_only_unset_flags():
