@@ -794,6 +794,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     generation_config.json, else config.json, else the format's end tokens, always including the
     format's end-of-turn token (a base model prompted with ChatML ends its turn with <|im_end|>)."""
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: model directory not found.")
     file = path / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; load_tokenizer needs a tokenizers tokenizer.json.")

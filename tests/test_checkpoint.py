@@ -132,7 +132,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
     with pytest.warns(UserWarning, match=r"step-2/trainer_state.pt cannot be read .* resuming from .*step-1"):
         assert checkpoint.find_checkpoint(str(a)).endswith("step-1")
     (a / "step-1" / "trainer_state.pt").write_bytes(b"")
-    with pytest.warns(UserWarning), pytest.raises(UserError, match=r"step-1/trainer_state.pt cannot be read"):
+    with pytest.raises(UserError, match=r"step-1/trainer_state.pt cannot be read"):  # the skips: warned once, above
         checkpoint.find_checkpoint(str(a))
 
 
