@@ -16,13 +16,11 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
             rollout dtype; a fork holds the old and the new cache at once) and the decode step's (B, V)
             logits with their float32 copies (sample_next: x, its exp and cumsum);
   eval      the same for eval.evaluate's chunk of 64 prompts x --eval-samples;
-  update    float32 gradients 4N, what autograd saves for backward over one micro-batch (per layer
-            and token: the two norms' inputs and outputs, q and the attention output, its copy into
-            o_proj, gate and up (model._SwiGLUDown); per key slot the keys and values expanded to H
-            heads; with --gradient-checkpointing only each layer's input, plus one layer recomputed),
-            the head's saved hidden states, and backward's transients: one layer's gradients, a chunk
-            of float32 logits (model.head_logprobs) and two float32 (V, C) gradients of the tied
-            head and embedding (README, bench_knobs.py);
+  update    float32 gradients 4N, what autograd saves for backward over one micro-batch (per layer:
+            layer_saved_bytes, counted exactly; with --gradient-checkpointing only each layer's
+            input, plus one layer recomputed), the head's saved hidden states, and backward's
+            transients: one layer's gradients, a chunk of float32 logits (model.head_logprobs) and two
+            float32 (V, C) gradients of the tied head and embedding (README, bench_knobs.py);
   score     (mu > 1, GTPO's entropy, --beta) one micro-batch's forward, nothing saved.
 Deliberately simple: one micro-batch of the largest shape (rows x the longest row, as pack.py pads
 them), every thought and answer at its length limit, the longest prompt of a sample of the data;
@@ -110,12 +108,20 @@ def micro_batch(shape: Shape) -> tuple[int, int, int, int]:
     return rows, row, prompts if shared else 0, shape.prompt_tokens
 
 
-def saved_per_token(c: ModelConfig, nb: int) -> int:
-    """Bytes autograd keeps per token and layer for backward (model.Block), keys and values aside: the
-    two RMSNorms' inputs and outputs (4C, float32 residual stream), q, the attention output and its
-    copy into o_proj (3 H hd), gate and up (2I, model._SwiGLUDown), Qwen3's q/k norm inputs."""
-    qk = (c.num_attention_heads + c.num_key_value_heads) * c.head_dim if c.qk_norm else 0
-    return 4 * c.hidden_size * 4 + (3 * c.num_attention_heads * c.head_dim + 2 * c.intermediate_size + qk) * nb
+def layer_saved_bytes(c: ModelConfig, tokens: int, keys: int, mask_cells: int, nb: int = 4) -> int:
+    """Bytes autograd keeps for the backward of one model.Block over `tokens` query tokens attending to
+    `keys` key slots (rows x keys per row), with a boolean mask of `mask_cells` (rows x T x S; 0 when the
+    forward is plainly causal), which SDPA keeps as a float32 copy. Per token: each RMSNorm's input,
+    its normalised value and its output (3C, and 1 for its rstd), q and the attention output copied into
+    o_proj (2 H hd), the attention's logsumexp (H), gate and up (2I, model._SwiGLUDown), Qwen3's q/k
+    norms (2 (H + Hkv) hd + H + Hkv); per key slot the keys and values expanded to H heads. Exact in
+    float32 (tests/test_memory.py counts them with saved-tensor hooks); nb: bytes of the matmul outputs
+    under bf16 autocast, where the norms stay float32 (an approximation)."""
+    C, H, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    norms = 2 * (3 * C + 1) * 4
+    qk = (2 * (H + Hkv) * hd + H + Hkv) * 4 if c.qk_norm else 0
+    per_token = norms + qk + 2 * H * hd * nb + H * 4 + 2 * c.intermediate_size * nb
+    return tokens * per_token + keys * 2 * H * hd * nb + mask_cells * 4
 
 
 def update_bytes(c: ModelConfig, shape: Shape) -> dict[str, int]:
@@ -123,13 +129,16 @@ def update_bytes(c: ModelConfig, shape: Shape) -> dict[str, int]:
     of the largest micro-batch, backward's transients."""
     rows, row, prompts, Lp = micro_batch(shape)
     nb, L, C, V = shape.act_bytes, c.num_hidden_layers, c.hidden_size, c.vocab_size
-    tokens = rows * row + prompts * Lp
-    keys = (rows * (row + Lp * shape.share_prompt) + prompts * Lp) * 2 * c.num_attention_heads * c.head_dim * nb
-    layer = tokens * saved_per_token(c, nb) + keys  # one layer's saved tensors
+    tokens = rows * row + prompts * Lp  # the rows, and their shared prompts' pass
+    keys = rows * (row + Lp * (prompts > 0)) + prompts * Lp
+    masked = shape.answers > 1 or prompts > 0  # tree attention or shared prompts: an explicit mask
+    cells = (rows * row * (row + Lp * (prompts > 0)) + prompts * Lp * Lp) * masked
+    layer = layer_saved_bytes(c, tokens, keys, cells, nb)
     saved = L * tokens * C * 4 + layer if shape.gradient_checkpointing else L * layer
-    head = rows * row * C * 4 * 2 + tokens * C * 4  # the completion tokens' hidden states (and a copy), final norm
-    transient = tokens * (4 * c.intermediate_size + 4 * C) * 4 + keys  # one layer's gradients in backward
-    logits = min(max(1, 2**24 // V), rows * row) * V * 4 * 2  # a head chunk: recomputed logits, their gradient
+    completion = rows * row - rows * Lp * (not shape.share_prompt)  # the tokens the head scores
+    head = tokens * (3 * C + 1) * 4 + completion * C * 4 * (2 if prompts else 1)  # final norm; hidden states
+    transient = tokens * (4 * c.intermediate_size + 4 * C) * 4 + keys * 2 * c.num_attention_heads * c.head_dim * 4
+    logits = min(max(1, 2**24 // V), completion) * V * 4 * 2  # a head chunk: recomputed logits, their gradient
     return dict(activations=saved + head, backward=transient + logits + 2 * V * C * 4)
 
 
@@ -281,9 +290,8 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if not cuda else 1  # CPU ranks share one machine
     if need * local > have:
         top = max(terms, key=terms.get)
-        parts = ", ".join(
-            f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])
-        )
+        shown = sorted(((k, v) for k, v in terms.items() if v >= 0.005 * GIB), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in shown)
         raise UserError(
             f"a training step needs about {need * local / GIB:.1f} GiB at its peak ({phase}: {parts} GiB) but "
             f"{have / GIB:.1f} GiB are available on {device}: lower {ADVICE[top]}"

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -429,3 +431,68 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
     base = train.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
     # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
     assert torch.equal(weight / base.clamp(min=1e-30) * (base > 0), torch.tensor([[2.0, 2.0, 1.0], [0.0, 0.0, 1.0]]))
+
+
+def test_case5_a_diverging_update_stops_before_the_sampler_sees_it(tmp_path, monkeypatch):
+    """Guards against --lr 1e10 leaving weights whose next forward overflows (the bundled model's norms
+    jump from ~1 to ~1e9), which the sampler met as `index 28 is out of bounds`: the update is caught
+    right after the optimizer step, the run stops in one sentence naming the step and --lr, and neither
+    the sampler nor a checkpoint ever sees those weights."""
+    seen = []
+    real = train.sample_tree
+
+    def spy(model, *a, **kw):
+        seen.append(all(torch.isfinite(p).all() and p.abs().max() < 1e3 for p in model.parameters()))
+        return real(model, *a, **kw)
+
+    monkeypatch.setattr(train, "sample_tree", spy)
+    out = str(tmp_path / "lr")
+    with pytest.raises(cli.UserError) as e:
+        train.main(small(BUNDLED, out, lr=1e10, max_steps=4, save_every=1))
+    assert re.fullmatch(
+        r"step (\d): the update took model\.\S+'s norm from \S+ to \S+; the run stopped before these weights were "
+        r"used or saved \(the last checkpoint is intact\): lower --lr \(now 1e\+10\)",
+        str(e.value),
+    ), str(e.value)
+    step = int(str(e.value)[5])
+    assert seen == [True] * step  # the sampler only ever ran on sane weights
+    assert sorted(os.listdir(out)) == ["config.json", "metrics.jsonl", "samples.jsonl"] + [
+        f"step-{s}" for s in range(1, step)
+    ]
+
+
+def test_check_update_refuses_non_finite_or_exploding_weights():
+    """Guards against a broken update passing the check (NaN, inf, a norm grown past 1000x) or a sane one being
+    refused (growth up to 1000x of max(norm, 1), zero-initialised tensors growing to 999)."""
+    from distributed import check_update, weight_norms
+
+    names = ["a", "b"]
+    ok = [
+        (torch.tensor([2.0, 0.0]), torch.tensor([1999.0, 999.0])),
+        (torch.tensor([0.5, 3.0]), torch.tensor([1000, 3])),
+    ]
+    for before, after in ok:
+        check_update(names, before, after, 1, 7, "lower --lr")
+    bad = [
+        (torch.tensor([2.0, 1.0]), torch.tensor([1.0, math.nan]), "b", "nan"),
+        (torch.tensor([2.0, 1.0]), torch.tensor([math.inf, 1.0]), "a", "inf"),
+        (torch.tensor([2.0, 0.0]), torch.tensor([2001.0, 1.0]), "a", "2e+03"),
+        (torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1001.0]), "b", "1e+03"),
+    ]
+    for before, after, name, shown in bad:
+        with pytest.raises(
+            cli.UserError, match=rf"^step 7: the update took {name}'s norm from \S+ to {re.escape(shown)};"
+        ):
+            check_update(names, before, after, 1, 7, "lower --lr")
+    x = [torch.tensor([3.0, 4.0]), torch.tensor([[float("nan")]]), torch.tensor([1.0, float("inf")])]
+    assert weight_norms(x)[0] == 5.0 and weight_norms(x)[1].isnan() and weight_norms(x)[2].isinf()
+
+
+def test_sft_refuses_to_overwrite_the_bundled_model_with_other_flags(monkeypatch):
+    """Guards against `python sft.py --steps 5` (its --out defaults to assets/tiny-model) silently replacing
+    the bundled model with another recipe's; the default recipe (make tiny-model) and any --out DIR still work."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(cli.UserExit, match=r"--out assets/tiny-model is the bundled model, .* with --steps, --lr pass"):
+        cli.parse_config(sft.SFTConfig, ["--steps", "5", "--lr", "0.1"])
+    assert cli.parse_config(sft.SFTConfig, [])[0].out == "assets/tiny-model"
+    assert cli.parse_config(sft.SFTConfig, ["--steps", "5", "--out", "/tmp/x"])[0].steps == 5
