@@ -53,19 +53,22 @@ def save_checkpoint(
         torch.save(state, os.path.join(tmp, STATE))
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk surfaces as any of them, by writer
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(write_failure(f"the checkpoint {path}", e, "the previous checkpoint is intact")) from None
+        raise UserError(write_failure(path, e, "the checkpoint ", intact="previous checkpoint is")) from None
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)  # a run killed before this line leaves the previous checkpoint intact
 
 
-def write_failure(what: str, error: BaseException, intact: str = "the checkpoints already written are intact") -> str:
-    """The sentence for a failed write of `what` (a path, or words ending in one): the reason, the space
-    left on the path's file system (a full disk is the usual cause) and what is still intact."""
+def write_failure(
+    path: str, error: BaseException, what: str = "", intact: str = "checkpoints already written are"
+) -> str:
+    """The sentence for a failed write of `path` (`what` names it, e.g. "the checkpoint "): the reason, the
+    space left on its file system (a full disk is the usual cause) and what is still intact."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    path = what.rsplit(" ", 1)[-1]
-    return (f"could not write {what} ({reason}); {free_space(path)} free on its file system: free some space "
-            f"or choose another --out ({intact})")  # fmt: skip
+    return (
+        f"could not write {what}{path} ({reason}); {free_space(path)} free on its file system: free some space or "
+        f"choose another --out (the {intact} intact)"
+    )
 
 
 def free_space(path: str) -> str:
@@ -321,9 +324,9 @@ def lock_holder(f: IO) -> str:
     """The process holding a flock on the open file f, from /proc/locks (Linux): "process PID (command)"."""
     ino = os.fstat(f.fileno()).st_ino
     try:
-        with open("/proc/locks") as locks:
-            pids = [m.group(1) for m in re.finditer(r"FLOCK\s+\S+\s+WRITE\s+(\d+)\s+\S+:(\d+)\s", locks.read())
-                    if int(m.group(2)) == ino]  # fmt: skip
+        with open("/proc/locks") as locks:  # "1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234567 0 EOF"
+            found = re.finditer(r"FLOCK\s+\S+\s+WRITE\s+(\d+)\s+\S+:(\d+)\s", locks.read())
+            pids = [m.group(1) for m in found if int(m.group(2)) == ino]
         with open(f"/proc/{pids[0]}/cmdline", "rb") as cmd:
             command = cmd.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except (OSError, IndexError):

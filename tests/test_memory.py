@@ -22,10 +22,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def config(family: str) -> ModelConfig:
     qwen3 = family == "qwen3"
     return ModelConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=88, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16 if qwen3 else 8, model_type=family, attention_bias=not qwen3,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=88,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16 if qwen3 else 8,
+        model_type=family,
+        attention_bias=not qwen3,
         qk_norm=qwen3,
-    )  # fmt: skip
+    )
 
 
 def saved_bytes(c: ModelConfig, rows: int, T: int, Lp: int) -> int:
@@ -83,18 +90,34 @@ def test_kv_cache_bytes_equal_the_sampler_cache():
     "flags, phase, advice",
     [
         (["--prompts-per-step", "100000"], "sample", "lower --prompts-per-step, --thoughts, --answers or"),
-        (["--algo", "grpo", "--prompts-per-step", "512", "--thoughts", "8", "--max-thought-tokens", "150",
-          "--micro-batch-rows", "4096", "--max-steps", "1"],
-         "update", "lower --micro-batch-rows or --micro-batch-tokens, or pass --gradient-checkpointing"),
+        (
+            [
+                "--algo",
+                "grpo",
+                "--prompts-per-step",
+                "512",
+                "--thoughts",
+                "8",
+                "--max-thought-tokens",
+                "150",
+                "--micro-batch-rows",
+                "4096",
+                "--max-steps",
+                "1",
+            ],
+            "update",
+            "lower --micro-batch-rows or --micro-batch-tokens, or pass --gradient-checkpointing",
+        ),
     ],
-)  # fmt: skip
+)
 def test_case6_a_step_that_cannot_fit_is_refused_before_the_data_pool(tmp_path, flags, phase, advice):
     """Guards against --prompts-per-step 100000 growing the process to 23 GB until the kernel killed it, 198 s in
     (exit 137, no message): the estimate comes before the data pool and the model, and names what to lower."""
     out = tmp_path / "run"
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "train.py", *flags, "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "train.py", *flags, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith("error: a training step needs about ") and f" at its peak ({phase}: " in lines[0]
