@@ -18,9 +18,10 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
   eval      the same for eval.evaluate's chunk of 64 prompts x --eval-samples;
   update    float32 gradients 4N, what autograd saves for backward over one micro-batch (per layer:
             layer_saved_bytes, counted exactly; with --gradient-checkpointing only each layer's
-            input, plus one layer recomputed), the head's saved hidden states, and backward's
-            transients: one layer's gradients, a chunk of float32 logits (model.head_logprobs) and two
-            float32 (V, C) gradients of the tied head and embedding (README, bench_knobs.py);
+            input, plus one layer recomputed), the head's saved hidden states, and the larger of
+            backward's transients: one layer's gradients (SwiGLU's four (tokens, I) tensors), or a
+            chunk of float32 logits (model.head_logprobs) with a float32 (V, C) gradient made before
+            it is added into the existing one (README, bench_knobs.py);
   score     (mu > 1, GTPO's entropy, --beta) one micro-batch's forward, nothing saved.
 Deliberately simple: one micro-batch of the largest shape (rows x the longest row, as pack.py pads
 them), every thought and answer at its length limit, the longest prompt of a sample of the data;
@@ -137,9 +138,10 @@ def update_bytes(c: ModelConfig, shape: Shape) -> dict[str, int]:
     saved = L * tokens * C * 4 + layer if shape.gradient_checkpointing else L * layer
     completion = rows * row - rows * Lp * (not shape.share_prompt)  # the tokens the head scores
     head = tokens * (3 * C + 1) * 4 + completion * C * 4 * (2 if prompts else 1)  # final norm; hidden states
-    transient = tokens * (4 * c.intermediate_size + 4 * C) * 4 + keys * 2 * c.num_attention_heads * c.head_dim * 4
+    # backward runs the head, then the layers one at a time: its peak is the larger of their transients
+    layer_grads = tokens * (4 * c.intermediate_size + 4 * C) * 4 + keys * 2 * c.num_attention_heads * c.head_dim * 4
     logits = min(max(1, 2**24 // V), completion) * V * 4 * 2  # a head chunk: recomputed logits, their gradient
-    return dict(activations=saved + head, backward=transient + logits + 2 * V * C * 4)
+    return dict(activations=saved + head, backward=max(layer_grads, logits + V * C * 4))
 
 
 def scoring_bytes(c: ModelConfig, shape: Shape) -> int:

@@ -152,7 +152,8 @@ def test_full_disk_during_a_save_is_one_sentence(tmp_path, monkeypatch):
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0\nmore lines")
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
-    with pytest.raises(UserError, match=r"could not write the checkpoint .*final \(\[enforce fail.*free disk"):
+    written = r"could not write the checkpoint .*final \(\[enforce fail.*\); .* free on its file system: free some"
+    with pytest.raises(UserError, match=written):
         run(a)
     assert not (a / "final").exists() and not (a / "final.tmp").exists()
 
