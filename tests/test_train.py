@@ -456,7 +456,7 @@ def test_case5_a_diverging_update_stops_before_the_sampler_sees_it(tmp_path, mon
     ), str(e.value)
     step = int(str(e.value)[5])
     assert seen == [True] * step  # the sampler only ever ran on sane weights
-    assert sorted(os.listdir(out)) == ["config.json", "metrics.jsonl", "samples.jsonl"] + [
+    assert sorted(set(os.listdir(out)) - {".lock"}) == ["config.json", "metrics.jsonl", "samples.jsonl"] + [
         f"step-{s}" for s in range(1, step)
     ]
 
@@ -488,7 +488,7 @@ def test_check_update_refuses_non_finite_or_exploding_weights():
     assert weight_norms(x)[0] == 5.0 and weight_norms(x)[1].isnan() and weight_norms(x)[2].isinf()
 
 
-def test_sft_refuses_to_overwrite_the_bundled_model_with_other_flags(monkeypatch):
+def test_case14_sft_refuses_to_overwrite_the_bundled_model_with_other_flags(monkeypatch):
     """Guards against `python sft.py --steps 5` (its --out defaults to assets/tiny-model) silently replacing
     the bundled model with another recipe's; the default recipe (make tiny-model) and any --out DIR still work."""
     monkeypatch.chdir(ROOT)
@@ -496,3 +496,65 @@ def test_sft_refuses_to_overwrite_the_bundled_model_with_other_flags(monkeypatch
         cli.parse_config(sft.SFTConfig, ["--steps", "5", "--lr", "0.1"])
     assert cli.parse_config(sft.SFTConfig, [])[0].out == "assets/tiny-model"
     assert cli.parse_config(sft.SFTConfig, ["--steps", "5", "--out", "/tmp/x"])[0].steps == 5
+
+
+def test_case9_the_start_line_and_the_summary_say_what_runs_where():
+    """Guards against a run that prints only its progress bar: no line saying what it trains, from which step,
+    into which directory, and at the end no held-out accuracy before and after, no time, no pointer to the
+    outputs or to the commands that evaluate and plot them."""
+    line = cli.start_line(
+        algo="grpo_ma",
+        preset={"thoughts": 4, "answers": 4},
+        model="m",
+        task="synthetic",
+        out="runs/x",
+        step=100,
+        max_steps=200,
+        resumed_from="runs/x/step-100",
+        device="cpu, float32",
+        memory="estimated peak memory 0.41 GiB",
+    )
+    assert line == (
+        "train: --algo grpo_ma (--thoughts 4 --answers 4), model m, task synthetic, on cpu, float32; steps 101-200, "
+        "resuming runs/x/step-100 at step 100, into runs/x; estimated peak memory 0.41 GiB"
+    )
+    evals = [
+        {"step": 0, "eval/greedy_accuracy": 0.425, "eval/mean@4": 0.259, "eval/accuracy": 0.425},
+        {"step": 200, "eval/greedy_accuracy": 0.74, "eval/mean@4": 0.676, "eval/accuracy": 0.74},
+    ]
+    assert cli.end_summary(evals, 112.4, "runs/x", "--task synthetic --max-new-tokens 80 ", 200).splitlines() == [
+        "done: step 200 in 1 min 52 s (this process)",
+        "held-out greedy accuracy: 42.5% at step 0 -> 74.0% at step 200",
+        "held-out mean@4: 25.9% at step 0 -> 67.6% at step 200",
+        "outputs: runs/x (metrics.jsonl, samples.jsonl, config.json), weights in runs/x/final",
+        "next: python eval.py --model runs/x/final --task synthetic --max-new-tokens 80 --n 16  # pass@k of the "
+        "trained model",
+        "      python eval.py --plot runs/x --out runs/x/plot.png  # its curves",
+    ]
+
+
+def test_case15_random_checkpoint_builds_a_published_shape(tmp_path, monkeypatch):
+    """Guards against the README's offline path to a real-shaped model (bench/random_checkpoint.py) drifting from
+    the benchmarks' (one MODELS table, one build function) or writing a config that is not the published one."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_scale
+    import random_checkpoint
+
+    assert bench_scale.MODELS is random_checkpoint.MODELS and bench_scale.checkpoint is random_checkpoint.checkpoint
+    shape = {
+        **random_checkpoint.MODELS["qwen2.5-0.5b"],
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    monkeypatch.setitem(random_checkpoint.MODELS, "tiny-qwen2.5", shape)
+    tok, _ = random_checkpoint.tokenizer_dir(tmp_path, "char")
+    random_checkpoint.build("tiny-qwen2.5", tmp_path / "m", tok, seed=0, layers=2)
+    model = load_model(tmp_path / "m")
+    assert model.config.num_hidden_layers == 2 and model.config.torch_dtype == "bfloat16"
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert {k: written[k] for k in ("vocab_size", "hidden_size", "rope_theta", "tie_word_embeddings")} == {
+        k: shape[k] for k in ("vocab_size", "hidden_size", "rope_theta", "tie_word_embeddings")
+    }
