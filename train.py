@@ -949,7 +949,7 @@ def stop_at_boundary(run: Run, step: int, signum: int, resume: str) -> None:
     how = resume if cfg.save_optimizer else "it has no optimizer state (--no-save-optimizer): start a run from it"
     message = f"stopped at step {step} of {cfg.max_steps} by {signal.Signals(signum).name}; {path} holds it: {how}"
     if run.rank == 0:
-        print(message, file=sys.stderr)
+        print(f"\n{message}", file=sys.stderr)  # below the progress bar's line
         release_run_dir(cfg.out)
     raise Stopped(signum, message)
 
