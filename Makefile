@@ -57,7 +57,7 @@ tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervis
 	$(PY) sft.py
 
 plot: $(STAMP)          ## plot every run under runs/ into runs/plot.png
-	$(PY) eval.py --plot $(dir $(wildcard runs/*/metrics.jsonl))
+	$(PY) eval.py --plot $(dir $(wildcard runs/*/metrics.jsonl)) --out runs/plot.png
 
 clean:
 	rm -rf .pytest_cache __pycache__ tests/__pycache__ bench/__pycache__

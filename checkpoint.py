@@ -7,17 +7,28 @@ state and, when the weights are written in a lower precision than the float32 ma
 themselves, so that a resumed run equals the uninterrupted one bit for bit. It is written to a
 temporary directory and renamed into place, so a run killed mid-save leaves the previous
 checkpoint whole; the temporary directories of killed saves are removed when the run restarts.
+
+One process writes a run: it holds a lock on OUT/.lock (fcntl.flock) for the run's life, which the
+kernel releases however the process ends, so a killed run leaves no stale lock. A write that fails
+(a full disk) is one sentence naming the file and the free space left. A resume skips a newest
+checkpoint any file of which is missing or unreadable, with one warning naming that file.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import warnings
+from typing import IO
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from cli import UserError
 from hf import save_model
@@ -25,6 +36,7 @@ from hf import save_model
 CONFIG = "train_config.json"  # the run's flags, beside each checkpoint's weights
 STATE = "trainer_state.pt"
 LOGS = ("metrics.jsonl", "samples.jsonl")  # one JSON row per line, each with a "step"
+LOCK = ".lock"  # in --out: locked by the process that writes the run
 
 
 def save_checkpoint(
@@ -39,34 +51,98 @@ def save_checkpoint(
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(config, f, indent=2)
         torch.save(state, os.path.join(tmp, STATE))
-    except (OSError, RuntimeError) as e:  # a full disk surfaces as either, depending on the writer
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk surfaces as any of them, by writer
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"could not write the checkpoint {path} ({reason}); free disk space or choose another "
-                        f"--out (the previous checkpoint is intact)") from None  # fmt: skip
+        raise UserError(write_failure(path, e, "the checkpoint ", intact="previous checkpoint is")) from None
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)  # a run killed before this line leaves the previous checkpoint intact
 
 
-def _readable(ckpt: str) -> str:
-    """'' if the checkpoint's trainer state and config can be read, else why not. The state is
-    opened memory-mapped: its structure is checked without reading the tensors."""
+def write_failure(
+    path: str, error: BaseException, what: str = "", intact: str = "checkpoints already written are"
+) -> str:
+    """The sentence for a failed write of `path` (`what` names it, e.g. "the checkpoint "): the reason, the
+    space left on its file system (a full disk is the usual cause) and what is still intact."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"could not write {what}{path} ({reason}); {free_space(path)} free on its file system: free some space or "
+        f"choose another --out (the {intact} intact)"
+    )
+
+
+def free_space(path: str) -> str:
+    """The space left on the file system holding `path` (or its nearest existing parent), e.g. "3.2 MiB"."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
     try:
-        torch.load(os.path.join(ckpt, STATE), mmap=True, weights_only=False)
-        read_run_config(ckpt)
-        return ""
-    except Exception as e:  # truncated, empty, garbage: whatever the unpickler or zip reader raises
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'unreadable'}"
+        free = float(shutil.disk_usage(path).free)
+    except OSError:
+        return "an unknown amount"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """Around a write of the run's file `path` (a log row, config.json): an OSError becomes write_failure's sentence."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(write_failure(path, e)) from None
+
+
+def append_row(path: str, row: dict) -> None:
+    """One JSON line appended to the log `path`; a failed write is one sentence (writing)."""
+    with writing(path), open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def damaged_file(ckpt: str) -> tuple[str, str] | None:
+    """(file, why) for the first file of checkpoint `ckpt` that is missing or cannot be read, else None.
+    The JSON files are parsed, each safetensors file's header is checked against the file's length, and
+    the trainer state is opened memory-mapped: its structure is read without reading the tensors."""
+    weights = sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))) or [os.path.join(ckpt, "model.safetensors")]
+    checks = [(os.path.join(ckpt, STATE), lambda f: torch.load(f, mmap=True, weights_only=False)["trainer"]["step"])]
+    checks += [(os.path.join(ckpt, CONFIG), lambda f: read_run_config(ckpt))]  # older checkpoints: in the state
+    checks += [(os.path.join(ckpt, name), _read_json_object) for name in ("config.json", "tokenizer.json")]
+    checks += [(f, _read_safetensors_header) for f in weights]
+    for file, read in checks:
+        try:
+            if not os.path.isfile(file) and not file.endswith(CONFIG):
+                raise FileNotFoundError("missing")
+            read(file)
+        except Exception as e:  # truncated, empty, garbage: whatever the reader raises
+            return file, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'unreadable'}"
+    return None
+
+
+def _read_json_object(file: str) -> None:
+    with open(file, encoding="utf-8") as f:
+        if not isinstance(json.load(f), dict):
+            raise ValueError("not a JSON object")
+
+
+def _read_safetensors_header(file: str) -> None:
+    with safe_open(file, framework="pt") as f:  # checks the header, and that the file holds every tensor's bytes
+        f.keys()
+
+
+_warned: set[str] = set()  # warnings already shown by this process (a resume looks for its checkpoint twice)
 
 
 def find_checkpoint(path: str) -> str:
-    """`path` itself if it is a checkpoint, else its newest readable step-N (or final): an unreadable
-    newest checkpoint is skipped with a warning naming it, for the previous complete one."""
+    """`path` itself if it is a checkpoint, else its newest intact step-N (or final): a newest checkpoint
+    with a missing or unreadable file (damaged_file) is skipped, with one warning naming that file, for
+    the previous intact one."""
     if os.path.isfile(os.path.join(path, STATE)):
         candidates = [path]
     elif os.path.isdir(path):
-        names = [d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, STATE))]
+        names = [d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
         names = [d for d in names if d == "final" or (d.startswith("step-") and d[5:].isdigit())]
         candidates = [os.path.join(path, d) for d in sorted(names, key=_step_of, reverse=True)]
     else:
@@ -74,17 +150,18 @@ def find_checkpoint(path: str) -> str:
     if not candidates:
         raise UserError(f"--resume {path}: no complete checkpoint (a directory with {STATE}) found")
     for i, ckpt in enumerate(candidates):
-        why = _readable(ckpt)
-        if not why:
+        damage = damaged_file(ckpt)
+        if damage is None:
             return ckpt
+        file, why = damage
         if i + 1 == len(candidates):
             raise UserError(
-                f"--resume {path}: {os.path.join(ckpt, STATE)} cannot be read ({why}) and there is "
-                f"no earlier complete checkpoint"
+                f"--resume {path}: {file} cannot be read ({why}) and there is no earlier complete checkpoint"
             )
-        warnings.warn(
-            f"{os.path.join(ckpt, STATE)} cannot be read ({why}); resuming from {candidates[i + 1]}", stacklevel=2
-        )
+        message = f"{file} cannot be read ({why}); resuming from {candidates[i + 1]}"
+        if message not in _warned:
+            _warned.add(message)
+            warnings.warn(message, stacklevel=2)
     raise AssertionError("unreachable")
 
 
@@ -141,27 +218,36 @@ def read_trainer_step(ckpt: str) -> int:
 
 def check_out_dir(out: str, resuming_from: str, overwrite: bool) -> None:
     """Refuse to mix runs in one directory: a fresh run needs an empty (or new) --out unless
-    --overwrite, and a resumed run writes into the run it continues (or an empty directory)."""
-    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    --overwrite, and a resumed run writes into the run it continues (or an empty directory).
+    The lock file (LOCK) is not a file of a run."""
+    entries = sorted(e for e in os.listdir(out) if e != LOCK) if os.path.isdir(out) else []
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"--out {out} is a file, not a directory")
     own_run = resuming_from and os.path.realpath(os.path.dirname(resuming_from.rstrip("/"))) == os.path.realpath(out)
     if not entries or own_run:
         return
     if not overwrite:
-        what = "continue it with --resume " + out if not resuming_from else "leave out --out to write into the run"
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        if resuming_from:
+            what = "leave out --out to write into the run"
+        elif any(os.path.isfile(os.path.join(out, e, STATE)) for e in entries):
+            what = "continue it with --resume " + out
+        else:
+            what = "it holds no checkpoint to resume (its run stopped before its first save); choose another --out"
         raise UserError(f"--out {out} already holds files ({shown}); {what}, or pass --overwrite to replace them")
     if not ({"config.json", "metrics.jsonl"} & set(entries)):
         raise UserError(
             f"--overwrite: {out} does not look like a run directory (no config.json or metrics.jsonl); not deleting it"
         )
-    shutil.rmtree(out)
+    for entry in entries:  # the directory itself stays: this process holds its lock file
+        path = os.path.join(out, entry)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
 def prepare_out(out: str, step: int) -> None:
-    """Create --out (checking that it is writable), remove temporary directories of interrupted saves,
-    and, when resuming at `step`, drop log rows past it so that each step is logged once."""
+    """Check that --out is writable, remove temporary directories of interrupted saves, and, when
+    resuming at `step`, drop log rows past it so that each step is logged once (a row cut short by a
+    kill or a full disk, the last line, is dropped too)."""
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, ".write-test")
@@ -175,10 +261,107 @@ def prepare_out(out: str, step: int) -> None:
         file = os.path.join(out, name)
         if step and os.path.isfile(file):
             with open(file) as f:
-                keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-            with open(file + ".tmp", "w") as f:
-                f.writelines(keep)
+                keep = [row for row in map(_parse_row, f) if row is not None and row.get("step", 0) <= step]
+            with writing(file + ".tmp"), open(file + ".tmp", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in keep)
             os.replace(file + ".tmp", file)  # atomic: the log is either the old one or the truncated one
+
+
+def _parse_row(line: str) -> dict | None:
+    """A log line's row; None for a blank line or one cut short (only the last line can be: rows are appended)."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def eval_rows(out: str) -> list[dict]:
+    """The held-out evaluation rows of the run in `out` (metrics.jsonl), in step order."""
+    file = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(file):
+        return []
+    with open(file) as f:
+        rows = [row for row in map(_parse_row, f) if row is not None and "eval/accuracy" in row]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+# -----------------------------------------------------------------------------
+# One writer per run: an exclusive lock, released by the kernel when the process ends
+
+_locks: dict[str, IO] = {}  # real path of a locked file -> its open file, held by this process
+
+
+def hold_lock(path: str, what: str) -> IO:
+    """Lock the file `path` (created if missing) for this process: an exclusive fcntl.flock, released
+    when the returned file is closed or the process ends, however it ends (kill -9 included), so no
+    stale lock survives a crash. Another process holding it is a UserError naming that process; this
+    process holding it already (a run started again in one interpreter) takes it over."""
+    key = os.path.realpath(path)
+    if key in _locks:
+        _locks.pop(key).close()
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(f)
+            f.close()
+            raise UserError(f"{what} is in use by {holder}; wait for it to end, or choose another --out") from None
+        except OSError as e:  # a file system without locks: run unguarded rather than not at all
+            warnings.warn(f"{path}: cannot lock ({e.strerror or e}); nothing stops a second writer", stacklevel=2)
+            break
+        try:  # the file may have been removed (and made again) between open and flock: lock the one at `path`
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    _locks[key] = f
+    return f
+
+
+def lock_holder(f: IO) -> str:
+    """The process holding a flock on the open file f, from /proc/locks (Linux): "process PID (command)"."""
+    ino = os.fstat(f.fileno()).st_ino
+    try:
+        with open("/proc/locks") as locks:  # "1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234567 0 EOF"
+            found = re.finditer(r"FLOCK\s+\S+\s+WRITE\s+(\d+)\s+\S+:(\d+)\s", locks.read())
+            pids = [m.group(1) for m in found if int(m.group(2)) == ino]
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as cmd:
+            command = cmd.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, IndexError):
+        return "another process"
+    return f"process {pids[0]} ({command[:120] + ('...' if len(command) > 120 else '')})"
+
+
+def lock_run_dir(out: str) -> None:
+    """Make --out if needed and lock it for this run: a second train.py on the same --out (or --resume)
+    is refused while this one lives. Released by release_run_dir, or at exit, where an --out this
+    process made and left empty (a run that failed before writing anything) is removed."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out} is a file, not a directory")
+    made = not os.path.exists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create or write the directory ({e.strerror or e})") from None
+    with writing(os.path.join(out, LOCK)):
+        hold_lock(os.path.join(out, LOCK), f"--out {out}")
+    atexit.register(release_run_dir, out, made)
+
+
+def release_run_dir(out: str, remove_if_empty: bool = False) -> None:
+    """Remove the lock file and release the lock (in that order: a process that opened the file meanwhile
+    finds it gone and locks a new one); with remove_if_empty, then remove --out if nothing else is in it."""
+    f = _locks.pop(os.path.realpath(os.path.join(out, LOCK)), None)
+    if f is None:
+        return
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(out, LOCK))
+    f.close()
+    if remove_if_empty:
+        with contextlib.suppress(OSError):
+            os.rmdir(out)  # only an empty directory
 
 
 def load_trainer_state(resume_dir: str, policy, optimizer, scheduler, fsdp: bool) -> dict:

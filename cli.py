@@ -7,7 +7,10 @@ the values of choice flags. Unknown flags are an error. `parse_config` also repo
 user typed, so presets can fill only the rest (style: "presets fill defaults the user did not set").
 
 Errors a user can cause end as one line, `error: <sentence>`, exit status 2, no traceback: flags
-through the parser, everything else (files, data, checkpoints) through `user_errors`.
+through the parser, everything else (files, data, checkpoints) through `user_errors`. Ctrl-C ends
+as one line too (exit status 130). A training loop runs inside `stop_signals`: the first SIGINT or
+SIGTERM asks it to stop at the next step boundary, a second one stops it at once. What a run prints
+before its first step and after its last (`start_line`, `end_summary`) is formatted here.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import dataclasses
 import inspect
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -125,3 +129,106 @@ def user_errors():
         if os.environ.get("NANORL_TRACEBACK"):
             raise
         raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+    except KeyboardInterrupt as e:
+        if os.environ.get("NANORL_TRACEBACK"):
+            raise
+        print(f"\n{e or 'interrupted: files already written are intact'}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+
+
+# -----------------------------------------------------------------------------
+# Signals: stop a run at a step boundary
+
+
+@dataclasses.dataclass
+class StopRequest:
+    """Set by stop_signals' handler: the signal that asked the run to stop (0 = none yet)."""
+
+    signum: int = 0
+    resume: str = ""  # the command that continues the run, for the messages
+
+
+@contextlib.contextmanager
+def stop_signals(resume: str) -> Iterator[StopRequest]:
+    """While the block runs, the first SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) only sets
+    the returned request's signum: the loop checks it at each step boundary, writes a checkpoint and
+    leaves through Stopped. A second one raises KeyboardInterrupt at once (user_errors: one line, exit
+    status 130): the last complete checkpoint stays, since every save is atomic. `resume`: the command
+    that continues the run. Outside the main thread (no signal handlers there) it does nothing."""
+    stop = StopRequest(resume=resume)
+
+    def handle(signum: int, frame) -> None:
+        if stop.signum:
+            raise KeyboardInterrupt(
+                f"stopped at once by a second signal; the last complete checkpoint is intact: {resume}"
+            )
+        stop.signum = signum
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
+
+    try:
+        old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread
+        old = {}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class Stopped(SystemExit):
+    """A run stopped at a step boundary by a signal: exit status 128 + the signal number; str() is the message."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(128 + signum)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# -----------------------------------------------------------------------------
+# What a run prints before its first step and after its last
+
+
+def start_line(
+    *,
+    algo: str,
+    preset: dict,
+    model: str,
+    task: str,
+    out: str,
+    step: int,
+    max_steps: int,
+    resumed_from: str,
+    device: str,
+    memory: str,
+) -> str:
+    """One line: the algorithm and what its preset sets, the model, task, device, the steps to run (from
+    where a resumed run continues), the output directory and the memory estimate."""
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in preset.items())
+    algo = f"--algo {algo}" + (f" ({flags})" if flags else "")
+    steps = f"steps {step + 1}-{max_steps}, " + (
+        f"resuming {resumed_from} at step {step}" if resumed_from else "from the start"
+    )
+    return f"train: {algo}, model {model}, task {task}, on {device}; {steps}, into {out}; {memory}"
+
+
+def end_summary(evals: list[dict], seconds: float, out: str, eval_flags: str, max_steps: int) -> str:
+    """Held-out accuracy at the run's first and last evaluation (eval rows of metrics.jsonl), this
+    process's wall time, the outputs, and the commands that evaluate and plot them."""
+    lines = [f"done: step {max_steps} in {seconds // 60:.0f} min {seconds % 60:.0f} s (this process)"]
+    if evals:
+        first, last = evals[0], evals[-1]
+        for key, name in (("eval/greedy_accuracy", "greedy accuracy"), *[(k, k[5:]) for k in last if "mean@" in k]):
+            if key in first and key in last:
+                change = f"{first[key]:.1%} at step {first['step']} -> {last[key]:.1%} at step {last['step']}"
+                lines.append(f"held-out {name}: {change}")
+    final = os.path.join(out, "final")
+    lines += [
+        f"outputs: {out} (metrics.jsonl, samples.jsonl, config.json), weights in {final}",
+        f"next: python eval.py --model {final} {eval_flags}--n 16  # pass@k of the trained model",
+        f"      python eval.py --plot {out} --out {os.path.join(out, 'plot.png')}  # its curves",
+    ]
+    return "\n".join(lines)

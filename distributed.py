@@ -5,7 +5,8 @@ over ranks (all_sum), so the update equals one process's on the same global batc
 (FSDP2's fully_shard) each rank holds a shard of the weights, gradients and optimizer state;
 sampling and evaluation gather the whole weights once (full_params), and checkpoints gather the
 full state on rank 0 (gather_full_state). One process: every function here is a no-op.
-memory_peak reads each device's (or the process's) peak memory, for the mem/... metrics.
+memory_peak reads each device's (or the process's) peak memory, for the mem/... metrics;
+weight_norms and check_update catch an update that broke the weights, on every rank at once.
 """
 
 from __future__ import annotations
@@ -83,6 +84,35 @@ def gather_full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     return get_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+GROWTH = 1e3  # an update that multiplies a parameter's norm by more than this (past 1) broke the weights
+
+
+def weight_norms(params: list[torch.Tensor]) -> torch.Tensor:
+    """(n,) float32 L2 norm of each parameter (its local shard under FSDP), in one fused pass over the
+    weights (torch._foreach_norm): NaN or inf where the parameter holds a NaN or an inf."""
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in params]
+    return torch.stack([n.float().cpu() for n in torch._foreach_norm(local)]) if local else torch.zeros(0)
+
+
+def check_update(
+    names: list[str], before: torch.Tensor, after: torch.Tensor, world: int, step: int, advice: str
+) -> None:
+    """Refuse weights an update broke, before anything uses them: a parameter holding NaN or inf, or one
+    whose norm grew more than GROWTH-fold past max(its norm before, 1) (finite, but its next forward
+    overflows: --lr 1e10 takes the bundled model's weights from about 1 to 1e9 in one step). before,
+    after: weight_norms of the parameters `names`; a broken shard on any rank stops every rank. The
+    UserError names the step, the parameter, and `advice` (the flags to lower)."""
+    bad = ~torch.isfinite(after) | (after > GROWTH * before.clamp(min=1))
+    if world > 1:
+        bad = all_sum(bad.double(), world) > 0
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise UserError(
+            f"step {step}: the update took {names[i]}'s norm from {before[i]:.3g} to {after[i]:.3g}; the run "
+            f"stopped before these weights were used or saved (the last checkpoint is intact): {advice}"
+        )
 
 
 def memory_peak(device: torch.device) -> float:

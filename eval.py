@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from advantage import estimate_noise_rates, flip_rewards, select_hard_examples
+from checkpoint import hold_lock
 from cli import user_errors
 from rewards import format_reward
 from sampler import decode_step_static, generate
@@ -352,6 +353,7 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
     groups: dict[str, list[list[dict]]] = {}
     for run in runs:
         groups.setdefault(run_label(run), []).append(read_metrics(run))
+    colors = {label: f"C{i}" for i, label in enumerate(groups)}  # a run's colour, the same in every panel
     cols = min(3, len(panels))
     rows_n = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False)
@@ -368,6 +370,7 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
                     [sum(v) / len(v) for v in vals],
                     label=label + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else ""),
                     marker="." if key.startswith("eval") else None,
+                    color=colors[label],
                 )
                 if len(seeds) > 1:
                     ax.fill_between(
@@ -495,6 +498,8 @@ def main(cfg: EvalConfig) -> dict:
         keys = ("model", "task", "data", "examples", "temperature", "top_p", "max_new_tokens", "seed")
         keys += ("system_prompt", "enable_thinking")  # they change the prompts
         settings = {**{key: getattr(cfg, key) for key in keys}, "k": cfg.rate_samples()} if cfg.pass_rates else {}
+        if cfg.pass_rates:  # one writer per file: a second pass on the same --out is refused while this one runs
+            hold_lock(cfg.out, f"--out {cfg.out}")
         done = resume_pass_rates(cfg.out, settings, examples) if cfg.pass_rates else {}
     # --compile: the caller compiles the sampler's small decode step; CUDA replays it as a graph
     static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True) if cfg.compile else None

@@ -294,7 +294,9 @@ def sample_next(
     total = cdf[:, -1:]
     # first token whose cdf exceeds u * total; x < total strictly, so zero-probability tokens never win
     pick = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    tok = torch.searchsorted(cdf, pick, right=True)[:, 0]
+    # a row of non-finite logits has a NaN cdf, where searchsorted answers V: clamped, its log-prob is NaN,
+    # which decode refuses (check_finite)
+    tok = torch.searchsorted(cdf, pick, right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
     logp = x.gather(-1, tok[:, None])[:, 0] - mx[:, 0] - e.sum(-1).log()  # = log_softmax(x)[tok]
     return tok, logp
 
@@ -445,7 +447,20 @@ def decode(
             tok, alive = compact_finished(cache, tok, alive)
         logits = next_logits(model, cache, tok, alive, static_step)
     cache.slot = None
+    check_finite(out.logp, out.n_tokens, logits.dtype)
     return out
+
+
+def check_finite(logp: Tensor, n_tokens: Tensor, dtype: torch.dtype) -> None:
+    """Refuse samples drawn from non-finite logits (NaN or inf: their log-probs are NaN), in one sentence
+    instead of garbage tokens. logp (B, steps), n_tokens (B,); one host sync per decode call."""
+    bad = ~torch.isfinite(logp) & (torch.arange(logp.shape[1], device=logp.device) < n_tokens[:, None])
+    if bad.any():
+        rows = int(bad.any(1).sum())
+        raise ValueError(
+            f"sampling: the model's next-token logits are not finite (NaN or inf) in {rows} of {len(logp)} rows: "
+            f"its weights hold NaN or inf, or are so large that the forward overflows in {str(dtype)[6:]}"
+        )
 
 
 def text_hits(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -28,6 +28,7 @@ from model import ModelConfig, Transformer, token_logprobs
 from tasks import SYNTHETIC_CHARS, get_task, render_prompt, sft_completion
 from tokenizer import load_tokenizer
 
+BUNDLED = "assets/tiny-model"  # the bundled model, relative to this file
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as Qwen
 THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode keeps them)
 
@@ -58,6 +59,17 @@ class SFTConfig:
         if self.task not in self.CHOICES["task"]:
             raise ValueError(
                 f"--task must be one of {', '.join(self.CHOICES['task'])} (tasks with reference completions)"
+            )
+        bundled = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), BUNDLED))
+        changed = [
+            f"--{f.name.replace('_', '-')}"
+            for f in fields(self)
+            if f.name != "out" and getattr(self, f.name) != f.default
+        ]
+        if os.path.realpath(self.out) == bundled and changed:
+            raise ValueError(
+                f"--out {self.out} is the bundled model, which only the default recipe rebuilds (make tiny-model); "
+                f"with {', '.join(changed)} pass --out DIR for a model of your own"
             )
 
 

@@ -376,7 +376,12 @@ def load_jsonl(path: str, kind: str, max_chars: int = MAX_CHARS) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, parse_constant=_refuse_constant)
+            except _NotANumber as e:
+                raise ValueError(
+                    f"{where}: {e} is not a JSON number (strict JSON has no NaN or Infinity); "
+                    "write a number or a string."
+                ) from None
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg}).") from None
             except ValueError:  # json's only other ValueError: an integer longer than Python converts
@@ -404,6 +409,14 @@ def load_jsonl(path: str, kind: str, max_chars: int = MAX_CHARS) -> list[dict]:
     if not examples:
         raise ValueError(f"{path}: the file has no examples.")
     return examples
+
+
+class _NotANumber(Exception):
+    """NaN, Infinity or -Infinity in a data line: Python's json reads them, strict JSON does not."""
+
+
+def _refuse_constant(name: str) -> None:
+    raise _NotANumber(name)
 
 
 def _field(row: dict, name: str, where: str, max_chars: int, types: tuple = (str,)) -> object:

@@ -136,6 +136,8 @@ def load_tokenizer(path: str | os.PathLike, enable_thinking: bool = True) -> Tok
     format's end-of-turn token (a base model prompted with ChatML ends its turn with <|im_end|>).
     enable_thinking=False (Qwen3's thinking switch off) needs a Qwen3-style tokenizer."""
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: model directory not found.")
     file = path / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; load_tokenizer needs a tokenizers tokenizer.json.")

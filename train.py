@@ -30,6 +30,8 @@ import hashlib
 import json
 import math
 import os
+import signal
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -63,19 +65,34 @@ from advantage import (
     two_grpo_advantages,
 )
 from checkpoint import (
+    append_row,
     check_out_dir,
     check_resume,
+    eval_rows,
     find_checkpoint,
     load_trainer_state,
+    lock_run_dir,
     prepare_out,
     read_trainer_step,
+    release_run_dir,
     resume_flags,
     save_checkpoint,
+    writing,
 )
-from cli import UserError, parse_config, user_errors
-from distributed import all_sum, fixed_mmap_threshold, full_params, gather_full_state, memory_peak, setup_distributed
+from cli import Stopped, UserError, end_summary, parse_config, start_line, stop_signals, user_errors
+from distributed import (
+    all_sum,
+    check_update,
+    fixed_mmap_threshold,
+    full_params,
+    gather_full_state,
+    memory_peak,
+    setup_distributed,
+    weight_norms,
+)
 from eval import calibrate_noise, evaluate, select_examples
 from hf import load_model
+from memory import check_memory
 from model import Transformer, cast_copy, copy_weights_
 from pack import Batch, pack, select_rows, split_rows, token_stats
 from rewards import noise_rates, score_batch
@@ -332,6 +349,7 @@ def setup(cfg: TrainConfig) -> Run:
     task = select_examples(task, cfg.pass_rates, cfg.select, cfg.select_fraction, cfg.seed) if cfg.select else task
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
+    memory = check_memory(cfg, task, device, world)  # a step that cannot fit is refused here, before the data pool
     # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
     # and a second one for dynamic-sampling top-ups.
     n = cfg.max_steps * cfg.prompts_per_step
@@ -347,6 +365,7 @@ def setup(cfg: TrainConfig) -> Run:
     if resume_dir:
         check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
     if rank == 0:
+        lock_run_dir(cfg.out)  # one writer per run directory: a second train.py on it is refused
         check_out_dir(cfg.out, resume_dir, cfg.overwrite)
         prepare_out(cfg.out, read_trainer_step(resume_dir) if resume_dir else 0)
     torch.manual_seed(cfg.seed)
@@ -403,12 +422,27 @@ def setup(cfg: TrainConfig) -> Run:
                 run.sampler, tokenizer, task, noise_rates(cfg.reward_noise, ""), n=cfg.thoughts * cfg.answers,
                 max_new_tokens=new, temperature=cfg.temperature, seed=derive_seed(cfg.seed, 3))  # fmt: skip
     if rank == 0:
-        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+        with writing(os.path.join(cfg.out, "config.json")), open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
         if cfg.wandb:
             import wandb  # optional extra
 
             run.wandb = wandb.init(project=cfg.wandb, config=asdict(cfg))
+        preset = {k: v for k, v in PRESETS[cfg.algo].items() if getattr(cfg, k) == v}
+        print(
+            start_line(
+                algo=cfg.algo,
+                preset=preset,
+                model=cfg.model,
+                task=cfg.task,
+                out=cfg.out,
+                step=run.state["step"],
+                max_steps=cfg.max_steps,
+                resumed_from=resume_dir,
+                device=f"{device}, {'bf16 autocast' if run.autocast else 'float32'}",
+                memory=memory,
+            )
+        )
     return run
 
 
@@ -716,8 +750,13 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
         if run.host_params:  # --optimizer-offload: gradients to the CPU copies, AdamW there, weights back
             for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
                 h.grad = p.grad.to("cpu", torch.float32)
+        masters = run.host_params or list(run.policy.parameters())
+        before = weight_norms(masters)
         run.optimizer.step()
         run.scheduler.step()
+        # broken weights (NaN, inf, or a 1000-fold jump) stop the run before anything uses or saves them
+        names = [n for n, _ in run.policy.named_parameters()]
+        check_update(names, before, weight_norms(masters), run.world, step + 1, f"lower --lr (now {cfg.lr:g})")
         if run.host_params:
             with torch.no_grad():
                 for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
@@ -746,8 +785,7 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
 def log(run: Run, row: dict, file: str = "metrics.jsonl") -> None:
     """The one logging call: a line of OUT/file (+ wandb for metrics), on rank 0."""
     if run.rank == 0:
-        with open(os.path.join(run.cfg.out, file), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(os.path.join(run.cfg.out, file), row)
         if run.wandb is not None and file == "metrics.jsonl":
             run.wandb.log(row, step=row["step"])
 
@@ -852,62 +890,105 @@ def save(run: Run, path: str) -> None:
 
 
 def main(cfg: TrainConfig) -> dict:
-    run = setup(cfg)
+    run, t_start = setup(cfg), time.perf_counter()
     P_local = cfg.prompts_per_step // run.world
-    first_eval = evaluate_heldout(run, 0) if run.state["step"] == 0 else {}
+    if run.state["step"] == 0:
+        evaluate_heldout(run, 0)
     bar = tqdm(range(run.state["step"], cfg.max_steps), disable=run.rank != 0, desc="train", dynamic_ncols=True)
-    for step in bar:
-        t0, _ = time.perf_counter(), memory_peak(run.device)  # each phase's peak memory is measured from here
-        slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
-        examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
-        with rollout_weights(run):  # FSDP: whole weights while ranks run different numbers of forwards
-            # 1. sample: K thoughts x M answers for this rank's share of the global batch
-            seeds = [derive_seed(cfg.seed, step, s) for s in slots]
-            prompts, tree = sample(run, examples, seeds)
-            t_sample = time.perf_counter() - t0
-            # 2. score: rewards [P, K, M]; DAPO replaces prompts whose rewards are all equal
-            ro = Rollouts(examples, prompts, tree, *score(run, examples, tree, seeds))
-            batch_accuracy = (all_sum(ro.correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
-            n_resampled = dynamic_sampling(run, step, slots, ro) if cfg.dynamic_sampling else 0
-        # 2c. DaGRPO anchors: the reference solution replaces the last rollout of each group with no correct one
-        trained, anchors = splice_anchors(run, ro) if cfg.anchors else (ro, {})
-        t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
+    resume = ("python" if run.world == 1 else "torchrun ...") + f" train.py --resume {cfg.out}"
+    with stop_signals(resume) as stop:  # SIGINT, SIGTERM: stop at the next step boundary, with a checkpoint
+        for step in bar:
+            t0, _ = time.perf_counter(), memory_peak(run.device)  # each phase's peak memory is measured from here
+            slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
+            examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
+            with rollout_weights(run):  # FSDP: whole weights while ranks run different numbers of forwards
+                # 1. sample: K thoughts x M answers for this rank's share of the global batch
+                seeds = [derive_seed(cfg.seed, step, s) for s in slots]
+                prompts, tree = sample(run, examples, seeds)
+                t_sample = time.perf_counter() - t0
+                # 2. score: rewards [P, K, M]; DAPO replaces prompts whose rewards are all equal
+                ro = Rollouts(examples, prompts, tree, *score(run, examples, tree, seeds))
+                batch_accuracy = (all_sum(ro.correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
+                n_resampled = dynamic_sampling(run, step, slots, ro) if cfg.dynamic_sampling else 0
+            # 2c. DaGRPO anchors: the reference solution replaces the last rollout of each group with no correct one
+            trained, anchors = splice_anchors(run, ro) if cfg.anchors else (ro, {})
+            t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
 
-        # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
-        batch = pack(trained.prompts, trained.tree, cfg.thoughts, cfg.answers, run.tokenizer.pad_id, run.device,
-                     cfg.share_prompt)  # fmt: skip
-        micro = [
-            (rows, select_rows(batch, rows)) for rows in split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
-        ]
-        # 4. score pass (no grad): old log-probs, reference log-probs, entropy
-        old_logp, ref_logp, entropy = score_pass(run, micro, batch.ids.shape)
-        mem["score_pass"] = memory_peak(run.device)
-        # 5. advantages: per sequence, then per-token adv and weight for the whole step
-        adv, weight, completion = advantages(run, trained, batch, entropy, batch_accuracy)
-        off_policy = None if trained.anchor is None else completion & trained.anchor.view(-1, 1).to(run.device)
-        # 6. update: mu epochs, each one optimizer step over all micro-batches (anchor tokens off-policy)
-        t1 = time.perf_counter()
-        sums, grad_norm = update(run, step, micro, adv, weight, old_logp, ref_logp, entropy, completion, off_policy)
-        t_update, mem["update"] = time.perf_counter() - t1, memory_peak(run.device)
+            # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
+            batch = pack(trained.prompts, trained.tree, cfg.thoughts, cfg.answers, run.tokenizer.pad_id, run.device,
+                         cfg.share_prompt)  # fmt: skip
+            micro = [
+                (rows, select_rows(batch, rows))
+                for rows in split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
+            ]
+            # 4. score pass (no grad): old log-probs, reference log-probs, entropy
+            old_logp, ref_logp, entropy = score_pass(run, micro, batch.ids.shape)
+            mem["score_pass"] = memory_peak(run.device)
+            # 5. advantages: per sequence, then per-token adv and weight for the whole step
+            adv, weight, completion = advantages(run, trained, batch, entropy, batch_accuracy)
+            off_policy = None if trained.anchor is None else completion & trained.anchor.view(-1, 1).to(run.device)
+            # 6. update: mu epochs, each one optimizer step over all micro-batches (anchor tokens off-policy)
+            t1 = time.perf_counter()
+            sums, grad_norm = update(run, step, micro, adv, weight, old_logp, ref_logp, entropy, completion, off_policy)
+            t_update, mem["update"] = time.perf_counter() - t1, memory_peak(run.device)
 
-        # 7. log, evaluate, save
-        run.state["step"] = step + 1
-        times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
-        row = step_metrics(run, ro, completion, sums, grad_norm, batch_accuracy, n_resampled, anchors, times)
-        row.update({f"mem/{k}_gib": v for k, v in mem.items()})  # peak RSS (CPU) or allocated (CUDA) per phase
-        log(run, row)
-        bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
-        if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
-            log_samples(run, ro)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
-            evaluate_heldout(run, step + 1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save(run, os.path.join(cfg.out, f"step-{step + 1}"))
-    last_eval = evaluate_heldout(run, cfg.max_steps)
+            # 7. log, evaluate, save
+            run.state["step"] = step + 1
+            times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
+            row = step_metrics(run, ro, completion, sums, grad_norm, batch_accuracy, n_resampled, anchors, times)
+            row.update({f"mem/{k}_gib": v for k, v in mem.items()})  # peak RSS (CPU) or allocated (CUDA) per phase
+            log(run, row)
+            bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
+            if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
+                log_samples(run, ro)
+            # the last step's evaluation too: every row of a step is logged before its checkpoint is written
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.max_steps:
+                evaluate_heldout(run, step + 1)
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                save(run, os.path.join(cfg.out, f"step-{step + 1}"))
+            if all_sum(stop.signum, run.world).item() and step + 1 < cfg.max_steps:  # a SIGINT or SIGTERM came
+                stop_at_boundary(run, step + 1, stop.signum, stop.resume)
     save(run, os.path.join(cfg.out, "final"))
     if run.world > 1:
         dist.destroy_process_group()
-    return {"first_eval": first_eval, "last_eval": last_eval}
+    return finish(run, time.perf_counter() - t_start)
+
+
+def stop_at_boundary(run: Run, step: int, signum: int, resume: str) -> None:
+    """A signal asked the run to stop: a checkpoint of this step (unless --save-every just wrote it), one
+    line with the command that resumes it, then cli.Stopped (exit status 128 + signum)."""
+    cfg, path = run.cfg, os.path.join(run.cfg.out, f"step-{step}")
+    if not (cfg.save_every and step % cfg.save_every == 0):
+        save(run, path)
+    how = resume if cfg.save_optimizer else "it has no optimizer state (--no-save-optimizer): start a run from it"
+    message = f"stopped at step {step} of {cfg.max_steps} by {signal.Signals(signum).name}; {path} holds it: {how}"
+    if run.rank == 0:
+        print(f"\n{message}", file=sys.stderr)  # below the progress bar's line
+        release_run_dir(cfg.out)
+    raise Stopped(signum, message)
+
+
+def finish(run: Run, seconds: float) -> dict:
+    """The end of a run on rank 0: the summary (held-out accuracy at the first and last evaluation, time,
+    outputs, the commands to run next) printed and the run directory released. Returns the first and
+    last evaluation rows of the run's log ({} on other ranks)."""
+    cfg = run.cfg
+    if run.rank != 0:
+        return {"first_eval": {}, "last_eval": {}}
+    evals = eval_rows(cfg.out)
+    files = [("--task", cfg.task), ("--data", cfg.data), ("--test-data", cfg.test_data)]
+    limit = cfg.max_thought_tokens + cfg.max_answer_tokens
+    print(
+        end_summary(
+            evals,
+            seconds,
+            cfg.out,
+            "".join(f"{k} {v} " for k, v in files if v) + f"--max-new-tokens {limit} ",
+            cfg.max_steps,
+        )
+    )
+    release_run_dir(cfg.out)
+    return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}
 
 
 if __name__ == "__main__":

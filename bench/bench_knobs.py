@@ -3,7 +3,7 @@
     python bench/bench_knobs.py                          # Qwen2.5-0.5B's shape, 4 of its 24 layers: ~3 min
     python bench/bench_knobs.py --model qwen3-0.6b --layers 28 --rows 2 --tokens 1024
 
-Builds the published configuration (bench_scale.MODELS) with --layers layers, random weights, and runs
+Builds the published configuration (random_checkpoint.MODELS) with --layers layers, random weights, and runs
 the update's forward and backward as train.py does: hidden states, then `model.head_logprobs` (one
 chunk of logits at a time) and a loss on the log-probs, under each combination of
 `--gradient-checkpointing` and bf16 autocast (`--dtype bfloat16`). For each it reports
@@ -34,8 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_scale import MODELS  # noqa: E402
 from bench_trl import rss_gib  # noqa: E402
+from random_checkpoint import MODELS  # noqa: E402
 
 from distributed import fixed_mmap_threshold, memory_peak  # noqa: E402
 from hf import config_from_hf  # noqa: E402

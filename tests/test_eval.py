@@ -12,6 +12,7 @@ from itertools import combinations
 import pytest
 
 from eval import EvalConfig, evaluate, main, pass_at_k, plot_runs
+from helpers import lock_held_elsewhere
 from hf import load_model
 from tasks import TASK_NAMES, get_task
 from tokenizer import decode_completion, load_tokenizer
@@ -244,3 +245,44 @@ def test_compile_flag_decodes_through_the_compiled_step(monkeypatch) -> None:
     assert calls[0] == "compile" and calls.count("compile") == 1 and calls.count("step") > 0
     for key, value in main(EvalConfig(**cfg)).items():
         assert res[key] == pytest.approx(value, abs=1e-12), key
+
+
+def test_case13_a_missing_model_directory_is_named_as_train_py_names_it(tmp_path) -> None:
+    """Guards against eval.py --model /nonexistent saying `.../tokenizer.json: missing` (the tokenizer is read
+    first) where train.py says the directory is not found: both name the directory."""
+    with pytest.raises(SystemExit) as e:
+        main(EvalConfig(model=str(tmp_path / "nonexistent"), examples=1))
+    assert str(e.value) == f"{tmp_path / 'nonexistent'}: model directory not found."
+
+
+def test_case14_a_runs_colour_is_the_same_in_every_panel(tmp_path, monkeypatch) -> None:
+    """Guards against a run that lacks a metric shifting the colours of the other runs in that panel
+    (matplotlib's colour cycle restarts per panel): each run keeps one colour everywhere."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    runs = []
+    for name, keys in (("a", ["reward/mean"]), ("b", ["reward/mean", "grad_norm"])):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, **{k: float(s) for k in keys}} for s in (1, 2)]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+        runs.append(str(tmp_path / name))
+    plot_runs(runs, str(tmp_path / "p.png"), keys=["reward/mean", "grad_norm"])
+    reward, grad = figures[0].axes[:2]
+    colour = lambda ax: {line.get_label(): to_rgb(line.get_color()) for line in ax.get_lines()}
+    assert colour(reward)["a"] != colour(reward)["b"] and colour(grad) == {"b": colour(reward)["b"]}
+
+
+def test_pass_rates_file_has_one_writer(tmp_path) -> None:
+    """Guards against two `eval.py --pass-rates` writing the same --out file, interleaving their rows:
+    the second is refused in one sentence naming the process that holds the file."""
+    out = tmp_path / "rates.jsonl"
+    with lock_held_elsewhere(str(out)) as holder:
+        with pytest.raises(SystemExit) as e:
+            main(EvalConfig(pass_rates=True, k="2", examples=2, out=str(out), max_new_tokens=8))
+        assert str(e.value).startswith(f"--out {out} is in use by process {holder.pid} (")
+    res = main(EvalConfig(pass_rates=True, k="2", examples=2, out=str(out), max_new_tokens=8))  # freed by its kill
+    assert 0 <= res["pass_rate_mean"] <= 1

@@ -674,3 +674,21 @@ def test_stop_text_needs_text_and_ids():
         StopText("", [1], decode, 10)
     with pytest.raises(ValueError, match="non-empty marker text and its token ids"):
         StopText(MARKER, [], decode, 10)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_refused_in_one_sentence(models, bad):
+    """Guards against weights holding NaN or inf (a diverged update) reaching the sampler as `index 28 is
+    out of bounds for dimension 1`: searchsorted over a NaN cdf answers V; the sampler now names the cause."""
+    model = models["qwen2"]
+    broken = {k: v.clone() for k, v in model.state_dict().items()}
+    broken["model.norm.weight"][0] = bad
+    copy = Transformer(model.config)
+    copy.load_state_dict(broken)
+    expected = r"^sampling: the model's next-token logits are not finite \(NaN or inf\) in 6 of 6 rows: its weights"
+    with pytest.raises(ValueError, match=expected):
+        generate(copy, PROMPTS, max_new_tokens=4, n=2, seed=0)
+    with pytest.raises(ValueError, match=expected):
+        generate(copy, PROMPTS, max_new_tokens=4, n=2, temperature=0)
+    tok, lp = sample_next(torch.tensor([[0.0, bad, 1.0]]), torch.tensor([0.5]), 1.0)
+    assert tok.item() in (0, 1, 2) and not torch.isfinite(lp).item()  # in range: no index error

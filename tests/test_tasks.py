@@ -439,3 +439,17 @@ def test_too_small_data_set_is_an_error_not_a_silent_repeat(tmp_path: Path) -> N
     synthetic = get_task("synthetic")
     assert synthetic.n_train is None and synthetic.n_test is None
     check_sizes(synthetic, train=10**6, test=10**6)  # generated: unbounded
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_case8_nan_and_infinity_in_a_data_file_name_file_and_line(tmp_path: Path, constant: str) -> None:
+    """Guards against `"answer": NaN` (which Python's json reads and strict JSON refuses) becoming the
+    answer string "nan": the line is refused, naming the file, the line and the value."""
+    path = tmp_path / "nan.jsonl"
+    path.write_text('{"prompt": "p", "answer": 1}\n{"prompt": "q", "answer": ' + constant + "}\n")
+    with pytest.raises(ValueError) as e:
+        load_jsonl(str(path), "jsonl")
+    assert str(e.value) == (
+        f"{path} line 2: {constant} is not a JSON number (strict JSON has no NaN or Infinity); "
+        "write a number or a string."
+    )

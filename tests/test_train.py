@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -478,3 +480,130 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
     base = train.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
     # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
     assert torch.equal(weight / base.clamp(min=1e-30) * (base > 0), torch.tensor([[2.0, 2.0, 1.0], [0.0, 0.0, 1.0]]))
+
+
+def test_case5_a_diverging_update_stops_before_the_sampler_sees_it(tmp_path, monkeypatch):
+    """Guards against --lr 1e10 leaving weights whose next forward overflows (the bundled model's norms
+    jump from ~1 to ~1e9), which the sampler met as `index 28 is out of bounds`: the update is caught
+    right after the optimizer step, the run stops in one sentence naming the step and --lr, and neither
+    the sampler nor a checkpoint ever sees those weights."""
+    seen = []
+    real = train.sample_tree
+
+    def spy(model, *a, **kw):
+        seen.append(all(torch.isfinite(p).all() and p.abs().max() < 1e3 for p in model.parameters()))
+        return real(model, *a, **kw)
+
+    monkeypatch.setattr(train, "sample_tree", spy)
+    out = str(tmp_path / "lr")
+    with pytest.raises(cli.UserError) as e:
+        train.main(small(BUNDLED, out, lr=1e10, max_steps=4, save_every=1))
+    assert re.fullmatch(
+        r"step (\d): the update took model\.\S+'s norm from \S+ to \S+; the run stopped before these weights were "
+        r"used or saved \(the last checkpoint is intact\): lower --lr \(now 1e\+10\)",
+        str(e.value),
+    ), str(e.value)
+    step = int(str(e.value)[5])
+    assert seen == [True] * step  # the sampler only ever ran on sane weights
+    assert sorted(set(os.listdir(out)) - {".lock"}) == ["config.json", "metrics.jsonl", "samples.jsonl"] + [
+        f"step-{s}" for s in range(1, step)
+    ]
+
+
+def test_check_update_refuses_non_finite_or_exploding_weights():
+    """Guards against a broken update passing the check (NaN, inf, a norm grown past 1000x) or a sane one being
+    refused (growth up to 1000x of max(norm, 1), zero-initialised tensors growing to 999)."""
+    from distributed import check_update, weight_norms
+
+    names = ["a", "b"]
+    ok = [
+        (torch.tensor([2.0, 0.0]), torch.tensor([1999.0, 999.0])),
+        (torch.tensor([0.5, 3.0]), torch.tensor([1000, 3])),
+    ]
+    for before, after in ok:
+        check_update(names, before, after, 1, 7, "lower --lr")
+    bad = [
+        (torch.tensor([2.0, 1.0]), torch.tensor([1.0, math.nan]), "b", "nan"),
+        (torch.tensor([2.0, 1.0]), torch.tensor([math.inf, 1.0]), "a", "inf"),
+        (torch.tensor([2.0, 0.0]), torch.tensor([2001.0, 1.0]), "a", "2e+03"),
+        (torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1001.0]), "b", "1e+03"),
+    ]
+    for before, after, name, shown in bad:
+        with pytest.raises(
+            cli.UserError, match=rf"^step 7: the update took {name}'s norm from \S+ to {re.escape(shown)};"
+        ):
+            check_update(names, before, after, 1, 7, "lower --lr")
+    x = [torch.tensor([3.0, 4.0]), torch.tensor([[float("nan")]]), torch.tensor([1.0, float("inf")])]
+    assert weight_norms(x)[0] == 5.0 and weight_norms(x)[1].isnan() and weight_norms(x)[2].isinf()
+
+
+def test_case14_sft_refuses_to_overwrite_the_bundled_model_with_other_flags(monkeypatch):
+    """Guards against `python sft.py --steps 5` (its --out defaults to assets/tiny-model) silently replacing
+    the bundled model with another recipe's; the default recipe (make tiny-model) and any --out DIR still work."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(cli.UserExit, match=r"--out assets/tiny-model is the bundled model, .* with --steps, --lr pass"):
+        cli.parse_config(sft.SFTConfig, ["--steps", "5", "--lr", "0.1"])
+    assert cli.parse_config(sft.SFTConfig, [])[0].out == "assets/tiny-model"
+    assert cli.parse_config(sft.SFTConfig, ["--steps", "5", "--out", "/tmp/x"])[0].steps == 5
+
+
+def test_case9_the_start_line_and_the_summary_say_what_runs_where():
+    """Guards against a run that prints only its progress bar: no line saying what it trains, from which step,
+    into which directory, and at the end no held-out accuracy before and after, no time, no pointer to the
+    outputs or to the commands that evaluate and plot them."""
+    line = cli.start_line(
+        algo="grpo_ma",
+        preset={"thoughts": 4, "answers": 4},
+        model="m",
+        task="synthetic",
+        out="runs/x",
+        step=100,
+        max_steps=200,
+        resumed_from="runs/x/step-100",
+        device="cpu, float32",
+        memory="estimated peak memory 0.41 GiB",
+    )
+    assert line == (
+        "train: --algo grpo_ma (--thoughts 4 --answers 4), model m, task synthetic, on cpu, float32; steps 101-200, "
+        "resuming runs/x/step-100 at step 100, into runs/x; estimated peak memory 0.41 GiB"
+    )
+    evals = [
+        {"step": 0, "eval/greedy_accuracy": 0.425, "eval/mean@4": 0.259, "eval/accuracy": 0.425},
+        {"step": 200, "eval/greedy_accuracy": 0.74, "eval/mean@4": 0.676, "eval/accuracy": 0.74},
+    ]
+    assert cli.end_summary(evals, 112.4, "runs/x", "--task synthetic --max-new-tokens 80 ", 200).splitlines() == [
+        "done: step 200 in 1 min 52 s (this process)",
+        "held-out greedy accuracy: 42.5% at step 0 -> 74.0% at step 200",
+        "held-out mean@4: 25.9% at step 0 -> 67.6% at step 200",
+        "outputs: runs/x (metrics.jsonl, samples.jsonl, config.json), weights in runs/x/final",
+        "next: python eval.py --model runs/x/final --task synthetic --max-new-tokens 80 --n 16  # pass@k of the "
+        "trained model",
+        "      python eval.py --plot runs/x --out runs/x/plot.png  # its curves",
+    ]
+
+
+def test_case15_random_checkpoint_builds_a_published_shape(tmp_path, monkeypatch):
+    """Guards against the README's offline path to a real-shaped model (bench/random_checkpoint.py) drifting from
+    the benchmarks' (one MODELS table, one build function) or writing a config that is not the published one."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_scale
+    import random_checkpoint
+
+    assert bench_scale.MODELS is random_checkpoint.MODELS and bench_scale.checkpoint is random_checkpoint.checkpoint
+    shape = {
+        **random_checkpoint.MODELS["qwen2.5-0.5b"],
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    monkeypatch.setitem(random_checkpoint.MODELS, "tiny-qwen2.5", shape)
+    tok, _ = random_checkpoint.tokenizer_dir(tmp_path, "char")
+    random_checkpoint.build("tiny-qwen2.5", tmp_path / "m", tok, seed=0, layers=2)
+    model = load_model(tmp_path / "m")
+    assert model.config.num_hidden_layers == 2 and model.config.torch_dtype == "bfloat16"
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert {k: written[k] for k in ("vocab_size", "hidden_size", "rope_theta", "tie_word_embeddings")} == {
+        k: shape[k] for k in ("vocab_size", "hidden_size", "rope_theta", "tie_word_embeddings")
+    }

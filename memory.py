@@ -1,0 +1,303 @@
+"""memory.py: a training step's peak memory, estimated before the first step, against the device's.
+
+A run whose step cannot fit would otherwise grow until the kernel kills it (exit 137, no message),
+minutes in. Before the data pool is built and the model loaded, train.py asks `check_memory` for an
+estimate of each phase's peak and refuses, in one sentence naming the flags to lower, a run whose
+largest phase exceeds the memory available: on CPU the smaller of /proc/meminfo's MemAvailable and
+the cgroup's limit (a container's), on CUDA torch.cuda.mem_get_info's free memory.
+
+The estimate adds up what the code allocates (bytes; N parameters, vocabulary V, hidden size C,
+intermediate size I, L layers, H query and Hkv key/value heads of hd):
+  resident  float32 weights 4N (train.py loads the masters in float32), a --rollout-dtype copy (2N in
+            bf16), a --beta reference copy 4N, AdamW's two moments 8N (not on the GPU with
+            --optimizer-offload; on the CPU, plus its 4N float32 copies), and on CPU the process itself
+            (measured: interpreter, torch, tokenizer, data) and the data pool about to be built;
+  sample    the KV caches of sampler.sample_tree (2 L Hkv hd bytes per token slot and row, in the
+            rollout dtype; a fork holds the old and the new cache at once) and the decode step's (B, V)
+            logits with their float32 copies (sample_next: x, its exp and cumsum);
+  eval      the same for eval.evaluate's chunk of 64 prompts x --eval-samples;
+  update    float32 gradients 4N, what autograd saves for backward over one micro-batch (per layer:
+            layer_saved_bytes, counted exactly; with --gradient-checkpointing only each layer's
+            input, plus one layer recomputed), the head's saved hidden states, and the larger of
+            backward's transients: one layer's gradients (SwiGLU's four (tokens, I) tensors), or a
+            chunk of float32 logits (model.head_logprobs) with a float32 (V, C) gradient made before
+            it is added into the existing one (README, bench_knobs.py);
+  score     (mu > 1, GTPO's entropy, --beta) one micro-batch's forward, nothing saved.
+Deliberately simple: one micro-batch of the largest shape (rows x the longest row, as pack.py pads
+them), every thought and answer at its length limit, the longest prompt of a sample of the data;
+the allocator's own slack (heap fragmentation, CUDA's block rounding) is not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tracemalloc
+from dataclasses import dataclass
+
+import torch
+
+from cli import UserError
+from hf import config_from_hf
+from model import ModelConfig, Transformer
+from tasks import Task, render_prompt
+from tokenizer import load_tokenizer
+
+GIB = 2**30
+EVAL_BATCH_PROMPTS = 64  # eval.evaluate's default batch_prompts, which train.py's evaluation uses
+DATA_SAMPLE = 256  # examples rendered to find the longest prompt and to measure an example's size
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a step's memory depends on, besides the model: per rank, in tokens and rows."""
+
+    prompts: int  # P, this rank's prompts per step
+    thoughts: int  # K
+    answers: int  # M
+    prompt_tokens: int  # the longest rendered prompt
+    thought_tokens: int  # a thought with its end-of-thought marker (0 when M = 1: plain completions)
+    answer_tokens: int  # an answer (M = 1: the whole completion)
+    micro_batch_rows: int
+    micro_batch_tokens: int  # 0 = no token budget
+    share_prompt: bool
+    gradient_checkpointing: bool
+    eval_prompts: int  # prompts per evaluation batch
+    eval_samples: int
+    rollout_bytes: int  # bytes per element of the sampler's weights and KV cache
+    act_bytes: int  # bytes per element of the matmul outputs in training (2 under bf16 autocast)
+    score_pass: bool  # mu > 1, GTPO's entropy controls or a KL reference
+
+
+def n_params(config: ModelConfig) -> int:
+    """Parameters of the model `config` describes (a tied head counted once), built on the meta device."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(config).parameters())
+
+
+def kv_bytes(c: ModelConfig, rows: int, slots: int, nbytes: int) -> int:
+    """sampler.KVCache: keys and values (L, rows, Hkv, slots, hd)."""
+    return 2 * c.num_hidden_layers * rows * c.num_key_value_heads * slots * c.head_dim * nbytes
+
+
+def sampling_bytes(c: ModelConfig, shape: Shape, prompts: int, group: int, thoughts: int, answer: int) -> int:
+    """Peak of sampler.sample_tree / generate beyond the weights: `prompts` prompts prefilled once, then
+    forked to prompts x group rows for `answer` new tokens (after a thought phase of `thoughts` rows of
+    shape.thought_tokens, when given): the caches of the largest fork, old and new at once, and the
+    decode step's (rows, V) logits with sample_next's float32 copies."""
+    Lp, Tt, nb = shape.prompt_tokens, shape.thought_tokens, shape.rollout_bytes
+    if thoughts:  # prompts -> K thoughts -> M answers each: the answer fork copies the thought cache
+        old, new = kv_bytes(c, thoughts, Lp + Tt, nb), kv_bytes(c, group, Lp + Tt + answer, nb)
+    else:
+        old, new = kv_bytes(c, prompts, Lp, nb), kv_bytes(c, group, Lp + answer, nb)
+    decode = group * c.vocab_size * (nb + 3 * 4)  # logits, then x (float32), exp(x - max), its cumsum
+    prefill = prompts * Lp * (4 * c.hidden_size + 3 * c.intermediate_size) * nb  # one layer's transients
+    return old + new + max(decode, prefill)
+
+
+def micro_batch(shape: Shape) -> tuple[int, int, int, int]:
+    """(rows, row tokens, shared prompts, their tokens) of the largest micro-batch pack.split_rows cuts:
+    rows of one thought and its M answers, every segment at its limit."""
+    row = (
+        shape.thought_tokens + shape.answers * shape.answer_tokens + (0 if shape.share_prompt else shape.prompt_tokens)
+    )
+    shared = shape.prompt_tokens if shape.share_prompt else 0
+    rows = min(shape.micro_batch_rows, shape.prompts * shape.thoughts)
+    if shape.micro_batch_tokens:  # rows x row tokens (+ their prompts) within the budget; a longer row runs alone
+        rows = max(1, min(rows, shape.micro_batch_tokens // (row + shared)))
+    # rows are sorted by length, not by prompt: a micro-batch of fewer than all rows may hold one prompt per row
+    prompts = shape.prompts if rows == shape.prompts * shape.thoughts else min(rows, shape.prompts)
+    return rows, row, prompts if shared else 0, shape.prompt_tokens
+
+
+def layer_saved_bytes(c: ModelConfig, tokens: int, keys: int, mask_cells: int, nb: int = 4) -> int:
+    """Bytes autograd keeps for the backward of one model.Block over `tokens` query tokens attending to
+    `keys` key slots (rows x keys per row), with a boolean mask of `mask_cells` (rows x T x S; 0 when the
+    forward is plainly causal), which SDPA keeps as a float32 copy. Per token: each RMSNorm's input,
+    its normalised value and its output (3C, and 1 for its rstd), q and the attention output copied into
+    o_proj (2 H hd), the attention's logsumexp (H), gate and up (2I, model._SwiGLUDown), Qwen3's q/k
+    norms (2 (H + Hkv) hd + H + Hkv); per key slot the keys and values expanded to H heads. Exact in
+    float32 (tests/test_memory.py counts them with saved-tensor hooks); nb: bytes of the matmul outputs
+    under bf16 autocast, where the norms stay float32 (an approximation)."""
+    C, H, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    norms = 2 * (3 * C + 1) * 4
+    qk = (2 * (H + Hkv) * hd + H + Hkv) * 4 if c.qk_norm else 0
+    per_token = norms + qk + 2 * H * hd * nb + H * 4 + 2 * c.intermediate_size * nb
+    return tokens * per_token + keys * 2 * H * hd * nb + mask_cells * 4
+
+
+def update_bytes(c: ModelConfig, shape: Shape) -> dict[str, int]:
+    """The update's peak beyond the weights and optimizer state, by term: gradients, saved activations
+    of the largest micro-batch, backward's transients."""
+    rows, row, prompts, Lp = micro_batch(shape)
+    nb, L, C, V = shape.act_bytes, c.num_hidden_layers, c.hidden_size, c.vocab_size
+    tokens = rows * row + prompts * Lp  # the rows, and their shared prompts' pass
+    keys = rows * (row + Lp * (prompts > 0)) + prompts * Lp
+    masked = shape.answers > 1 or prompts > 0  # tree attention or shared prompts: an explicit mask
+    cells = (rows * row * (row + Lp * (prompts > 0)) + prompts * Lp * Lp) * masked
+    layer = layer_saved_bytes(c, tokens, keys, cells, nb)
+    saved = L * tokens * C * 4 + layer if shape.gradient_checkpointing else L * layer
+    completion = rows * row - rows * Lp * (not shape.share_prompt)  # the tokens the head scores
+    head = tokens * (3 * C + 1) * 4 + completion * C * 4 * (2 if prompts else 1)  # final norm; hidden states
+    # backward runs the head, then the layers one at a time: its peak is the larger of their transients
+    layer_grads = tokens * (4 * c.intermediate_size + 4 * C) * 4 + keys * 2 * c.num_attention_heads * c.head_dim * 4
+    logits = min(max(1, 2**24 // V), completion) * V * 4 * 2  # a head chunk: recomputed logits, their gradient
+    return dict(activations=saved + head, backward=max(layer_grads, logits + V * C * 4))
+
+
+def scoring_bytes(c: ModelConfig, shape: Shape) -> int:
+    """A no-grad forward of the largest micro-batch: one layer's transients and a chunk of head logits."""
+    rows, row, prompts, Lp = micro_batch(shape)
+    tokens = rows * row + prompts * Lp
+    per_token = (4 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_attention_heads * c.head_dim) * 4
+    return tokens * per_token + min(max(1, 2**24 // c.vocab_size), rows * row) * c.vocab_size * 4 * 3
+
+
+def estimate(c: ModelConfig, shape: Shape, *, fixed: dict[str, int], world: int, fsdp: bool) -> dict[str, dict]:
+    """Each phase's peak, by term (bytes). fixed: what every phase holds (weights, optimizer state, on
+    CPU the process and the data pool), already divided over the ranks where FSDP shards it."""
+    N, K = n_params(c), shape.thoughts
+    grads = 4 * N // (world if fsdp else 1) + (4 * N if world > 1 and not fsdp else 0)  # DDP: + its buckets
+    M, P = shape.answers, shape.prompts
+    thought_rows = P * K if shape.thought_tokens else 0
+    phases = {
+        "sample": dict(kv_cache_and_logits=sampling_bytes(c, shape, P, P * K * M, thought_rows, shape.answer_tokens)),
+        "eval": dict(
+            kv_cache_and_logits=sampling_bytes(
+                c,
+                shape,
+                shape.eval_prompts,
+                shape.eval_prompts * max(1, shape.eval_samples),
+                0,
+                shape.thought_tokens + shape.answer_tokens,
+            )
+        ),
+        "update": dict(gradients=grads, **update_bytes(c, shape)),
+    }
+    if shape.score_pass:
+        phases["score_pass"] = dict(forward=scoring_bytes(c, shape))
+    return {name: {**fixed, **terms} for name, terms in phases.items()}
+
+
+# -----------------------------------------------------------------------------
+# What is available, and the check train.py runs
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can get: CUDA's free memory, or on CPU the smaller of MemAvailable and
+    what the cgroup (a container's limit) has left."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    free = [_meminfo("MemAvailable")]
+    for limit, used in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(f"/sys/fs/cgroup/{limit}") as f, open(f"/sys/fs/cgroup/{used}") as g:
+                free.append(int(f.read()) - int(g.read()))
+        except (OSError, ValueError):  # no such cgroup file, or "max" (no limit)
+            pass
+    return min(free)
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+    except (OSError, StopIteration):  # not Linux
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def process_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def example_bytes(task: Task, seed: int) -> tuple[int, list[dict]]:
+    """Bytes one training example of the data pool takes (measured with tracemalloc over DATA_SAMPLE
+    of them), and that sample."""
+    tracemalloc.start()
+    try:
+        sample = task.train(DATA_SAMPLE, seed)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    return math.ceil(used / max(1, len(sample))), sample
+
+
+# Flags that shrink each term, for the refusal.
+ADVICE = {
+    "data_pool": "--max-steps x --prompts-per-step (the training examples are drawn up front)",
+    "kv_cache_and_logits": "--prompts-per-step, --thoughts, --answers or --max-thought-tokens/--max-answer-tokens",
+    "activations": "--micro-batch-rows or --micro-batch-tokens, or pass --gradient-checkpointing",
+    "backward": "--micro-batch-rows or --micro-batch-tokens",
+    "forward": "--micro-batch-rows or --micro-batch-tokens",
+    "gradients": "the model size (or shard it: torchrun ... --fsdp)",
+    "weights": "the model size (or shard it: torchrun ... --fsdp)",
+    "optimizer": "the model size (--optimizer-offload moves it off a GPU; --fsdp shards it)",
+    "process": "other work in this process",
+}
+
+
+def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
+    """Estimate a training step's peak memory for train.py's config `cfg` and refuse, as a UserError
+    naming the flags to lower, a run whose largest phase cannot fit in what is available. Returns the
+    start line's phrase ("estimated peak ..."); "" when the model directory cannot be read (load_model
+    reports that)."""
+    try:
+        with open(os.path.join(cfg.model, "config.json")) as f:
+            c = config_from_hf(json.load(f))
+        tokenizer = load_tokenizer(cfg.model)
+    except (OSError, ValueError):
+        return ""
+    per_example, sample = example_bytes(task, cfg.seed)
+    examples = sample + task.test(min(cfg.eval_examples, DATA_SAMPLE), cfg.seed)
+    Lp = max(len(render_prompt(tokenizer, ex, task.system_prompt)) for ex in examples)
+    cuda, fsdp, N = device.type == "cuda", world > 1 and cfg.fsdp, n_params(c)
+    rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if cuda else "float32"
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and cuda)
+    M = cfg.answers
+    shape = Shape(
+        prompts=cfg.prompts_per_step // world,
+        thoughts=cfg.thoughts,
+        answers=M,
+        prompt_tokens=Lp,
+        thought_tokens=cfg.max_thought_tokens + len(tokenizer.encode(cfg.end_of_thought)) if M > 1 else 0,
+        answer_tokens=cfg.max_answer_tokens + (0 if M > 1 else cfg.max_thought_tokens),
+        micro_batch_rows=cfg.micro_batch_rows,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        share_prompt=cfg.share_prompt,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        eval_prompts=min(EVAL_BATCH_PROMPTS, cfg.eval_examples),
+        eval_samples=cfg.eval_samples,
+        rollout_bytes=2 if rollout == "bfloat16" else 4,
+        act_bytes=2 if bf16 else 4,
+        score_pass=cfg.mu > 1 or cfg.entropy_gate or cfg.entropy_gamma > 0 or cfg.beta > 0,
+    )
+    shard = world if fsdp else 1
+    weights = 4 * N // shard + (4 * N if fsdp else 0)  # FSDP: its shard, and the whole weights while sampling
+    weights += (shape.rollout_bytes * N if rollout != "float32" else 0) + (4 * N if cfg.beta > 0 else 0)
+    offloaded = cfg.optimizer_offload and cuda
+    fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * N // shard + 4 * N * cfg.optimizer_offload)
+    n_pool = cfg.max_steps * cfg.prompts_per_step * (1 + cfg.max_resample_rounds * cfg.dynamic_sampling)
+    if not cuda:  # the process and its data share the CPU's memory with the step
+        fixed = dict(process=process_bytes(), data_pool=n_pool * per_example, **fixed)
+    phases = estimate(c, shape, fixed=fixed, world=world, fsdp=fsdp)
+    phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    need, have = sum(terms.values()), available_bytes(device) + (fixed.get("process", 0))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if not cuda else 1  # CPU ranks share one machine
+    if need * local > have:
+        top = max(terms, key=terms.get)
+        shown = sorted(((k, v) for k, v in terms.items() if v >= 0.005 * GIB), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in shown)
+        raise UserError(
+            f"a training step needs about {need * local / GIB:.1f} GiB at its peak ({phase}: {parts} GiB) but "
+            f"{have / GIB:.1f} GiB are available on {device}: lower {ADVICE[top]}"
+        )
+    return f"estimated peak memory {need / GIB:.2f} GiB ({phase}) of {have / GIB:.1f} GiB available"

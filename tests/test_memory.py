@@ -1,0 +1,125 @@
+"""The memory estimate: its terms equal what the code allocates, and a step that cannot fit is refused
+before the data pool is built, in one sentence naming the flags to lower."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import memory
+from model import Block, ModelConfig, rope_cos_sin
+from pack import PromptKV
+from sampler import KVCache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config(family: str) -> ModelConfig:
+    qwen3 = family == "qwen3"
+    return ModelConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=88,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16 if qwen3 else 8,
+        model_type=family,
+        attention_bias=not qwen3,
+        qk_norm=qwen3,
+    )
+
+
+def saved_bytes(c: ModelConfig, rows: int, T: int, Lp: int) -> int:
+    """What autograd saves for one Block over `rows` rows of T tokens attending to one shared prompt of Lp tokens
+    (pack.token_stats' two passes; Lp = 0: one plainly causal pass), counted with saved-tensor hooks: every
+    distinct storage except the weights, RoPE's cos/sin and the boolean masks."""
+    torch.manual_seed(0)
+    block = Block(c, 0)
+    x = torch.randn(rows, T, c.hidden_size, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(T).expand(rows, T), c, x.dtype)
+    skip = {p.data_ptr() for p in block.parameters()} | {cos.data_ptr(), sin.data_ptr()}
+    seen = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.data_ptr() not in skip:
+            seen[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        if not Lp:
+            block(x, cos, sin, None, None)
+            return sum(seen.values())
+        prompt = torch.randn(1, Lp, c.hidden_size, requires_grad=True)
+        pcos, psin = rope_cos_sin(torch.arange(Lp)[None], c, x.dtype)
+        skip |= {pcos.data_ptr(), psin.data_ptr()}
+        kv = PromptKV()
+        block(prompt, pcos, psin, kv, torch.ones(Lp, Lp, dtype=torch.bool).tril().expand(1, 1, Lp, Lp))
+        block(
+            x, cos, sin, kv.rows(torch.zeros(rows, dtype=torch.long)), torch.ones(rows, 1, T, Lp + T, dtype=torch.bool)
+        )
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("rows, T, Lp", [(3, 7, 5), (2, 9, 0)])
+def test_layer_saved_bytes_equal_what_autograd_saves(family, rows, T, Lp):
+    """Guards against the update's activation estimate drifting from the model: the bytes autograd keeps per layer
+    (norm inputs, outputs and rstd, q, keys and values expanded to H heads, the attention's output and logsumexp,
+    SDPA's float copy of the mask, gate and up, Qwen3's q/k norms) are counted exactly, in both of pack.py's
+    layouts (a shared prompt with an explicit mask, and a plainly causal row)."""
+    c = config(family)
+    tokens, keys = rows * T + Lp, rows * (Lp + T) + Lp
+    cells = rows * T * (Lp + T) + Lp * Lp if Lp else 0
+    assert memory.layer_saved_bytes(c, tokens, keys, cells) == saved_bytes(c, rows, T, Lp)
+
+
+def test_kv_cache_bytes_equal_the_sampler_cache():
+    """Guards against the sampling estimate counting another cache than sampler.KVCache allocates."""
+    c = config("qwen2")
+    cache = KVCache(1, 6, c.num_key_value_heads, 40, c.head_dim, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert memory.kv_bytes(c, 6, 40, 2) == cache.k.nbytes + cache.v.nbytes
+
+
+@pytest.mark.parametrize(
+    "flags, phase, advice",
+    [
+        (["--prompts-per-step", "100000"], "sample", "lower --prompts-per-step, --thoughts, --answers or"),
+        (
+            [
+                "--algo",
+                "grpo",
+                "--prompts-per-step",
+                "512",
+                "--thoughts",
+                "8",
+                "--max-thought-tokens",
+                "150",
+                "--micro-batch-rows",
+                "4096",
+                "--max-steps",
+                "1",
+            ],
+            "update",
+            "lower --micro-batch-rows or --micro-batch-tokens, or pass --gradient-checkpointing",
+        ),
+    ],
+)
+def test_case6_a_step_that_cannot_fit_is_refused_before_the_data_pool(tmp_path, flags, phase, advice):
+    """Guards against --prompts-per-step 100000 growing the process to 23 GB until the kernel killed it, 198 s in
+    (exit 137, no message): the estimate comes before the data pool and the model, and names what to lower."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "train.py", *flags, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: a training step needs about ") and f" at its peak ({phase}: " in lines[0]
+    assert f"GiB are available on cpu: {advice}" in lines[0], lines[0]
+    assert not out.exists() and time.monotonic() - start < 120
