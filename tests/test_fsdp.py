@@ -192,9 +192,11 @@ def test_fsdp_with_bf16_rollouts_equals_one_process(tmp_path):
     a, b = steps(one), steps(fsdp)
     assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]  # the same rollouts at both steps
     assert all(r["tis/mean"] > 0 for r in b)
-    torch.testing.assert_close(
-        [r["tis/mean"] for r in a], [r["tis/mean"] for r in b], atol=1e-5, rtol=0
-    )  # fmt: skip
+    # The refreshed bf16 copies come from float32 masters a few 1e-7 apart (other reduction orders), and a
+    # master that close to a rounding boundary lands on the neighbouring bf16 value: the sampler's
+    # log-probs, and so the IS weights, move by bf16 quanta (4e-5 in the mean on an AMD EPYC, under 1e-5
+    # on the machine this test was written on). The rollouts themselves are compared exactly above.
+    torch.testing.assert_close([r["tis/mean"] for r in a], [r["tis/mean"] for r in b], atol=1e-4, rtol=0)
     w1, w2 = load_model(os.path.join(one, "final")).state_dict(), load_model(os.path.join(fsdp, "final")).state_dict()
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
