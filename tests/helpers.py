@@ -216,3 +216,22 @@ def lock_held_elsewhere(path: str) -> Iterator[subprocess.Popen]:
     finally:
         holder.kill()
         holder.wait()
+
+
+def count_compiled_steps(monkeypatch) -> list[str]:
+    """torch.compile replaced by a wrapper that checks it is given the sampler's static decode step and the
+    CUDA-graph mode, and records "compile" once and "step" per call (compiling itself takes minutes on CPU).
+    Returns the list it appends to."""
+    import torch
+
+    import sampler
+
+    calls = []
+
+    def fake_compile(fn, **kw):
+        assert fn is sampler.decode_step_static and kw == dict(mode="reduce-overhead", fullgraph=True)
+        calls.append("compile")
+        return lambda *args: calls.append("step") or fn(*args)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    return calls

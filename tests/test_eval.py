@@ -12,7 +12,7 @@ from itertools import combinations
 import pytest
 
 from eval import EvalConfig, evaluate, main, pass_at_k, plot_runs
-from helpers import lock_held_elsewhere
+from helpers import count_compiled_steps, lock_held_elsewhere
 from hf import load_model
 from tasks import TASK_NAMES, get_task
 from tokenizer import decode_completion, load_tokenizer
@@ -228,18 +228,7 @@ def test_compile_flag_decodes_through_the_compiled_step(monkeypatch) -> None:
     """Guards eval.py --compile being parsed but not used: the sampler's static decode step is
     compiled once and decoding goes through it (torch.compile is replaced by a counting wrapper here:
     compiling takes minutes on CPU), with the same results as without."""
-    import torch
-
-    import sampler
-
-    calls = []
-
-    def fake_compile(fn, **kw):
-        assert fn is sampler.decode_step_static and kw == dict(mode="reduce-overhead", fullgraph=True)
-        calls.append("compile")
-        return lambda *args: calls.append("step") or fn(*args)
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
+    calls = count_compiled_steps(monkeypatch)
     cfg = dict(model=BUNDLED, examples=4, n=2, max_new_tokens=20, seed=1)
     res = main(EvalConfig(**cfg, compile=True))
     assert calls[0] == "compile" and calls.count("compile") == 1 and calls.count("step") > 0

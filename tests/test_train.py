@@ -17,6 +17,7 @@ import torch
 import cli
 import sft
 import train
+from helpers import count_compiled_steps
 from hf import load_model, save_model
 from model import ModelConfig, Transformer
 from sft import build_char_tokenizer, write_tokenizer
@@ -414,16 +415,7 @@ def test_compile_flag_samples_through_the_compiled_step(tiny, tmp_path, monkeypa
     """Guards train.py --compile being parsed but not used: the sampler's static decode step is
     compiled once, and rollouts and the held-out evaluation both decode through it (torch.compile is
     replaced by a counting wrapper here: compiling takes minutes on CPU), sampling what eager does."""
-    import sampler
-
-    calls = []
-
-    def fake_compile(fn, **kw):
-        assert fn is sampler.decode_step_static and kw == dict(mode="reduce-overhead", fullgraph=True)
-        calls.append("compile")
-        return lambda *args: calls.append("step") or fn(*args)
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
+    calls = count_compiled_steps(monkeypatch)
     run = train.setup(small(tiny, str(tmp_path / "compiled"), compile=True))
     _, tree = train.sample(run, run.pool[:2], [0, 1])
     steps = calls.count("step")
