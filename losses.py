@@ -41,8 +41,9 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
 
 
-def _on_mask(obj: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, obj, torch.zeros_like(obj))
+def _on_mask(x: Tensor, mask: Tensor) -> Tensor:
+    """x on the mask, 0 elsewhere (entries apply it to adv first: padded garbage times a zero gradient is nan)."""
+    return torch.where(mask, x, torch.zeros_like(x))
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -66,6 +67,7 @@ def sapo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     tau_pos, tau_neg = float(hp.sapo_tau_pos), float(hp.sapo_tau_neg)
     bad = f"--sapo-tau-pos and --sapo-tau-neg must be > 0, got {tau_pos} and {tau_neg}"
     _need(tau_pos > 0 and tau_neg > 0, f"sapo_objective: {bad}")
+    adv = _on_mask(adv, mask)
     ratio = torch.exp(_log_ratio(logp, old_logp, mask).clamp(-20.0, 20.0))
     tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
@@ -79,9 +81,9 @@ def gmpo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     clip bounds are in LOG space (the paper's range (e^-0.4, e^0.4) is clip_low = clip_high = 0.4);
     l~_t = min(l_t, c_t) where A_t > 0, max(l_t, c_t) elsewhere (PPO's pessimistic side);
     s_i = exp(mean_t l~_t), A_i = mean_t A_t, and every token of row i carries the sequence value s_i * A_i.
-    The gradient reaches token t through the mean: A_i s_i / n_i on tokens whose l_t is inside the clip (or on the
-    side the clip does not bind), 0 on the others, which are cut: l_t > clip_high with A_t > 0, l_t < -clip_low with
-    A_t <= 0. At r = 1 the gradient is the GRPO one, A_i / n_i * grad logp_t.
+    d(s_i A_i) / d logp_t = A_i s_i / n_i where l_t is inside the clip (or beyond it on the side that does not bind),
+    0 on the others, which are cut: l_t > clip_high with A_t > 0, l_t < -clip_low with A_t <= 0. At r = 1 this is
+    GRPO's gradient, A_i / n_i per token.
     Aggregation: the references average the sequence value over sequences (TRL per_sequence_loss.mean(), verl
     torch.mean over rows, GMPO's code one sequence per micro-batch); seq_mean_token_mean weights reproduce that
     exactly. token_mean would weigh each sequence by its length. Follows TRL's experimental GMPOTrainer (A > 0 takes
@@ -94,13 +96,13 @@ def gmpo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     low, high = float(hp.clip_low), float(hp.clip_high)
     bad = f"--clip-low and --clip-high (log space under GMPO) must be > 0, got {low} and {high}"
     _need(low > 0 and high > 0, f"gmpo_objective: {bad}")
-    log_ratio = _log_ratio(logp, old_logp, mask)
+    adv, log_ratio = _on_mask(adv, mask), _log_ratio(logp, old_logp, mask)
     clamped = log_ratio.clamp(-low, high)
     pessimistic = torch.where(adv > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
     m = mask.to(logp.dtype)
     n = m.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
     seq_ratio = torch.exp((pessimistic * m).sum(-1, keepdim=True) / n)  # (B, 1) geometric mean of clipped ratios
-    seq_adv = (adv * m).sum(-1, keepdim=True) / n  # (B, 1)
+    seq_adv = adv.sum(-1, keepdim=True) / n  # (B, 1)
     obj = (seq_ratio * seq_adv).expand_as(logp)
     lr = log_ratio.detach()
     cut = mask & torch.where(adv > 0, lr > high, lr < -low)
@@ -125,7 +127,7 @@ def kl_cov_objective(
     _need(coef >= 0, f"kl_cov_objective: --kl-cov-coef must be >= 0, got {coef}")
     shapes = f"selected {tuple(selected.shape)} and mask {tuple(mask.shape)}"
     _need(selected.shape == mask.shape, f"kl_cov_objective: {shapes} must have one shape")
-    log_ratio = _log_ratio(logp, old_logp, mask)
+    adv, log_ratio = _on_mask(adv, mask), _log_ratio(logp, old_logp, mask)
     obj = torch.exp(log_ratio) * adv - coef * log_ratio.abs() * selected.to(logp.dtype)
     return _on_mask(obj, mask), torch.zeros_like(mask)
 
@@ -150,7 +152,7 @@ def dppo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     low, high, tau = float(hp.dppo_mask_low), float(hp.dppo_mask_high), float(hp.dppo_kl_tau)
     bad = f"--dppo-mask-low, --dppo-mask-high and --dppo-kl-tau must be >= 0, got {low}, {high}, {tau}"
     _need(low >= 0 and high >= 0 and tau >= 0, f"dppo_objective: {bad}")
-    log_ratio = _log_ratio(logp, old_logp, mask)
+    adv, log_ratio = _on_mask(adv, mask), _log_ratio(logp, old_logp, mask)
     zero = torch.zeros_like(logp)
     with torch.no_grad():
         gap = torch.exp(torch.where(mask, logp, zero)) - torch.exp(torch.where(mask, old_logp, zero))
@@ -169,7 +171,7 @@ def gpg_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp:
     compute_policy_loss_gpg (the same expression).
     """
     mask = mask.bool()
-    return _on_mask(adv * logp, mask), torch.zeros_like(mask)
+    return _on_mask(adv, mask) * _on_mask(logp, mask), torch.zeros_like(mask)
 
 
 def gpg_alpha(rewards: Tensor) -> float:
@@ -233,8 +235,9 @@ def clip_cov_mask(
     order from `generator` (seed it from the run's seed and step: the draw is then the same on resume).
     Follows verl's compute_policy_loss_clip_cov. Departures: it selects within each micro-batch, with the current
     log-probs, and excludes tokens the PPO clip already cut; here the selection is made once per step from the
-    scoring pass (before the update nothing is clipped yet), so the micro-batch split cannot change it; it is
-    verl's exactly for mu = 1 with the step as one micro-batch. Means are exact (verl adds 1e-8 to the count).
+    scoring pass (before the update nothing is clipped yet), so the micro-batch split cannot change it; for mu = 1
+    with the step as one micro-batch the rule is verl's (the draw itself comes from `generator`, verl's from the
+    global RNG). Means are exact (verl adds 1e-8 to the count).
     """
     _need(0 < ratio <= 1, f"clip_cov_mask: --clip-cov-ratio must be in (0, 1], got {ratio}")
     _need(low < high, f"clip_cov_mask: --clip-cov-lb must be below --clip-cov-ub, got {low} and {high}")

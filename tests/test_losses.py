@@ -27,8 +27,8 @@ from losses import (
 )
 
 NAN, INF = math.nan, math.inf
-# Four sequences, padded to T = 4. Row advantages +1.5, -0.8, 0, +0.6 repeated over the row (padding included, as the
-# trainer fills it). Padding holds garbage: -inf log-probs, nan old log-probs; nothing of it may reach the results.
+# Four sequences, padded to T = 4, with row advantages +1.5, -0.8, 0, +0.6 on their tokens. Padding holds garbage:
+# -inf log-probs, nan old log-probs and advantages; nothing of it may reach the results.
 MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
 ROW_ADV = [1.5, -0.8, 0.0, 0.6]
 OLD = [[-0.7, -1.0, -2.3, NAN], [-0.4, -1.9, NAN, NAN], [-1.1, -0.2, -3.0, -0.6], [-0.4, NAN, NAN, NAN]]
@@ -40,7 +40,7 @@ CELLS = [(i, t) for i in range(4) for t in range(4) if MASK[i][t]]
 def tensors():
     """(logp with grad, old_logp, adv, mask) as float64 [4, 4] tensors."""
     logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
-    adv = torch.tensor([[a] * 4 for a in ROW_ADV], dtype=torch.float64)
+    adv = torch.tensor([[a if m else NAN for m in MASK[i]] for i, a in enumerate(ROW_ADV)], dtype=torch.float64)
     return logp, torch.tensor(OLD, dtype=torch.float64), adv, torch.tensor(MASK, dtype=torch.bool)
 
 
@@ -76,7 +76,7 @@ def test_sapo_gate_values_and_gradients():
     on = torch.where(mask, logp.detach(), torch.zeros_like(logp)).requires_grad_(True)
     obj, _ = sapo_objective(on, on.detach(), adv, mask, hp)
     obj.sum().backward()
-    assert torch.allclose(on.grad, adv * mask, rtol=0, atol=1e-15)
+    assert torch.allclose(on.grad, adv.nan_to_num(), rtol=0, atol=1e-15)
     assert obj[0, 0].item() == pytest.approx(2 * 1.5) and obj[1, 0].item() == pytest.approx(2 / 1.05 * -0.8)
 
 
@@ -174,7 +174,7 @@ def test_kl_cov_penalty_is_inert_on_policy():
     on = torch.where(mask, logp.detach(), torch.zeros_like(logp)).requires_grad_(True)
     obj, _ = kl_cov_objective(on, on.detach(), adv, mask, SimpleNamespace(kl_cov_coef=1.0), selected=mask)
     obj.sum().backward()
-    assert torch.equal(on.grad, adv * mask)
+    assert torch.equal(on.grad, adv.nan_to_num())
 
 
 def test_clip_cov_drops_a_seeded_random_subset_of_the_covariance_band():
