@@ -258,7 +258,7 @@ def clip_cov_mask(
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, top_fraction: float) -> Tensor:
-    """ "Beyond the 80/20 rule" (arXiv 2506.01939): train only on the step's highest-entropy tokens.
+    """The 80/20 rule's entropy mask (arXiv 2506.01939): train only on the step's highest-entropy tokens.
 
     entropy (the scoring pass's token entropy), mask: [B, T], the whole step -> keep [B, T] bool.
     threshold = the (1 - top_fraction) quantile of the masked entropies, linear interpolation (torch.quantile's
@@ -337,7 +337,8 @@ def mismatch_is_weights(
     equivalents: rollout_is token/sequence with rollout_is_threshold (truncation, default 2, no lower bound, log-ratio
     clamped to +-20 before exp: identical unless a bound lies beyond e^+-20); its rejection sampling (rollout_rs
     token_k1, seq_sum_k1) is a 0/1 mask without the ratio, and it DROPS the rejected tokens from the normaliser
-    (response_mask is rewritten); for that, multiply (w > 0) into the mask before the token weights are computed.
+    (response_mask is rewritten): for that, compute the token weights from mask & (w > 0) and leave w out. Its k1
+    bounds apply to -log rho, i.e. to 1 / rho: the same as here for bounds symmetric in log space (0.5, 2).
     token_truncate with low = 0, high = C is the project's per-token truncated IS at cap C.
     """
     modes = ", ".join(ROLLOUT_IS_MODES)
