@@ -212,12 +212,14 @@ def start_line(
     steps = f"steps {step + 1}-{max_steps}, " + (
         f"resuming {resumed_from} at step {step}" if resumed_from else "from the start"
     )
-    return f"train: {algo}, model {model}, task {task}, on {device}; {steps}, into {out}; {memory}"
+    return f"train: {algo}, model {model}, task {task}, on {device}; {steps}, into {out}" + (
+        f"; {memory}" if memory else ""
+    )
 
 
-def end_summary(evals: list[dict], seconds: float, out: str, eval_flags: str, max_steps: int) -> str:
+def end_summary(evals: list[dict], seconds: float, out: str, files: list[str], eval_flags: str, max_steps: int) -> str:
     """Held-out accuracy at the run's first and last evaluation (eval rows of metrics.jsonl), this
-    process's wall time, the outputs, and the commands that evaluate and plot them."""
+    process's wall time, the output files in `out`, and the commands that evaluate and plot them."""
     lines = [f"done: step {max_steps} in {seconds // 60:.0f} min {seconds % 60:.0f} s (this process)"]
     if evals:
         first, last = evals[0], evals[-1]
@@ -227,7 +229,7 @@ def end_summary(evals: list[dict], seconds: float, out: str, eval_flags: str, ma
                 lines.append(f"held-out {name}: {change}")
     final = os.path.join(out, "final")
     lines += [
-        f"outputs: {out} (metrics.jsonl, samples.jsonl, config.json), weights in {final}",
+        f"outputs: {out} ({', '.join(files)}), weights in {final}",
         f"next: python eval.py --model {final} {eval_flags}--n 16  # pass@k of the trained model",
         f"      python eval.py --plot {out} --out {os.path.join(out, 'plot.png')}  # its curves",
     ]

@@ -976,17 +976,13 @@ def finish(run: Run, seconds: float) -> dict:
     if run.rank != 0:
         return {"first_eval": {}, "last_eval": {}}
     evals = eval_rows(cfg.out)
-    files = [("--task", cfg.task), ("--data", cfg.data), ("--test-data", cfg.test_data)]
-    limit = cfg.max_thought_tokens + cfg.max_answer_tokens
-    print(
-        end_summary(
-            evals,
-            seconds,
-            cfg.out,
-            "".join(f"{k} {v} " for k, v in files if v) + f"--max-new-tokens {limit} ",
-            cfg.max_steps,
-        )
+    files = [f for f in ("metrics.jsonl", "samples.jsonl", "config.json") if os.path.isfile(os.path.join(cfg.out, f))]
+    data = [("--task", cfg.task), ("--data", cfg.data), ("--test-data", cfg.test_data)]
+    flags = (
+        "".join(f"{k} {v} " for k, v in data if v)
+        + f"--max-new-tokens {cfg.max_thought_tokens + cfg.max_answer_tokens} "
     )
+    print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps))
     release_run_dir(cfg.out)
     return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}
 

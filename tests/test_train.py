@@ -563,11 +563,14 @@ def test_case9_the_start_line_and_the_summary_say_what_runs_where():
         {"step": 0, "eval/greedy_accuracy": 0.425, "eval/mean@4": 0.259, "eval/accuracy": 0.425},
         {"step": 200, "eval/greedy_accuracy": 0.74, "eval/mean@4": 0.676, "eval/accuracy": 0.74},
     ]
-    assert cli.end_summary(evals, 112.4, "runs/x", "--task synthetic --max-new-tokens 80 ", 200).splitlines() == [
+    files = ["metrics.jsonl", "config.json"]
+    assert cli.end_summary(
+        evals, 112.4, "runs/x", files, "--task synthetic --max-new-tokens 80 ", 200
+    ).splitlines() == [
         "done: step 200 in 1 min 52 s (this process)",
         "held-out greedy accuracy: 42.5% at step 0 -> 74.0% at step 200",
         "held-out mean@4: 25.9% at step 0 -> 67.6% at step 200",
-        "outputs: runs/x (metrics.jsonl, samples.jsonl, config.json), weights in runs/x/final",
+        "outputs: runs/x (metrics.jsonl, config.json), weights in runs/x/final",
         "next: python eval.py --model runs/x/final --task synthetic --max-new-tokens 80 --n 16  # pass@k of the "
         "trained model",
         "      python eval.py --plot runs/x --out runs/x/plot.png  # its curves",
