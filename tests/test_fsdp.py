@@ -198,5 +198,8 @@ def test_fsdp_with_bf16_rollouts_equals_one_process(tmp_path):
     # on the machine this test was written on). The rollouts themselves are compared exactly above.
     torch.testing.assert_close([r["tis/mean"] for r in a], [r["tis/mean"] for r in b], atol=1e-4, rtol=0)
     w1, w2 = load_model(os.path.join(one, "final")).state_dict(), load_model(os.path.join(fsdp, "final")).state_dict()
+    # The second update trains on those IS weights, so a weight may move by part of one AdamW step differently
+    # (lr 3e-4; seen: one element of 45k, 1e-5 to 8e-5 apart on an AMD EPYC, from run to run). A stale or
+    # wrong copy would change the step-2 rollouts above and every weight by whole steps.
     for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
+        torch.testing.assert_close(w1[k], w2[k], atol=3e-4, rtol=0)
