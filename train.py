@@ -55,10 +55,8 @@ from advantage import (
     noise_corrected_rewards,
     overlong_penalty,
     pairwise_distinct_advantages,
-    policy_loss,
     splice_anchor_rewards,
     token_weights,
-    truncated_is_weights,
     two_grpo_advantages,
 )
 from checkpoint import (
@@ -74,6 +72,7 @@ from checkpoint import (
 from cli import UserError, parse_config, user_errors
 from distributed import all_sum, fixed_mmap_threshold, full_params, gather_full_state, memory_peak, setup_distributed
 from eval import calibrate_noise, decode_completion, evaluate, select_examples
+from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
 from pack import Batch, pack, select_rows, split_rows, token_stats
 from rewards import noise_rates, score_batch
@@ -143,7 +142,8 @@ class TrainConfig:
     answer_weight: float = 1.0  # GRPO-MA: weight of the mean answer loss
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.2  # ratio clip above 1 + clip_high (DAPO clip-higher: 0.28)
-    sequence_ratio: bool = False  # GSPO: one length-normalised ratio per sequence
+    loss: str = "clip"  # policy objective (losses.py): clip = GRPO's clipped ratio, gspo = GSPO's sequence ratio
+    sequence_ratio: bool = False  # GSPO's sequence ratio: the same as --loss gspo (kept for existing commands)
     beta: float = 0.0  # KL penalty to the starting model (k3 estimator); > 0 loads a reference copy
     mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
     tis_cap: float = 2.0  # with a --rollout-dtype copy: token losses times min(pi_train / pi_sampler, CAP) (0 = off)
@@ -178,6 +178,7 @@ class TrainConfig:
         dtype=("auto", "float32", "bfloat16"),
         advantage=("grpo", "two_grpo", "agrae"),
         aggregation=AGGREGATIONS,
+        loss=tuple(LOSSES),
         lr_schedule=("cosine", "constant"),
         save_dtype=("auto", "float32", "bfloat16", "float16"),
         rollout_dtype=("auto", "float32", "bfloat16"),
@@ -227,13 +228,15 @@ class TrainConfig:
         need(self.pair_delta == -1 or pair, "--pair-delta must be >= 0 (-1 = off), with --advantage grpo --answers 1")
         one_answer = {
             "--anchors (an anchor is a whole reference completion, not a thought and its answers)": self.anchors,
-            "--sequence-ratio (GSPO)": self.sequence_ratio,
+            "--sequence-ratio (GSPO)" if self.sequence_ratio else "--loss gspo": loss_name(self) == "gspo",
             "GTPO controls": self.gtpo_conflict or self.entropy_gate or self.entropy_gamma,
             "--advantage agrae": self.advantage == "agrae",
             "--aggregation seq_mean_token_sum_norm": self.aggregation == "seq_mean_token_sum_norm",
         }
         for what, used in one_answer.items():
             need(not used or self.answers == 1, f"{what} needs --answers 1")
+        gspo = not self.sequence_ratio or self.loss in ("clip", "gspo")
+        need(gspo, f"--sequence-ratio is GSPO's ratio (--loss gspo); it contradicts --loss {self.loss}")
         limit = self.max_thought_tokens + self.max_answer_tokens
         need(self.overlong_buffer < limit, "--overlong-buffer must be shorter than the completion limit")
         same = self.resume and os.path.abspath(self.resume) == os.path.abspath(self.model)
@@ -244,7 +247,7 @@ PRESETS: dict[str, dict] = {
     "grpo": {},
     "dr_grpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm"),
     "dapo": dict(clip_high=0.28, aggregation="token_mean", dynamic_sampling=True, overlong_buffer=16),
-    "gspo": dict(sequence_ratio=True, clip_low=3e-4, clip_high=4e-4, mu=2),
+    "gspo": dict(loss="gspo", clip_low=3e-4, clip_high=4e-4, mu=2),
     "grpo_ma": dict(thoughts=4, answers=4),
     # 2-GRPO's recipe against 16-GRPO: same rollouts per step (prompts x8) and learning rate x8.
     "two_grpo": dict(
@@ -670,12 +673,8 @@ def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: 
                 if tis:  # rollouts from a cast copy: reweight tokens by min(pi_old / pi_sampler, cap)
                     w_is = truncated_is_weights(old, mb.sampler_logp, sampled, cfg.tis_cap)
                     w = w * w_is
-                loss, metrics = policy_loss(
-                    logp, old, adv[rows], w,
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.beta, sequence_ratio=cfg.sequence_ratio,
-                    ref_logp=None if ref_logp is None else ref_logp[rows], off_policy=off,
-                    off_policy_gamma=cfg.anchor_gamma,
-                )  # fmt: skip
+                ref = None if ref_logp is None else ref_logp[rows]
+                loss, metrics = policy_loss(logp, old, adv[rows], w, cfg, ref_logp=ref, off_policy=off)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 mask = completion[rows].float()

@@ -167,9 +167,9 @@ def test_anchor_logprobs_in_the_update_equal_a_plain_forward(tmp_path, monkeypat
     calls, wiring = [], []
     real_loss, real_update = train.policy_loss, train.update
 
-    def spy_loss(logp, old_logp, adv, weight, **kw):
-        calls.append(dict(logp=logp.detach().clone(), adv=adv, off=kw["off_policy"], gamma=kw["off_policy_gamma"]))
-        return real_loss(logp, old_logp, adv, weight, **kw)
+    def spy_loss(logp, old_logp, adv, weight, hp, **kw):
+        calls.append(dict(logp=logp.detach().clone(), adv=adv, off=kw["off_policy"], gamma=hp.anchor_gamma))
+        return real_loss(logp, old_logp, adv, weight, hp, **kw)
 
     def spy_update(run, step, micro, *args):
         wiring.append((micro, args[-1]))
