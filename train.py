@@ -32,6 +32,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
@@ -69,7 +70,7 @@ from checkpoint import (
     resume_flags,
     save_checkpoint,
 )
-from cli import UserError, parse_config, user_errors
+from cli import FlagError, UserError, first_error, out_of_range, parse_config, user_errors
 from distributed import all_sum, fixed_mmap_threshold, full_params, gather_full_state, memory_peak, setup_distributed
 from eval import calibrate_noise, decode_completion, evaluate, select_examples
 from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
@@ -170,7 +171,7 @@ class TrainConfig:
     samples_every: int = 10  # append decoded rollouts to OUT/samples.jsonl every N steps
     wandb: str = ""  # wandb project name (empty = off; needs the wandb package)
 
-    # The allowed values of every choice flag (shown by --help) and the bounds of numeric flags.
+    # The values of every choice flag (shown by --help) and the range of every numeric one (cli.in_range).
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(
         algo=ALGOS,
         task=TASK_NAMES,
@@ -183,64 +184,97 @@ class TrainConfig:
         save_dtype=("auto", "float32", "bfloat16", "float16"),
         rollout_dtype=("auto", "float32", "bfloat16"),
     )
-    AT_LEAST: ClassVar[dict[str, int]] = dict(
-        max_steps=1, prompts_per_step=1, thoughts=1, answers=1, max_answer_tokens=1, mu=1, micro_batch_rows=1,
-        eval_examples=1, max_resample_rounds=1, reward_workers=1, max_bad_steps=1, max_thought_tokens=0, top_k=0,
-        overlong_buffer=0, warmup_steps=0, eval_every=0, eval_samples=0, save_every=0, samples_every=0,
-        micro_batch_tokens=0,
-    )  # fmt: skip
-    POSITIVE: ClassVar[tuple[str, ...]] = (
-        "lr", "temperature", "top_p", "clip_low", "clip_high", "grad_clip", "anchor_gamma",
-    )  # fmt: skip
+    RANGES: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(("max_steps", "prompts_per_step", "thoughts", "answers", "max_answer_tokens"), ">= 1"),
+        **dict.fromkeys(("reward_workers", "mu", "micro_batch_rows", "max_bad_steps", "eval_examples"), ">= 1"),
+        **dict.fromkeys(("seed", "max_thought_tokens", "top_k", "thought_weight", "answer_weight", "beta"), ">= 0"),
+        **dict.fromkeys(("tis_cap", "warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every"), ">= 0"),
+        **dict.fromkeys(("eval_samples", "save_every", "samples_every"), ">= 0"),
+        **dict.fromkeys(("temperature", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
+        **dict(top_p="(0, 1]", clip_low="[0, 1)"),
+        # extensions
+        **dict(select_fraction="(0, 1]", max_resample_rounds=">= 1", overlong_buffer=">= 0", anchor_gamma="> 0"),
+        **dict(gtpo_w_pos=">= 0", gtpo_w_neg=">= 0", entropy_threshold="> 0", entropy_gamma=">= 0"),
+    }
 
     def __post_init__(self) -> None:
-        """Validate, never rewrite: an impossible combination is one clear sentence."""
+        """Validate, never rewrite: each value in its range, then each combination; the first impossible
+        one (with any other that fails the same way) is one clear sentence."""
+        errors = [*out_of_range(self, self.RANGES), *check(self)]
+        if errors:
+            raise first_error(errors)
 
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
+    @property
+    def completion_limit(self) -> int:
+        """Tokens of a completion, thought and answer (with answers = 1 the completion gets both limits)."""
+        return self.max_thought_tokens + self.max_answer_tokens
 
-        for name, allowed in self.CHOICES.items():
-            v = getattr(self, name)
-            ok = v in allowed or (name == "device" and v.startswith("cuda:"))
-            need(ok, f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {v!r}")
-        for name, low in self.AT_LEAST.items():
-            need(getattr(self, name) >= low, f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
-        for name in self.POSITIVE:  # also refuses inf and nan
-            need(0 < getattr(self, name) < math.inf, f"--{name.replace('_', '-')} must be > 0 and finite")
-        need(self.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
-        need(0 <= self.beta < math.inf and 0 <= self.weight_decay < math.inf, "--beta and --weight-decay must be >= 0")
-        need(0 <= self.tis_cap < math.inf, f"--tis-cap must be >= 0 and finite (0 = off), got {self.tis_cap}")
-        need(not (self.optimizer_offload and self.fsdp), "--optimizer-offload is for one process or DDP: --fsdp "
-             "already shards the optimizer state over the ranks")  # fmt: skip
-        need(self.thoughts * self.answers >= 2, "a group needs at least 2 samples: raise --thoughts or --answers")
-        need(self.answers == 1 or bool(self.end_of_thought), "--answers > 1 needs an --end-of-thought marker")
-        two = self.advantage != "two_grpo" or (self.thoughts, self.answers) == (2, 1)
-        need(two, "--advantage two_grpo needs --thoughts 2 --answers 1")
-        need(self.select in ("", *SELECTIONS), f"--select must be one of {', '.join(SELECTIONS)} or empty (off)")
-        need(0 < self.select_fraction <= 1, f"--select-fraction must be in (0, 1], got {self.select_fraction}")
-        need(bool(self.select) == bool(self.pass_rates), "--select and --pass-rates FILE go together")
-        noise_rates(self.reward_noise, "--reward-noise")  # a bad RHO_PLUS,RHO_MINUS is a one-sentence ValueError
-        noise_rates(self.noise_correct, "--noise-correct", auto=True)
-        need(not (self.noise_correct and self.std_normalize), "--noise-correct needs --no-std-normalize (or --algo "
-             "dr_grpo): a std normalisation cancels the correction exactly")  # fmt: skip
-        pair = 0 <= self.pair_delta < math.inf and self.advantage == "grpo" and self.answers == 1
-        need(self.pair_delta == -1 or pair, "--pair-delta must be >= 0 (-1 = off), with --advantage grpo --answers 1")
-        one_answer = {
-            "--anchors (an anchor is a whole reference completion, not a thought and its answers)": self.anchors,
-            "--sequence-ratio (GSPO)" if self.sequence_ratio else "--loss gspo": loss_name(self) == "gspo",
-            "GTPO controls": self.gtpo_conflict or self.entropy_gate or self.entropy_gamma,
-            "--advantage agrae": self.advantage == "agrae",
-            "--aggregation seq_mean_token_sum_norm": self.aggregation == "seq_mean_token_sum_norm",
-        }
-        for what, used in one_answer.items():
-            need(not used or self.answers == 1, f"{what} needs --answers 1")
-        gspo = not self.sequence_ratio or self.loss in ("clip", "gspo")
-        need(gspo, f"--sequence-ratio is GSPO's ratio (--loss gspo); it contradicts --loss {self.loss}")
-        limit = self.max_thought_tokens + self.max_answer_tokens
-        need(self.overlong_buffer < limit, "--overlong-buffer must be shorter than the completion limit")
-        same = self.resume and os.path.abspath(self.resume) == os.path.abspath(self.model)
-        need(not same, "--resume and --model name the same directory")
+
+def check(cfg: TrainConfig) -> Iterator[FlagError]:
+    """The combinations of flags the trainer refuses."""
+    for name, allowed in cfg.CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in allowed and not (name == "device" and value.startswith("cuda:")):
+            yield FlagError((name,), f"must be one of {', '.join(allowed)}, got {value!r}")
+    if cfg.optimizer_offload and cfg.fsdp:
+        why = "is for one process or DDP: --fsdp already shards the optimizer state over the ranks"
+        yield FlagError(("optimizer_offload",), why, ("fsdp",))
+    if cfg.thoughts * cfg.answers < 2:
+        yield FlagError(
+            (), "needs at least 2 samples: raise --thoughts or --answers", ("thoughts", "answers"), "a group"
+        )
+    if cfg.answers > 1 and not cfg.end_of_thought:
+        yield FlagError(
+            ("answers",), "needs an --end-of-thought marker", ("end_of_thought",), f"--answers {cfg.answers}"
+        )
+    if cfg.advantage == "two_grpo" and (cfg.thoughts, cfg.answers) != (2, 1):
+        yield FlagError(
+            ("advantage",), "needs --thoughts 2 --answers 1", ("thoughts", "answers"), "--advantage two_grpo"
+        )
+    if cfg.sequence_ratio and cfg.loss not in ("clip", "gspo"):
+        yield FlagError(
+            ("sequence_ratio",), f"is GSPO's ratio (--loss gspo); it contradicts --loss {cfg.loss}", ("loss",)
+        )
+    gtpo = tuple(f for f in ("gtpo_conflict", "entropy_gate", "entropy_gamma") if getattr(cfg, f))
+    one_answer = [  # (fields, how the sentence names them, in use): each needs whole completions as rows
+        (("loss",), "--loss gspo", loss_name(cfg) == "gspo" and not cfg.sequence_ratio),
+        (("sequence_ratio",), "--sequence-ratio (GSPO)", cfg.sequence_ratio),
+        (("advantage",), "--advantage agrae", cfg.advantage == "agrae"),
+        (("aggregation",), "--aggregation seq_mean_token_sum_norm", cfg.aggregation == "seq_mean_token_sum_norm"),
+        (gtpo, "", bool(gtpo)),
+        (("pair_delta",), "", cfg.pair_delta >= 0),
+        (
+            ("anchors",),
+            "--anchors (an anchor is a whole reference completion, not a thought and its answers)",
+            cfg.anchors,
+        ),
+    ]
+    for fields, subject, used in one_answer:
+        if used and cfg.answers > 1:
+            yield FlagError(fields, "needs --answers 1", ("answers",), subject)
+    if cfg.select not in ("", *SELECTIONS):
+        yield FlagError(("select",), f"must be one of {', '.join(SELECTIONS)} or empty (off), got {cfg.select!r}")
+    if bool(cfg.select) != bool(cfg.pass_rates):
+        yield FlagError(("select", "pass_rates"), "go together", subject="--select and --pass-rates FILE")
+    noise_rates(cfg.reward_noise, "--reward-noise")  # a bad RHO_PLUS,RHO_MINUS is a one-sentence ValueError
+    noise_rates(cfg.noise_correct, "--noise-correct", auto=True)
+    if cfg.noise_correct and cfg.std_normalize:
+        why = "needs --no-std-normalize (or --algo dr_grpo): a std normalisation cancels the correction exactly"
+        yield FlagError(("noise_correct",), why, ("std_normalize",))
+    if not (cfg.pair_delta == -1 or 0 <= cfg.pair_delta < math.inf):
+        yield FlagError(("pair_delta",), f"must be >= 0 (-1 = off), got {cfg.pair_delta}")
+    if cfg.pair_delta >= 0 and cfg.advantage != "grpo":
+        yield FlagError(("pair_delta",), "needs --advantage grpo (the pair mask is its own advantage)", ("advantage",))
+    if cfg.overlong_buffer >= cfg.completion_limit:
+        why = "must be shorter than the completion limit (--max-thought-tokens + --max-answer-tokens)"
+        yield FlagError(
+            ("overlong_buffer",),
+            why,
+            ("max_thought_tokens", "max_answer_tokens"),
+            f"--overlong-buffer {cfg.overlong_buffer}",
+        )
+    if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
+        yield FlagError(("resume",), "and --model name the same directory", ("model",))
 
 
 PRESETS: dict[str, dict] = {

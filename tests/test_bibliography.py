@@ -249,8 +249,8 @@ def test_select_hardest_trains_only_on_selected_prompts(tmp_path):
         (["--noise-correct", "1,0", "--no-std-normalize"], "each flip rate must be in [0, 1)"),
         (["--pair-delta", "-0.5"], "--pair-delta must be >= 0"),
         (["--pair-delta", "nan"], "--pair-delta must be >= 0"),
-        (["--pair-delta", "0.1", "--answers", "2"], "--pair-delta must be >= 0 (-1 = off), with --advantage grpo"),
-        (["--algo", "dagrpo", "--advantage", "agrae"], "--pair-delta must be >= 0 (-1 = off), with --advantage grpo"),
+        (["--pair-delta", "0.1", "--answers", "2"], "--pair-delta needs --answers 1"),
+        (["--algo", "dagrpo", "--advantage", "agrae"], "--algo dagrpo sets --pair-delta, which needs --advantage grpo"),
     ],
 )
 def test_bad_flags_are_one_sentence(tmp_path, argv, message):

@@ -429,3 +429,78 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
     base = train.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
     # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
     assert torch.equal(weight / base.clamp(min=1e-30) * (base > 0), torch.tensor([[2.0, 2.0, 1.0], [0.0, 0.0, 1.0]]))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--clip-low", "2"], "--clip-low must be in [0, 1), got 2.0"),
+        (["--clip-low", "-0.1"], "--clip-low must be in [0, 1), got -0.1"),
+        (["--clip-high", "0"], "--clip-high must be > 0 and finite, got 0.0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+        (["--beta", "nan"], "--beta must be >= 0 and finite, got nan"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+        (["--thought-weight", "-1"], "--thought-weight must be >= 0 and finite, got -1.0"),
+        (["--agrae-alpha", "0"], "--agrae-alpha must be > 0 and finite, got 0.0"),
+        (["--entropy-threshold", "0"], "--entropy-threshold must be > 0 and finite, got 0.0"),
+        (["--gtpo-w-neg", "-1"], "--gtpo-w-neg must be >= 0 and finite, got -1.0"),
+        (["--max-resample-rounds", "0"], "--max-resample-rounds must be >= 1, got 0"),
+        (["--overlong-buffer", "-1"], "--overlong-buffer must be >= 0, got -1"),
+    ],
+)
+def test_numeric_flags_are_range_checked_when_parsed(argv, message):
+    """Guards against a numeric flag outside its range being accepted silently (--clip-low 2 once was: a
+    clip range whose low end is negative) or failing only after the model has loaded: parsing alone refuses it."""
+    with pytest.raises(cli.UserExit) as e:
+        cli.parse_config(TrainConfig, argv, presets=PRESETS, preset_field="algo")
+    assert str(e.value) == message + " (see --help)"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--algo", "dagrpo", "--answers", "4"],
+            "--algo dagrpo sets --aggregation seq_mean_token_sum_norm/--pair-delta/--anchors (an anchor is a whole "
+            "reference completion, not a thought and its answers), which need --answers 1",
+        ),
+        (
+            ["--algo", "dagrpo", "--anchors", "--answers", "4"],
+            "--aggregation seq_mean_token_sum_norm/--pair-delta/--anchors (an anchor is a whole reference completion, "
+            "not a thought and its answers) need --answers 1 (--algo dagrpo sets --aggregation "
+            "seq_mean_token_sum_norm, --pair-delta 0.1)",
+        ),
+        (
+            ["--algo", "grpo_ma", "--sequence-ratio"],
+            "--sequence-ratio (GSPO) needs --answers 1 (--algo grpo_ma sets --answers 4)",
+        ),
+        (
+            ["--algo", "two_grpo", "--thoughts", "4"],
+            "--algo two_grpo sets --advantage two_grpo, which needs --thoughts 2 --answers 1",
+        ),
+        (
+            ["--algo", "gtpo", "--answers", "2"],
+            "--algo gtpo sets --gtpo-conflict/--entropy-gate/--entropy-gamma, which need --answers 1",
+        ),
+        (
+            ["--algo", "grpo_ma", "--end-of-thought", ""],
+            "--algo grpo_ma sets --answers 4, which needs an --end-of-thought marker",
+        ),
+        (["--pair-delta", "0.1", "--answers", "2"], "--pair-delta needs --answers 1"),
+    ],
+)
+def test_a_presets_value_is_never_blamed_as_typed(argv, message):
+    """Guards against an error that names a flag the user did not type as the problem (`--algo dagrpo --answers 4`
+    once said `--pair-delta must be ...`): what a preset set is said to come from the preset, and checks that fail
+    the same way are one sentence."""
+    with pytest.raises(cli.UserExit) as e:
+        cli.parse_config(TrainConfig, argv, presets=PRESETS, preset_field="algo")
+    assert str(e.value) == message + " (see --help)"
+
+
+def test_every_preset_is_valid_alone():
+    """Guards against a preset whose own values contradict each other (every run of it would be refused)."""
+    for name in PRESETS:
+        cli.parse_config(TrainConfig, ["--algo", name], presets=PRESETS, preset_field="algo")
