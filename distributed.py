@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import resource
 
@@ -39,6 +40,13 @@ def setup_distributed(cfg) -> tuple[int, int, torch.device]:
         if cfg.prompts_per_step % world:
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must divide evenly over {world} ranks")
     return rank, world, device
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed from (seed, step, global prompt index, ...): the same global batch gives the same
+    rollouts whatever the world size or batch composition."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:

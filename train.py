@@ -26,7 +26,8 @@ on-policy); rows of a micro-batch are padded to its longest row; evaluation runs
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
+import itertools
 import json
 import math
 import os
@@ -71,13 +72,33 @@ from checkpoint import (
     save_checkpoint,
 )
 from cli import FlagError, UserError, first_error, out_of_range, parse_config, user_errors
-from distributed import all_sum, fixed_mmap_threshold, full_params, gather_full_state, memory_peak, setup_distributed
+from distributed import (
+    all_sum,
+    derive_seed,
+    fixed_mmap_threshold,
+    full_params,
+    gather_full_state,
+    memory_peak,
+    setup_distributed,
+)
 from eval import calibrate_noise, decode_completion, evaluate, select_examples
 from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
-from pack import Batch, pack, select_rows, split_rows, token_stats
+from pack import (
+    Answer,
+    Batch,
+    Group,
+    completions,
+    pack,
+    per_completion,
+    per_group,
+    rollouts,
+    select_rows,
+    split_rows,
+    token_stats,
+)
 from rewards import noise_rates, score_batch
-from sampler import StopText, Tree, sample_tree, splice_tree
+from sampler import StopText, Tree, sample_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
 
 # -----------------------------------------------------------------------------
@@ -301,14 +322,7 @@ assert tuple(PRESETS) == ALGOS
 
 
 # -----------------------------------------------------------------------------
-# Small helpers: seeds and the learning-rate schedule
-
-
-def derive_seed(*parts: int) -> int:
-    """A seed from (seed, step, global prompt index, ...): the same global batch gives the same
-    rollouts whatever the world size or batch composition."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+# Setup: the long-lived objects of a run
 
 
 def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
@@ -320,10 +334,6 @@ def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
     return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-# -----------------------------------------------------------------------------
-# Setup: the long-lived objects of a run
-
-
 @dataclass
 class Run:
     """Everything a step needs that outlives the step: a bag of state, passed to each step function."""
@@ -332,10 +342,8 @@ class Run:
     rank: int
     world: int
     device: torch.device
-    autocast: torch.dtype | None  # bf16 autocast (None = plain float32)
     policy: Transformer  # the trained model (its parameters are sharded in place under FSDP)
     model: torch.nn.Module  # what the update runs: the policy, or its DDP wrapper
-    fsdp: bool
     reference: Transformer | None  # frozen starting model for the KL penalty (beta > 0)
     tokenizer: object
     task: Task
@@ -345,10 +353,20 @@ class Run:
     marker: StopText  # the end-of-thought marker (used when answers > 1)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    state: dict  # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, gate_on
-    wandb: object | None = None
+    state: dict  # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, and the extensions' state
     sampler: Transformer | None = None  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
     host_params: list[torch.Tensor] | None = None  # --optimizer-offload: the CPU float32 copies AdamW steps
+    wandb: object | None = None
+
+    @property
+    def fsdp(self) -> bool:
+        return self.world > 1 and self.cfg.fsdp
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """bf16 autocast (None = plain float32)."""
+        bf16 = self.cfg.dtype == "bfloat16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
+        return torch.bfloat16 if bf16 else None
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -365,11 +383,8 @@ def setup(cfg: TrainConfig) -> Run:
     pool = task.train(n, cfg.seed)
     topups = task.train(n * cfg.max_resample_rounds, derive_seed(cfg.seed, 1)) if cfg.dynamic_sampling else []
     heldout = task.test(cfg.eval_examples, cfg.seed)
-    if cfg.anchors and all(task.reference(ex) is None for ex in pool + topups):  # some may lack one: no anchor there
-        raise UserError(
-            f"--anchors needs reference solutions but no training example of task '{task.name}' has one "
-            "(synthetic: the SFT completion; gsm8k, math: the 'solution' field); drop --anchors (or pass --no-anchors)"
-        )
+    if cfg.anchors:
+        check_references(task, pool + topups)
     resume_dir = find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
         check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
@@ -383,11 +398,13 @@ def setup(cfg: TrainConfig) -> Run:
     reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta else None
     # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
     marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
-    new = cfg.max_thought_tokens + cfg.max_answer_tokens + (len(marker.ids) if cfg.answers > 1 else 0)
+    new = cfg.completion_limit + (len(marker.ids) if cfg.answers > 1 else 0)
     context = policy.config.max_position_embeddings
     if new >= context:
-        raise UserError(f"--max-thought-tokens + --max-answer-tokens ({new}) leave no room for a prompt in the "
-                        f"model's context of {context} tokens")  # fmt: skip
+        raise UserError(
+            f"--max-thought-tokens + --max-answer-tokens ({new}) leave no room for a prompt in the "
+            f"model's context of {context} tokens"
+        )
     limit = f"the model's context of {context} tokens minus the completion limit of {new}"
     check_prompt_lengths(tokenizer, pool + topups + heldout, task.system_prompt, context - new, limit)
     model, fsdp = policy, world > 1 and cfg.fsdp
@@ -405,16 +422,15 @@ def setup(cfg: TrainConfig) -> Run:
     host = [host_copy(p, device) for p in policy.parameters()] if cfg.optimizer_offload else None
     # fused: one kernel over all parameters (7.6x the default per-tensor loop on this CPU, as TRL's default
     # adamw_torch_fused); FSDP's sharded DTensor parameters keep the default implementation.
-    optimizer = torch.optim.AdamW(host or policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                  weight_decay=cfg.weight_decay, fused=not fsdp)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        host or policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    run = Run(cfg, rank, world, device, torch.bfloat16 if bf16 else None, policy, model, fsdp, reference, tokenizer,
-              task, pool, topups, heldout, marker, optimizer, scheduler, state)  # fmt: skip
     if resume_dir:
-        run.state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
-    run.host_params = host
+        state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
+    run = Run(cfg, rank, world, device, policy, model, reference, tokenizer, task, pool, topups, heldout, marker,
+              optimizer, scheduler, state, host_params=host)  # fmt: skip
     if host and resume_dir:  # the resumed masters
         with torch.no_grad():
             for h, p in zip(host, policy.parameters(), strict=True):
@@ -472,20 +488,6 @@ def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:
 # Steps 1-2: sample and score
 
 
-@dataclass
-class Rollouts:
-    """One rank's share of a step: P prompts, K thoughts each, M answers per thought."""
-
-    examples: list[dict]  # (P,)
-    prompts: list[list[int]]  # (P,) prompt token ids
-    tree: Tree  # thoughts (P*K) and answers (P*K*M), with the sampler's log-probs
-    reward: torch.Tensor  # (P, K, M) float32
-    correct: torch.Tensor  # (P, K, M) float32 0/1: the task's own correctness (rewards may add shaping)
-    lengths: torch.Tensor  # (P, K, M) long: thought + answer tokens
-    credit: torch.Tensor  # (P, K, M) float32: the task's partial credit with --pair-delta (else the reward)
-    anchor: torch.Tensor | None = None  # (P, K, M) bool: the rollout is the example's reference solution (--anchors)
-
-
 def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[int]], Tree]:
     """1. Render P prompts and sample K thoughts x M answers each (M = 1: K plain completions)."""
     cfg, M = run.cfg, run.cfg.answers
@@ -500,91 +502,138 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
     return prompts, tree
 
 
-def score(run: Run, examples: list[dict], tree: Tree, seeds: list[int]) -> tuple[torch.Tensor, ...]:
-    """2. Rewards (--reward-noise: flipped by each prompt's rollout seed), correctness, lengths, credit (P, K, M)."""
-    cfg, K, M = run.cfg, run.cfg.thoughts, run.cfg.answers
-    texts, lengths, exs = [], [], []
-    for a, ans in enumerate(tree.answers):
-        thought = tree.thoughts[a // M]
-        texts.append(decode_completion(run.tokenizer, thought + ans))
-        lengths.append(len(thought) + len(ans))
-        exs.append(examples[a // (K * M)])
+def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, seeds: list[int]) -> list[Group]:
+    """2. The step's record: every completion's text, reward (transformed: --reward-noise flips it by its
+    prompt's rollout seed, DAPO's overlong penalty is added), the task's correctness and the pair mask's credit."""
+    cfg = run.cfg
+    groups = rollouts(examples, prompts, tree, cfg.thoughts, cfg.answers)
+    done = list(completions(groups))
+    texts = [decode_completion(run.tokenizer, t.tokens + a.tokens) for _, t, a in done]
+    exs = [g.example for g, _, _ in done]
     reward = torch.tensor(score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), dtype=torch.float32)
-    if cfg.reward_noise:  # one generator per prompt: batching and world size cannot change the flips
-        gens = [torch.Generator().manual_seed(derive_seed(s, 2)) for s in seeds]
-        reward = flip_rewards(reward.view(len(seeds), -1), *noise_rates(cfg.reward_noise, ""), gens).flatten()
-    fine = run.task.partial_credit if cfg.pair_delta >= 0 else None  # DaGRPO's score; a task without one: the reward
-    credit = reward if fine is None else torch.tensor(score_batch(fine, texts, exs, max_workers=cfg.reward_workers))
-    correct = torch.tensor([run.task.correct(t, e) for t, e in zip(texts, exs)], dtype=torch.float32)
-    lengths = torch.tensor(lengths)
+    reward = inject_noise(reward.view(len(groups), -1), seeds, cfg).flatten() if cfg.reward_noise else reward
+    credit = pair_credit(run.task, texts, exs, cfg) if cfg.pair_delta >= 0 else None
+    credit = reward if credit is None else credit  # a task without a partial credit: the reward
+    correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
     if cfg.overlong_buffer:
-        reward = reward + overlong_penalty(lengths, cfg.max_thought_tokens + cfg.max_answer_tokens, cfg.overlong_buffer)
-    return reward.view(-1, K, M), correct.view(-1, K, M), lengths.view(-1, K, M), credit.view(-1, K, M)
+        lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done])
+        reward = reward + overlong_penalty(lengths, cfg.completion_limit, cfg.overlong_buffer)
+    for (_, _, a), text, r, c, s in zip(done, texts, reward.tolist(), correct, credit.tolist()):
+        a.text, a.reward, a.correct, a.credit = text, r, c, s
+    return groups
 
 
-def dynamic_sampling(run: Run, step: int, slots: list[int], ro: Rollouts) -> int:
-    """2b. DAPO: replace prompts whose K*M rewards are all equal with fresh ones, slot by slot, for
-    up to --max-resample-rounds rounds (in place). Returns how many prompts were replaced."""
-    cfg, K, M = run.cfg, run.cfg.thoughts, run.cfg.answers
+def draw(run: Run, examples: list[dict], seeds: list[int]) -> list[Group]:
+    """1-2 for fresh prompts: sample, then score."""
+    return score(run, examples, *sample(run, examples, seeds), seeds)
+
+
+def rollout_metrics(run: Run, groups: list[Group]) -> dict:
+    """What the policy sampled this step (global over ranks unless noted), read before any transform
+    of the rollouts that trains on other tokens (DaGRPO's anchors)."""
+    world, M = run.world, run.cfg.answers
+    reward, correct = per_completion(groups, "reward"), per_completion(groups, "correct")
+    lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in completions(groups)]).view(reward.shape)
+    thoughts = [t for g in groups for t in g.thoughts]
+    answers = [a for t in thoughts for a in t.answers]
+    generated = sum(len(t.tokens) + sum(len(a.tokens) for a in t.answers) for t in thoughts)
+    return {
+        "reward/mean": (all_sum(reward.sum(), world) / all_sum(reward.numel(), world)).item(),
+        "reward/std": reward.std().item(),  # this rank's (rank 0's) rollouts
+        "accuracy": (all_sum(correct.sum(), world) / all_sum(correct.numel(), world)).item(),
+        "frac_zero_std_groups": (~dynamic_sampling_keep(reward.view(len(groups), -1))).float().mean().item(),
+        "len/completion_mean": lengths.float().mean().item(),
+        "truncated_frac": sum(a.finish == "length" for a in answers) / len(answers),
+        "thought_truncated_frac": sum(t.truncated for t in thoughts) / len(thoughts) if M > 1 else 0.0,
+        "tokens/generated": all_sum(generated, world).item(),
+    }
+
+
+def log_samples(run: Run, step: int, groups: list[Group]) -> None:
+    """A few of the step's completions, as sampled, to OUT/samples.jsonl."""
+    for g, _, a in itertools.islice(completions(groups), 4):
+        log(run, dict(step=step, prompt=g.example["prompt"], completion=a.text, reward=a.reward), file="samples.jsonl")
+
+
+def dynamic_sampling(
+    groups: list[Group], step: int, slots: list[int], topups: list[dict], cfg: TrainConfig, redraw
+) -> tuple[list[Group], int]:
+    """2b. DAPO: replace the groups whose K*M rewards are all equal with fresh prompts from `topups`, slot by
+    slot, for up to --max-resample-rounds rounds; redraw(examples, seeds) samples and scores them. Returns the
+    groups and how many were replaced."""
     n_resampled = 0
     for rnd in range(1, cfg.max_resample_rounds + 1):
-        flat = ~dynamic_sampling_keep(ro.reward.view(len(slots), -1))
-        if not flat.any():
+        rewards = per_group(groups, "reward")
+        redo = (~dynamic_sampling_keep(rewards)).nonzero().flatten().tolist()
+        if not redo:
             break
-        redo = flat.nonzero().flatten().tolist()
-        new_ex = [
-            run.topups[(step * cfg.prompts_per_step + slots[i]) * cfg.max_resample_rounds + rnd - 1] for i in redo
-        ]
+        index = [(step * cfg.prompts_per_step + slots[i]) * cfg.max_resample_rounds + rnd - 1 for i in redo]
         seeds = [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo]
-        new_prompts, new_tree = sample(run, new_ex, seeds)
-        new_r, new_c, new_l, new_s = score(run, new_ex, new_tree, seeds)
-        for j, i in enumerate(redo):
-            ro.examples[i], ro.prompts[i] = new_ex[j], new_prompts[j]
-            ro.reward[i], ro.correct[i], ro.lengths[i], ro.credit[i] = new_r[j], new_c[j], new_l[j], new_s[j]
-            splice_tree(ro.tree, i, new_tree, j, K, M)
+        for i, group in zip(redo, redraw([topups[j] for j in index], seeds)):
+            groups[i] = group
         n_resampled += len(redo)
-    return n_resampled
+    return groups, n_resampled
 
 
-def splice_anchors(run: Run, ro: Rollouts) -> tuple[Rollouts, dict[str, int]]:
+def splice_anchors(groups: list[Group], task: Task, tokenizer, limit: int) -> tuple[list[Group], dict[str, int]]:
     """2c. DaGRPO's anchors (a RECONSTRUCTION; M = 1): in each group with no correct rollout, the last rollout is
     replaced by the example's reference solution, task.reference(example) tokenised and ended by the end-of-turn
     token, with reward 1 (advantage.splice_anchor_rewards), correct 1 and the top credit 1 (the pair mask then
     compares every wrong rollout with it). A group gets no anchor when its example has no reference, when the
     reference's tokens fail the task's own check or exceed the completion limit (never truncated). Packing, the
-    score pass and the update then see the reference's tokens; the update trains them off-policy (policy_loss's
-    off_policy shaping), so they need no sampler log-probs (0 here) and no old log-probs.
+    score pass and the update then see the reference's tokens; the update trains them off-policy (Answer.sampled
+    False: policy_loss's off-policy shaping), so they need no sampler log-probs (0 here) and no old log-probs.
 
-    ro: the policy's own rollouts (P, K, 1), left unchanged (the step's metrics describe them). Returns the
-    rollouts to train on, with .anchor (P, K, 1) bool, and counts: anchors (groups that got one),
-    anchors/too_long and anchors/no_reference (groups that needed one but could not get it)."""
-    cfg, tok, K = run.cfg, run.tokenizer, run.cfg.thoughts
-    P, limit = len(ro.examples), cfg.max_thought_tokens + cfg.max_answer_tokens  # M = 1: one completion limit
-    spliced, anchor = splice_anchor_rewards(ro.reward.view(P, K), ro.correct.view(P, K))  # (P, K) x2
-    answers, logprobs, finish = list(ro.tree.answers), list(ro.tree.answer_logprobs), list(ro.tree.answer_finish)
-    tree = replace(ro.tree, answers=answers, answer_logprobs=logprobs, answer_finish=finish)  # ro.tree stays as sampled
-    lengths = ro.lengths.view(P, K).clone()
-    counts = {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 0}
+    groups: the policy's own rollouts, left unchanged. Returns the rollouts to train on and counts: anchors
+    (groups that got one), anchors/too_long and anchors/no_reference (groups that needed one but could not)."""
+    spliced, anchor = splice_anchor_rewards(per_group(groups, "reward"), per_group(groups, "correct"))
+    out, counts = list(groups), {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 0}
     for p in anchor[:, -1].nonzero().flatten().tolist():
-        text = run.task.reference(ro.examples[p])
-        ids = [] if text is None else tok.encode(text) + ([] if tok.end_id is None else [tok.end_id])
-        if not ids or run.task.correct(decode_completion(tok, ids), ro.examples[p]) != 1:
-            outcome = "anchors/no_reference"
-        elif len(ids) > limit:
-            outcome = "anchors/too_long"
-        else:
-            outcome = "anchors"
-            b = p * K + K - 1  # the group's last rollout (M = 1: the thought is empty, the answer is the completion)
-            tree.answers[b], tree.answer_logprobs[b], tree.answer_finish[b] = ids, [0.0] * len(ids), "stop"
-            lengths[p, -1] = len(ids)
+        text = task.reference(groups[p].example)
+        ids = [] if text is None else tokenizer.encode(text) + ([] if tokenizer.end_id is None else [tokenizer.end_id])
+        completion = decode_completion(tokenizer, ids)
+        outcome = "anchors" if len(ids) <= limit else "anchors/too_long"
+        outcome = "anchors/no_reference" if not ids or task.correct(completion, groups[p].example) != 1 else outcome
         counts[outcome] += 1
-        anchor[p, -1] = outcome == "anchors"
-    trained = replace(
-        ro, tree=tree, reward=torch.where(anchor, spliced, ro.reward.view(P, K)).view(P, K, 1),
-        correct=ro.correct.view(P, K).masked_fill(anchor, 1.0).view(P, K, 1), lengths=lengths.view(P, K, 1),
-        credit=ro.credit.view(P, K).masked_fill(anchor, 1.0).view(P, K, 1), anchor=anchor.view(P, K, 1),
-    )  # fmt: skip
-    return trained, counts
+        if outcome == "anchors":  # the group's last rollout (M = 1: the thought is empty, the answer is the completion)
+            last = groups[p].thoughts[-1]
+            reference = Answer(
+                ids, [0.0] * len(ids), "stop", completion, spliced[p, -1].item(), 1.0, 1.0, sampled=False
+            )
+            out[p] = replace(groups[p], thoughts=[*groups[p].thoughts[:-1], replace(last, answers=[reference])])
+    return out, counts
+
+
+def check_references(task: Task, examples: list[dict]) -> None:
+    """--anchors: refused when no training example has a reference solution (some may lack one: no anchor there)."""
+    if all(task.reference(ex) is None for ex in examples):
+        raise UserError(
+            f"--anchors needs reference solutions but no training example of task '{task.name}' has one "
+            "(synthetic: the SFT completion; gsm8k, math: the 'solution' field); drop --anchors (or pass --no-anchors)"
+        )
+
+
+def anchor_metrics(counts: dict[str, int], sums: dict, world: int) -> dict:
+    """--anchors: per-step group counts, and the anchor tokens' mean probability under the policy."""
+    n_off = all_sum(sums["off_tokens"], world).item()
+    return {
+        **{k: int(all_sum(v, world).item()) for k, v in counts.items()},
+        "anchors/p_mean": all_sum(sums["off_p"], world).item() / max(n_off, 1),
+    }
+
+
+def inject_noise(reward: torch.Tensor, seeds: list[int], cfg: TrainConfig) -> torch.Tensor:
+    """--reward-noise: flip 0/1 rewards [P, G] at its rates, one generator per prompt seeded by its rollout seed
+    (so batching and world size cannot change the flips)."""
+    gens = [torch.Generator().manual_seed(derive_seed(s, 2)) for s in seeds]
+    return flip_rewards(reward, *noise_rates(cfg.reward_noise, ""), gens)
+
+
+def pair_credit(task: Task, texts: list[str], examples: list[dict], cfg: TrainConfig) -> torch.Tensor | None:
+    """--pair-delta: DaGRPO's fine-grained score of each completion, the task's partial credit (None: it has none)."""
+    if task.partial_credit is None:
+        return None
+    return torch.tensor(score_batch(task.partial_credit, texts, examples, max_workers=cfg.reward_workers))
 
 
 # -----------------------------------------------------------------------------
@@ -593,13 +642,11 @@ def splice_anchors(run: Run, ro: Rollouts) -> tuple[Rollouts, dict[str, int]]:
 MicroBatches = list[tuple[torch.Tensor, Batch]]  # (row indices into the step's batch, that micro-batch)
 
 
-def score_pass(
-    run: Run, micro: MicroBatches, shape: torch.Size
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """4. No-grad forwards before the update: old log-probs (needed when mu > 1) and token entropy
-    (GTPO) under the policy, log-probs under the reference (beta > 0). Each (B, T) in the logical layout."""
+def score_pass(run: Run, micro: MicroBatches, shape: torch.Size) -> tuple[torch.Tensor | None, ...]:
+    """4. No-grad forwards before the update, each (B, T) in the logical layout or None when not needed: old
+    log-probs (mu > 1), reference log-probs (beta > 0), token entropy under the policy (mu > 1, GTPO)."""
     cfg = run.cfg
-    need_policy = cfg.mu > 1 or cfg.entropy_gate or cfg.entropy_gamma > 0
+    need_policy = cfg.mu > 1 or needs_entropy(cfg)
     old_logp, entropy = torch.zeros(shape, device=run.device), torch.zeros(shape, device=run.device)
     ref_logp = torch.zeros(shape, device=run.device) if run.reference is not None else None
     with torch.no_grad(), precision(run):
@@ -608,90 +655,99 @@ def score_pass(
                 old_logp[rows], entropy[rows] = token_stats(run.policy, mb, cfg.temperature, entropy=True)
             if run.reference is not None:
                 ref_logp[rows] = token_stats(run.reference, mb, cfg.temperature)[0]
-    return old_logp, ref_logp, entropy
+    return old_logp if cfg.mu > 1 else None, ref_logp, entropy if need_policy else None
 
 
-def sequence_advantages(run: Run, ro: Rollouts, batch_accuracy: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion)."""
-    cfg, P, K, M = run.cfg, *ro.reward.shape
-    reward = noise_corrected_rewards(ro.reward, *run.state["noise_rates"]) if cfg.noise_correct else ro.reward
-    adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=cfg.std_normalize)  # = GRPO when M == 1
-    group = reward.view(P, K * M)
+def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion): GRPO-MA's
+    (GRPO's when M = 1), or 2-GRPO's, A-GRAE's, DaGRPO's pair mask; rewards noise-corrected first."""
+    cfg = run.cfg
+    reward = per_completion(groups, "reward")
+    reward = noise_corrected_rewards(reward, *run.state["noise_rates"]) if cfg.noise_correct else reward
+    adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=cfg.std_normalize)
+    group = reward.view(len(groups), -1)
     if cfg.advantage == "two_grpo":
-        adv_answer = two_grpo_advantages(group).view(P, K, M)
+        adv_answer = two_grpo_advantages(group).view(adv_answer.shape)
     elif cfg.advantage == "agrae":
+        correct = per_group(groups, "correct")
         adv_answer = agrae_advantages(
-            group, correct=ro.correct.view(P, -1), alpha=cfg.agrae_alpha, batch_accuracy=batch_accuracy,
+            group,
+            correct=correct,
+            alpha=cfg.agrae_alpha,
+            batch_accuracy=batch_accuracy,
             std_normalize=cfg.std_normalize,
-        ).view(P, K, M)  # fmt: skip
+        ).view(adv_answer.shape)
     elif cfg.pair_delta >= 0:  # DaGRPO's mask (a reconstruction): pairs whose credits differ by < delta cancel
-        credit, std = ro.credit.view(P, K * M), cfg.std_normalize
-        adv_answer = pairwise_distinct_advantages(group, credit, cfg.pair_delta, std_normalize=std).view(P, K, M)
+        credit = per_group(groups, "credit")
+        adv_answer = pairwise_distinct_advantages(group, credit, cfg.pair_delta, std_normalize=cfg.std_normalize)
+        adv_answer = adv_answer.view(adv_thought.shape + (-1,))
     return adv_thought, adv_answer
 
 
-def entropy_control(run: Run, seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def needs_entropy(cfg: TrainConfig) -> bool:
+    """GTPO's entropy gate or shift: the score pass measures token entropy."""
+    return cfg.entropy_gate or cfg.entropy_gamma > 0
+
+
+def entropy_control(seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg: TrainConfig, state: dict,
+                    world: int) -> torch.Tensor:  # fmt: skip
     """5b. GTPO: drop completions whose mean entropy exceeds the threshold (unless the starting policy
-    is already above it: decided once, at the first step) and shift the rest by -gamma * mean entropy.
-    seq_adv (B,), entropy and mask (B, T) -> (B,)."""
-    cfg, world = run.cfg, run.world
+    is already above it: decided once, at the first step, kept in state["gate_on"]) and shift the rest by
+    -gamma * mean entropy. seq_adv (B,), entropy and mask (B, T) -> (B,)."""
     keep, mean_ent = gtpo_entropy_gate(entropy, mask, threshold=cfg.entropy_threshold, enabled=cfg.entropy_gate)
-    if run.state["gate_on"] is None:
-        run.state["gate_on"] = bool(
-            all_sum(mean_ent.sum(), world) / all_sum(len(mean_ent), world) <= cfg.entropy_threshold
-        )
-    keep = keep | (not run.state["gate_on"])
+    if state["gate_on"] is None:
+        state["gate_on"] = bool(all_sum(mean_ent.sum(), world) / all_sum(len(mean_ent), world) <= cfg.entropy_threshold)
+    keep = keep | (not state["gate_on"])
     return torch.where(keep.cpu(), gtpo_entropy_shift(seq_adv, mean_ent.cpu(), gamma=cfg.entropy_gamma), 0.0)
 
 
-def advantages(run: Run, ro: Rollouts, batch: Batch, entropy: torch.Tensor, batch_accuracy: float):
+def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple[torch.Tensor, ...]:
     """5. Per-token advantage and weight (B, T) for the whole global step, and the trained-token mask (B, T).
 
     The weight carries the loss normaliser of the WHOLE step (summed over ranks), so neither the
     micro-batch split nor the world size can change the gradient."""
     cfg, world, dev = run.cfg, run.world, run.device
-    P, K, M = ro.reward.shape
-    adv_thought, adv_answer = sequence_advantages(run, ro, batch_accuracy)
-    completion = batch.thought | (batch.answer_id >= 0)
+    adv_thought, adv_answer = sequence_advantages(run, groups, batch_accuracy)
+    mask = batch.thought | (batch.answer_id >= 0)
     raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
-    seq_adv = raw
-    if cfg.entropy_gate or cfg.entropy_gamma > 0:  # rows are completions (M == 1)
-        seq_adv = entropy_control(run, seq_adv, entropy, completion.float())
+    seq_adv = entropy_control(raw, batch.entropy, mask.float(), cfg, run.state, world) if needs_entropy(cfg) else raw
     if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
-        completion = completion & dynamic_sampling_keep(ro.reward.view(P, -1)).repeat_interleave(K).to(dev)[:, None]
+        rewards = per_group(groups, "reward")
+        mask = mask & dynamic_sampling_keep(rewards).to(dev)[batch.group][:, None]
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
-    adv = grpo_ma_token_advantages(adv_thought.to(dev), seq_adv.view(P, K, M).to(dev), batch.thought, batch.answer_id)
-    comp, n_rows = completion.float(), batch.ids.shape[0]
+    adv = grpo_ma_token_advantages(
+        adv_thought.to(dev), seq_adv.view(adv_answer.shape).to(dev), batch.thought, batch.answer_id
+    )
+    rows, M = batch.ids.shape[0], cfg.answers
     if M > 1 and cfg.aggregation == "seq_mean_token_mean":
         weight = grpo_ma_token_weights(
-            batch.thought & completion, torch.where(completion, batch.answer_id, -1), thought_weight=cfg.thought_weight,
-            answer_weight=cfg.answer_weight, num_thoughts=all_sum(n_rows, world).item(),
-            num_answers=all_sum(n_rows * M, world).item(),
+            batch.thought & mask, torch.where(mask, batch.answer_id, -1), thought_weight=cfg.thought_weight,
+            answer_weight=cfg.answer_weight, num_thoughts=all_sum(rows, world).item(),
+            num_answers=all_sum(rows * M, world).item(),
         )  # fmt: skip
     else:
+        m = mask.float()
         weight = token_weights(
-            comp, cfg.aggregation, max_len=cfg.max_thought_tokens + cfg.max_answer_tokens,
-            num_seqs=all_sum(n_rows, world).item(), num_tokens=all_sum(comp.sum(), world).item(),
+            m, cfg.aggregation, max_len=cfg.completion_limit, num_seqs=all_sum(rows, world).item(),
+            num_tokens=all_sum(m.sum(), world).item(),
         )  # fmt: skip
     # GTPO's conflict tokens: positive vs negative by the sign of the raw group advantage, as its paper
     # and code, not of the entropy-shaped one. Logical rows are the completions, compared position by position.
     if cfg.gtpo_conflict:
-        conflict = gtpo_conflict_weights(batch.ids, comp, raw.to(dev), K, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg)
-        weight = weight * conflict
-    return adv, weight, completion
+        k = cfg.thoughts
+        weight = weight * gtpo_conflict_weights(
+            batch.ids, mask.float(), raw.to(dev), k, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg
+        )
+    return adv, weight, mask
 
 
-def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: torch.Tensor,
-           old_logp: torch.Tensor, ref_logp: torch.Tensor | None, entropy: torch.Tensor,
-           completion: torch.Tensor, off_policy: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:  # fmt: skip
-    """6. mu epochs; each accumulates policy_loss over every micro-batch, then one clipped AdamW step.
-    adv, weight, old_logp, ref_logp, entropy, completion, off_policy: (B, T); off_policy (--anchors) marks
-    the tokens not sampled from the policy, trained with policy_loss's off-policy shaping. Returns the first
-    epoch's sums of loss and token-weighted diagnostics, and the last epoch's gradient norm."""
+def update(run: Run, step: int, batch: Batch, micro: MicroBatches) -> tuple[dict, torch.Tensor]:
+    """6. mu epochs; each accumulates policy_loss over every micro-batch of `batch`, then one clipped AdamW
+    step. Tokens the policy did not sample (batch.off_policy) get policy_loss's off-policy shaping. Returns
+    the first epoch's sums of loss and token-weighted diagnostics, and the last epoch's gradient norm."""
     cfg, world = run.cfg, run.world
-    need_old, have_ent = cfg.mu > 1, cfg.mu > 1 or cfg.entropy_gate or cfg.entropy_gamma > 0
     tis = cfg.tis_cap > 0 and run.sampler is not run.policy
-    sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, anchor_tokens=0.0, anchor_p=0.0)
+    sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, off_tokens=0.0, off_p=0.0)
     sums |= dict(tis=0.0, tis_capped=0.0) if tis else {}
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
@@ -700,29 +756,30 @@ def update(run: Run, step: int, micro: MicroBatches, adv: torch.Tensor, weight: 
             if run.fsdp:
                 run.policy.set_requires_gradient_sync(sync)
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), precision(run):
-                logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=epoch == 0 and not have_ent)
-                off = None if off_policy is None else off_policy[rows]
-                sampled = completion[rows] if off is None else completion[rows] & ~off  # anchors: no sampler logp
-                old, w = old_logp[rows] if need_old else logp.detach(), weight[rows]
+                logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=epoch == 0 and batch.entropy is None)
+                mask = batch.mask[rows]
+                off = None if batch.off_policy is None else batch.off_policy[rows] & mask
+                sampled = mask if off is None else mask & ~off  # the tokens with sampler log-probs
+                old, w = logp.detach() if batch.old_logp is None else batch.old_logp[rows], batch.weight[rows]
                 if tis:  # rollouts from a cast copy: reweight tokens by min(pi_old / pi_sampler, cap)
                     w_is = truncated_is_weights(old, mb.sampler_logp, sampled, cfg.tis_cap)
                     w = w * w_is
-                ref = None if ref_logp is None else ref_logp[rows]
-                loss, metrics = policy_loss(logp, old, adv[rows], w, cfg, ref_logp=ref, off_policy=off)
+                ref = None if batch.ref_logp is None else batch.ref_logp[rows]
+                loss, metrics = policy_loss(logp, old, batch.adv[rows], w, cfg, ref_logp=ref, off_policy=off)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
-                mask = completion[rows].float()
+                n = mask.float().sum().item()
                 sums["loss"] += loss.item()
-                sums["clip_frac"] += metrics["clip_frac"] * mask.sum().item()
-                sums["kl"] += metrics.get("kl", 0.0) * mask.sum().item()
+                sums["clip_frac"] += metrics["clip_frac"] * n
+                sums["kl"] += metrics.get("kl", 0.0) * n
                 sums["logp_gap"] += ((logp.detach() - mb.sampler_logp).abs() * sampled).sum().item()
-                sums["entropy"] += ((ent if ent is not None else entropy[rows]) * mask).sum().item()
+                sums["entropy"] += ((ent if ent is not None else batch.entropy[rows]) * mask.float()).sum().item()
                 if tis:
                     sums["tis"] += (w_is * sampled).sum().item()
                     sums["tis_capped"] += ((w_is >= cfg.tis_cap) & sampled).sum().item()
-                if off is not None:  # off_policy is a subset of completion
-                    sums["anchor_tokens"] += off.sum().item()
-                    sums["anchor_p"] += (logp.detach().exp() * off).sum().item()
+                if off is not None:
+                    sums["off_tokens"] += off.sum().item()
+                    sums["off_p"] += (logp.detach().exp() * off).sum().item()
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 
@@ -772,64 +829,36 @@ def log(run: Run, row: dict, file: str = "metrics.jsonl") -> None:
             run.wandb.log(row, step=row["step"])
 
 
-def step_metrics(run: Run, ro: Rollouts, completion: torch.Tensor, sums: dict, grad_norm: torch.Tensor,
-                 batch_accuracy: float, n_resampled: int, anchors: dict, times: dict) -> dict:  # fmt: skip
-    """The metrics row of a step (global over ranks unless noted); also records the gradient norm. Rewards,
-    accuracy, lengths and tokens are those of the policy's own rollouts `ro` (before any anchor); the loss
-    diagnostics cover every trained token of `completion`, anchors included (logp_gap: the sampled ones)."""
-    world, tree, state, M = run.world, ro.tree, run.state, run.cfg.answers
-    state["grad_norms"].append(grad_norm.item())
-    gss, gss10 = gradient_spike_score(state["grad_norms"])
-    n_tok = max(all_sum(completion.sum(), world).item(), 1)
-    n_anchor_tok = all_sum(sums["anchor_tokens"], world).item()
-    gen_tokens = all_sum(sum(map(len, tree.thoughts)) + sum(map(len, tree.answers)), world).item()
-    group = ro.reward.view(ro.reward.shape[0], -1)
-    return {
-        "step": state["step"],
-        "reward/mean": (all_sum(ro.reward.sum(), world) / all_sum(ro.reward.numel(), world)).item(),
-        "reward/std": ro.reward.std().item(),  # this rank's (rank 0's) rollouts
-        "accuracy": (all_sum(ro.correct.sum(), world) / all_sum(ro.correct.numel(), world)).item(),
-        "batch_accuracy": batch_accuracy,
-        "frac_zero_std_groups": (~dynamic_sampling_keep(group)).float().mean().item(),
+def update_metrics(run: Run, batch: Batch, sums: dict) -> dict:
+    """The update's diagnostics, global over ranks, per trained token (logp_gap and tis: per sampled token)."""
+    world = run.world
+    n_tok = max(all_sum(batch.mask.sum(), world).item(), 1)
+    n_sampled = max(n_tok - all_sum(sums["off_tokens"], world).item(), 1)
+    row = {
         "loss": all_sum(sums["loss"], world).item(),
-        "grad_norm": grad_norm.item(),
-        "gss": gss[-1].item(),
-        "gss10_frac": gss10,
         "clip_frac": all_sum(sums["clip_frac"], world).item() / n_tok,
         "kl": all_sum(sums["kl"], world).item() / n_tok if run.reference is not None else None,
         "entropy": all_sum(sums["entropy"], world).item() / n_tok,
-        "len/completion_mean": ro.lengths.float().mean().item(),
-        "truncated_frac": sum(f == "length" for f in tree.answer_finish) / len(tree.answer_finish),
-        "thought_truncated_frac": sum(tree.thought_truncated) / len(tree.thought_truncated) if M > 1 else 0.0,
-        "logp_gap": all_sum(sums["logp_gap"], world).item() / max(n_tok - n_anchor_tok, 1),
-        **(
-            {
-                "tis/mean": all_sum(sums["tis"], world).item() / max(n_tok - n_anchor_tok, 1),
-                "tis/capped_frac": all_sum(sums["tis_capped"], world).item() / max(n_tok - n_anchor_tok, 1),
-            }
-            if "tis" in sums
-            else {}
-        ),  # fmt: skip
-        "resampled": n_resampled,
-        "skipped_steps": state["skipped_steps"],
-        "lr": run.scheduler.get_last_lr()[0],
-        **dict(zip(("noise/rho_plus", "noise/rho_minus"), state.get("noise_rates") or ())),
-        **{k: int(all_sum(v, world).item()) for k, v in anchors.items()},  # --anchors: per-step group counts
-        **({"anchors/p_mean": all_sum(sums["anchor_p"], world).item() / max(n_anchor_tok, 1)} if anchors else {}),
-        **{f"time/{k}_s": v for k, v in times.items()},
-        "tokens/generated": gen_tokens,
-        "tokens_per_s": gen_tokens / max(times["sample"], 1e-9),
+        "logp_gap": all_sum(sums["logp_gap"], world).item() / n_sampled,
     }
+    if "tis" in sums:
+        row["tis/mean"] = all_sum(sums["tis"], world).item() / n_sampled
+        row["tis/capped_frac"] = all_sum(sums["tis_capped"], world).item() / n_sampled
+    return row
 
 
-def log_samples(run: Run, ro: Rollouts) -> None:
-    """A few decoded rollouts of the step to OUT/samples.jsonl."""
-    K, M = run.cfg.thoughts, run.cfg.answers
-    for a in range(min(4, len(ro.tree.answers))):
-        completion = decode_completion(run.tokenizer, ro.tree.thoughts[a // M] + ro.tree.answers[a])
-        row = dict(step=run.state["step"], prompt=ro.examples[a // (K * M)]["prompt"], completion=completion,
-                   reward=ro.reward.flatten()[a].item())  # fmt: skip
-        log(run, row, file="samples.jsonl")
+def progress_metrics(run: Run, grad_norm: torch.Tensor) -> dict:
+    """The gradient norm and its spike score (GRPO-MA's GSS over the run's norms so far), skipped steps, lr."""
+    run.state["grad_norms"].append(grad_norm.item())
+    gss, gss10 = gradient_spike_score(run.state["grad_norms"])
+    skipped, lr = run.state["skipped_steps"], run.scheduler.get_last_lr()[0]
+    return {
+        "grad_norm": grad_norm.item(),
+        "gss": gss[-1].item(),
+        "gss10_frac": gss10,
+        "skipped_steps": skipped,
+        "lr": lr,
+    }
 
 
 def evaluate_heldout(run: Run, step: int) -> dict:
@@ -841,7 +870,7 @@ def evaluate_heldout(run: Run, step: int) -> dict:
         with precision(run):
             res = evaluate(
                 run.sampler, run.tokenizer, run.task, run.heldout, n=cfg.eval_samples, temperature=cfg.temperature,
-                max_new_tokens=cfg.max_thought_tokens + cfg.max_answer_tokens, seed=derive_seed(cfg.seed, 10**9),
+                max_new_tokens=cfg.completion_limit, seed=derive_seed(cfg.seed, 10**9),
             )  # fmt: skip
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     log(run, row)
@@ -884,40 +913,49 @@ def main(cfg: TrainConfig) -> dict:
             seeds = [derive_seed(cfg.seed, step, s) for s in slots]
             prompts, tree = sample(run, examples, seeds)
             t_sample = time.perf_counter() - t0
-            # 2. score: rewards [P, K, M]; DAPO replaces prompts whose rewards are all equal
-            ro = Rollouts(examples, prompts, tree, *score(run, examples, tree, seeds))
-            batch_accuracy = (all_sum(ro.correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
-            n_resampled = dynamic_sampling(run, step, slots, ro) if cfg.dynamic_sampling else 0
+            # 2. score: the step's record, rewards [P, K, M]; DAPO replaces prompts whose rewards are all equal
+            groups = score(run, examples, prompts, tree, seeds)
+            correct = per_completion(groups, "correct")
+            batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
+            n_resampled = 0
+            if cfg.dynamic_sampling:
+                redraw = functools.partial(draw, run)
+                groups, n_resampled = dynamic_sampling(groups, step, slots, run.topups, cfg, redraw)
+        sampled = rollout_metrics(run, groups)
+        if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
+            log_samples(run, step + 1, groups)
         # 2c. DaGRPO anchors: the reference solution replaces the last rollout of each group with no correct one
-        trained, anchors = splice_anchors(run, ro) if cfg.anchors else (ro, {})
+        anchors = {}
+        if cfg.anchors:
+            groups, anchors = splice_anchors(groups, run.task, run.tokenizer, cfg.completion_limit)
         t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
 
         # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
-        batch = pack(trained.prompts, trained.tree, cfg.thoughts, cfg.answers, run.tokenizer.pad_id, run.device,
-                     cfg.share_prompt)  # fmt: skip
-        micro = [
-            (rows, select_rows(batch, rows)) for rows in split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
-        ]
+        batch = pack(groups, run.tokenizer.pad_id, run.device, cfg.share_prompt)
+        cuts = split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
+        micro = [(rows, select_rows(batch, rows)) for rows in cuts]
         # 4. score pass (no grad): old log-probs, reference log-probs, entropy
-        old_logp, ref_logp, entropy = score_pass(run, micro, batch.ids.shape)
+        batch.old_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
         mem["score_pass"] = memory_peak(run.device)
         # 5. advantages: per sequence, then per-token adv and weight for the whole step
-        adv, weight, completion = advantages(run, trained, batch, entropy, batch_accuracy)
-        off_policy = None if trained.anchor is None else completion & trained.anchor.view(-1, 1).to(run.device)
-        # 6. update: mu epochs, each one optimizer step over all micro-batches (anchor tokens off-policy)
+        batch.adv, batch.weight, batch.mask = advantages(run, groups, batch, batch_accuracy)
+        # 6. update: mu epochs, each one optimizer step over all micro-batches
         t1 = time.perf_counter()
-        sums, grad_norm = update(run, step, micro, adv, weight, old_logp, ref_logp, entropy, completion, off_policy)
+        sums, grad_norm = update(run, step, batch, micro)
         t_update, mem["update"] = time.perf_counter() - t1, memory_peak(run.device)
 
         # 7. log, evaluate, save
         run.state["step"] = step + 1
         times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
-        row = step_metrics(run, ro, completion, sums, grad_norm, batch_accuracy, n_resampled, anchors, times)
-        row.update({f"mem/{k}_gib": v for k, v in mem.items()})  # peak RSS (CPU) or allocated (CUDA) per phase
+        row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": n_resampled}
+        row |= update_metrics(run, batch, sums) | progress_metrics(run, grad_norm)
+        row |= dict(zip(("noise/rho_plus", "noise/rho_minus"), run.state.get("noise_rates") or ()))
+        row |= anchor_metrics(anchors, sums, run.world) if cfg.anchors else {}
+        row |= {f"time/{k}_s": v for k, v in times.items()}
+        row |= {"tokens_per_s": row["tokens/generated"] / max(t_sample, 1e-9)}
+        row |= {f"mem/{k}_gib": v for k, v in mem.items()}  # peak RSS (CPU) or allocated (CUDA) per phase
         log(run, row)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
-        if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
-            log_samples(run, ro)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
             evaluate_heldout(run, step + 1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:

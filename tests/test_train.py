@@ -146,7 +146,7 @@ def test_micro_batch_split_does_not_change_the_update(tiny, tmp_path):
 def test_token_budget_cuts_micro_batches_within_it(tiny):
     """Guards against --micro-batch-tokens exceeding its budget (rows x longest row + shared prompts x
     longest prompt), losing or repeating a row, or splitting when one micro-batch fits."""
-    from pack import pack, split_rows
+    from pack import pack, rollouts, split_rows
 
     model = load_model(tiny)
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
@@ -154,7 +154,7 @@ def test_token_budget_cuts_micro_batches_within_it(tiny):
 
     tree = sample_tree(model, prompts, k=4, m=1, max_thought_tokens=0, max_answer_tokens=9, seed=[1, 2])
     for share in (False, True):
-        batch = pack(prompts, tree, 4, 1, pad_id=0, device=torch.device("cpu"), share_prompt=share)
+        batch = pack(rollouts([{}, {}], prompts, tree, 4, 1), pad_id=0, device=torch.device("cpu"), share_prompt=share)
         every = torch.sort(torch.cat(split_rows(batch, 64))).values
         assert len(split_rows(batch, 64, max_tokens=10**6)) == 1
         for budget in (1, 20, 40, 80):
@@ -176,6 +176,7 @@ def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
     (the prompt leading each row, or shared: run once, its keys/values prepended): every completion token's log-prob
     and entropy must equal a plain forward of that one sequence, prompt + thought + answer."""
     from model import token_entropy, token_logprobs
+    from pack import rollouts
     from sampler import Tree
 
     model = load_model(tiny)
@@ -195,7 +196,8 @@ def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
         [[0.0] * len(a) for a in answers],
         ["stop"] * len(answers),
     )
-    batch = train.pack(prompts, tree, K, m, pad_id=0, device=torch.device("cpu"), share_prompt=share_prompt)
+    groups = rollouts([{}] * P, prompts, tree, K, m)
+    batch = train.pack(groups, pad_id=0, device=torch.device("cpu"), share_prompt=share_prompt)
     assert (batch.prompt_ids is not None) == share_prompt and batch.packed_ids.shape[0] == P * K
     rows = torch.tensor([4, 1, 2])  # a micro-batch out of order, across two prompts: the index re-basing runs
     with torch.no_grad():
@@ -323,9 +325,9 @@ def test_interrupted_save_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch)
 
 def test_non_finite_steps_are_skipped_then_stop(tiny, tmp_path, monkeypatch):
     """Guards against silently applying NaN updates: each is skipped and counted, and a run of them stops."""
-    import advantage
+    import losses
 
-    real = advantage.policy_loss
+    real = losses.policy_loss
 
     def nan_loss(*a, **kw):
         loss, m = real(*a, **kw)
@@ -412,19 +414,19 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
     so the shared tokens are conflict tokens: weight x2 on the correct completion, x0 on the wrong one."""
     import types
 
-    from pack import pack
+    from pack import completions, pack, rollouts
     from sampler import Tree
 
     cfg = TrainConfig(algo="gtpo", thoughts=2, answers=1, prompts_per_step=1, entropy_gamma=1.0, gtpo_conflict=True,
                       entropy_gate=True, std_normalize=False, max_thought_tokens=4, max_answer_tokens=4)  # fmt: skip
     run = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"), state={"gate_on": True})
     tree = Tree([[], []], [[], []], [False, False], [[5, 6, 7], [5, 6, 8]], [[0.0] * 3, [0.0] * 3], ["stop"] * 2)
-    reward = torch.tensor([1.0, 0.0]).view(1, 2, 1)
-    lengths = torch.tensor([3, 3]).view(1, 2, 1)
-    ro = train.Rollouts([{}], [[1, 2]], tree, reward, reward.clone(), lengths, credit=reward.clone())
-    batch = pack([[1, 2]], tree, 2, 1, pad_id=0, device=torch.device("cpu"))
-    entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
-    adv, weight, completion = train.advantages(run, ro, batch, entropy, batch_accuracy=0.5)
+    groups = rollouts([{}], [[1, 2]], tree, 2, 1)
+    for (_, _, a), reward in zip(completions(groups), (1.0, 0.0)):
+        a.reward = a.correct = a.credit = reward
+    batch = pack(groups, pad_id=0, device=torch.device("cpu"))
+    batch.entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
+    adv, weight, completion = train.advantages(run, groups, batch, batch_accuracy=0.5)
     assert torch.allclose(adv[:, 0], torch.tensor([0.5 - 0.6, -0.5 - 0.6]))  # both negative after the shift
     base = train.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
     # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
