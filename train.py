@@ -55,7 +55,6 @@ from advantage import (
     gtpo_entropy_gate,
     gtpo_entropy_shift,
     noise_corrected_rewards,
-    overlong_penalty,
     pairwise_distinct_advantages,
     splice_anchor_rewards,
     token_weights,
@@ -97,6 +96,7 @@ from pack import (
     split_rows,
     token_stats,
 )
+from recipes import dapo
 from rewards import noise_rates, score_batch
 from sampler import StopText, Tree, sample_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
@@ -214,7 +214,7 @@ class TrainConfig:
         **dict.fromkeys(("temperature", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
         **dict(top_p="(0, 1]", clip_low="[0, 1)"),
         # extensions
-        **dict(select_fraction="(0, 1]", max_resample_rounds=">= 1", overlong_buffer=">= 0", anchor_gamma="> 0"),
+        **dict(select_fraction="(0, 1]", anchor_gamma="> 0"),
         **dict(gtpo_w_pos=">= 0", gtpo_w_neg=">= 0", entropy_threshold="> 0", entropy_gamma=">= 0"),
     }
 
@@ -232,7 +232,7 @@ class TrainConfig:
 
 
 def check(cfg: TrainConfig) -> Iterator[FlagError]:
-    """The combinations of flags the trainer refuses."""
+    """The combinations of flags the trainer refuses: the core's, then each extension's (its recipe's check)."""
     for name, allowed in cfg.CHOICES.items():
         value = getattr(cfg, name)
         if value not in allowed and not (name == "device" and value.startswith("cuda:")):
@@ -286,16 +286,13 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         yield FlagError(("pair_delta",), f"must be >= 0 (-1 = off), got {cfg.pair_delta}")
     if cfg.pair_delta >= 0 and cfg.advantage != "grpo":
         yield FlagError(("pair_delta",), "needs --advantage grpo (the pair mask is its own advantage)", ("advantage",))
-    if cfg.overlong_buffer >= cfg.completion_limit:
-        why = "must be shorter than the completion limit (--max-thought-tokens + --max-answer-tokens)"
-        yield FlagError(
-            ("overlong_buffer",),
-            why,
-            ("max_thought_tokens", "max_answer_tokens"),
-            f"--overlong-buffer {cfg.overlong_buffer}",
-        )
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
+    for recipe in RECIPES:
+        yield from recipe.check(cfg)
+
+
+RECIPES = (dapo,)  # each extension's flag checks
 
 
 PRESETS: dict[str, dict] = {
@@ -381,7 +378,7 @@ def setup(cfg: TrainConfig) -> Run:
     # and a second one for dynamic-sampling top-ups.
     n = cfg.max_steps * cfg.prompts_per_step
     pool = task.train(n, cfg.seed)
-    topups = task.train(n * cfg.max_resample_rounds, derive_seed(cfg.seed, 1)) if cfg.dynamic_sampling else []
+    topups = dapo.topups(task, cfg)
     heldout = task.test(cfg.eval_examples, cfg.seed)
     if cfg.anchors:
         check_references(task, pool + topups)
@@ -516,8 +513,7 @@ def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, 
     credit = reward if credit is None else credit  # a task without a partial credit: the reward
     correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
     if cfg.overlong_buffer:
-        lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done])
-        reward = reward + overlong_penalty(lengths, cfg.completion_limit, cfg.overlong_buffer)
+        reward = dapo.overlong(reward, torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done]), cfg)
     for (_, _, a), text, r, c, s in zip(done, texts, reward.tolist(), correct, credit.tolist()):
         a.text, a.reward, a.correct, a.credit = text, r, c, s
     return groups
@@ -553,26 +549,6 @@ def log_samples(run: Run, step: int, groups: list[Group]) -> None:
     """A few of the step's completions, as sampled, to OUT/samples.jsonl."""
     for g, _, a in itertools.islice(completions(groups), 4):
         log(run, dict(step=step, prompt=g.example["prompt"], completion=a.text, reward=a.reward), file="samples.jsonl")
-
-
-def dynamic_sampling(
-    groups: list[Group], step: int, slots: list[int], topups: list[dict], cfg: TrainConfig, redraw
-) -> tuple[list[Group], int]:
-    """2b. DAPO: replace the groups whose K*M rewards are all equal with fresh prompts from `topups`, slot by
-    slot, for up to --max-resample-rounds rounds; redraw(examples, seeds) samples and scores them. Returns the
-    groups and how many were replaced."""
-    n_resampled = 0
-    for rnd in range(1, cfg.max_resample_rounds + 1):
-        rewards = per_group(groups, "reward")
-        redo = (~dynamic_sampling_keep(rewards)).nonzero().flatten().tolist()
-        if not redo:
-            break
-        index = [(step * cfg.prompts_per_step + slots[i]) * cfg.max_resample_rounds + rnd - 1 for i in redo]
-        seeds = [derive_seed(cfg.seed, step, slots[i], rnd, 1) for i in redo]
-        for i, group in zip(redo, redraw([topups[j] for j in index], seeds)):
-            groups[i] = group
-        n_resampled += len(redo)
-    return groups, n_resampled
 
 
 def splice_anchors(groups: list[Group], task: Task, tokenizer, limit: int) -> tuple[list[Group], dict[str, int]]:
@@ -712,8 +688,7 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
     seq_adv = entropy_control(raw, batch.entropy, mask.float(), cfg, run.state, world) if needs_entropy(cfg) else raw
     if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
-        rewards = per_group(groups, "reward")
-        mask = mask & dynamic_sampling_keep(rewards).to(dev)[batch.group][:, None]
+        mask = mask & dapo.kept(groups).to(dev)[batch.group][:, None]
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
     adv = grpo_ma_token_advantages(
         adv_thought.to(dev), seq_adv.view(adv_answer.shape).to(dev), batch.thought, batch.answer_id
@@ -920,7 +895,7 @@ def main(cfg: TrainConfig) -> dict:
             n_resampled = 0
             if cfg.dynamic_sampling:
                 redraw = functools.partial(draw, run)
-                groups, n_resampled = dynamic_sampling(groups, step, slots, run.topups, cfg, redraw)
+                groups, n_resampled = dapo.dynamic_sampling(groups, step, slots, run.topups, cfg, redraw)
         sampled = rollout_metrics(run, groups)
         if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
             log_samples(run, step + 1, groups)
