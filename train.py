@@ -51,9 +51,6 @@ from advantage import (
     grpo_ma_advantages,
     grpo_ma_token_advantages,
     grpo_ma_token_weights,
-    gtpo_conflict_weights,
-    gtpo_entropy_gate,
-    gtpo_entropy_shift,
     noise_corrected_rewards,
     pairwise_distinct_advantages,
     splice_anchor_rewards,
@@ -96,7 +93,7 @@ from pack import (
     split_rows,
     token_stats,
 )
-from recipes import dapo
+from recipes import dapo, gtpo
 from rewards import noise_rates, score_batch
 from sampler import StopText, Tree, sample_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
@@ -215,7 +212,6 @@ class TrainConfig:
         **dict(top_p="(0, 1]", clip_low="[0, 1)"),
         # extensions
         **dict(select_fraction="(0, 1]", anchor_gamma="> 0"),
-        **dict(gtpo_w_pos=">= 0", gtpo_w_neg=">= 0", entropy_threshold="> 0", entropy_gamma=">= 0"),
     }
 
     def __post_init__(self) -> None:
@@ -256,13 +252,11 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         yield FlagError(
             ("sequence_ratio",), f"is GSPO's ratio (--loss gspo); it contradicts --loss {cfg.loss}", ("loss",)
         )
-    gtpo = tuple(f for f in ("gtpo_conflict", "entropy_gate", "entropy_gamma") if getattr(cfg, f))
     one_answer = [  # (fields, how the sentence names them, in use): each needs whole completions as rows
         (("loss",), "--loss gspo", loss_name(cfg) == "gspo" and not cfg.sequence_ratio),
         (("sequence_ratio",), "--sequence-ratio (GSPO)", cfg.sequence_ratio),
         (("advantage",), "--advantage agrae", cfg.advantage == "agrae"),
         (("aggregation",), "--aggregation seq_mean_token_sum_norm", cfg.aggregation == "seq_mean_token_sum_norm"),
-        (gtpo, "", bool(gtpo)),
         (("pair_delta",), "", cfg.pair_delta >= 0),
         (
             ("anchors",),
@@ -292,7 +286,7 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         yield from recipe.check(cfg)
 
 
-RECIPES = (dapo,)  # each extension's flag checks
+RECIPES = (dapo, gtpo)  # each extension's flag checks
 
 
 PRESETS: dict[str, dict] = {
@@ -622,7 +616,7 @@ def score_pass(run: Run, micro: MicroBatches, shape: torch.Size) -> tuple[torch.
     """4. No-grad forwards before the update, each (B, T) in the logical layout or None when not needed: old
     log-probs (mu > 1), reference log-probs (beta > 0), token entropy under the policy (mu > 1, GTPO)."""
     cfg = run.cfg
-    need_policy = cfg.mu > 1 or needs_entropy(cfg)
+    need_policy = cfg.mu > 1 or gtpo.needs_entropy(cfg)
     old_logp, entropy = torch.zeros(shape, device=run.device), torch.zeros(shape, device=run.device)
     ref_logp = torch.zeros(shape, device=run.device) if run.reference is not None else None
     with torch.no_grad(), precision(run):
@@ -660,23 +654,6 @@ def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) ->
     return adv_thought, adv_answer
 
 
-def needs_entropy(cfg: TrainConfig) -> bool:
-    """GTPO's entropy gate or shift: the score pass measures token entropy."""
-    return cfg.entropy_gate or cfg.entropy_gamma > 0
-
-
-def entropy_control(seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg: TrainConfig, state: dict,
-                    world: int) -> torch.Tensor:  # fmt: skip
-    """5b. GTPO: drop completions whose mean entropy exceeds the threshold (unless the starting policy
-    is already above it: decided once, at the first step, kept in state["gate_on"]) and shift the rest by
-    -gamma * mean entropy. seq_adv (B,), entropy and mask (B, T) -> (B,)."""
-    keep, mean_ent = gtpo_entropy_gate(entropy, mask, threshold=cfg.entropy_threshold, enabled=cfg.entropy_gate)
-    if state["gate_on"] is None:
-        state["gate_on"] = bool(all_sum(mean_ent.sum(), world) / all_sum(len(mean_ent), world) <= cfg.entropy_threshold)
-    keep = keep | (not state["gate_on"])
-    return torch.where(keep.cpu(), gtpo_entropy_shift(seq_adv, mean_ent.cpu(), gamma=cfg.entropy_gamma), 0.0)
-
-
 def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple[torch.Tensor, ...]:
     """5. Per-token advantage and weight (B, T) for the whole global step, and the trained-token mask (B, T).
 
@@ -686,7 +663,10 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     adv_thought, adv_answer = sequence_advantages(run, groups, batch_accuracy)
     mask = batch.thought | (batch.answer_id >= 0)
     raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
-    seq_adv = entropy_control(raw, batch.entropy, mask.float(), cfg, run.state, world) if needs_entropy(cfg) else raw
+    if gtpo.needs_entropy(cfg):  # GTPO's entropy gate and shift
+        seq_adv = gtpo.entropy_control(raw, batch.entropy, mask.float(), cfg, run.state, world)
+    else:
+        seq_adv = raw
     if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
         mask = mask & dapo.kept(groups).to(dev)[batch.group][:, None]
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
@@ -706,13 +686,8 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
             m, cfg.aggregation, max_len=cfg.completion_limit, num_seqs=all_sum(rows, world).item(),
             num_tokens=all_sum(m.sum(), world).item(),
         )  # fmt: skip
-    # GTPO's conflict tokens: positive vs negative by the sign of the raw group advantage, as its paper
-    # and code, not of the entropy-shaped one. Logical rows are the completions, compared position by position.
-    if cfg.gtpo_conflict:
-        k = cfg.thoughts
-        weight = weight * gtpo_conflict_weights(
-            batch.ids, mask.float(), raw.to(dev), k, w_pos=cfg.gtpo_w_pos, w_neg=cfg.gtpo_w_neg
-        )
+    if cfg.gtpo_conflict:  # GTPO's conflict tokens, by the sign of the raw group advantage
+        weight = weight * gtpo.conflict_weights(batch.ids, mask.float(), raw.to(dev), cfg)
     return adv, weight, mask
 
 
