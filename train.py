@@ -77,7 +77,8 @@ from distributed import (
     memory_peak,
     setup_distributed,
 )
-from eval import calibrate_noise, decode_completion, evaluate, select_examples
+from eval import calibrate_noise, select_examples
+from heldout import decode_completion, evaluate
 from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
 from pack import (

@@ -195,7 +195,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     from trl import GRPOConfig, GRPOTrainer
 
     from distributed import memory_peak
-    from eval import decode_completion
+    from heldout import decode_completion
     from model import load_tokenizer
     from tasks import get_task, render_prompt
 

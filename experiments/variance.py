@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from advantage import grpo_ma_advantages, thought_advantage_variance  # noqa: E402
-from eval import decode_completion  # noqa: E402
+from heldout import decode_completion  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 from sampler import sample_tree  # noqa: E402
 from tasks import get_task, render_prompt  # noqa: E402

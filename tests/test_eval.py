@@ -11,7 +11,8 @@ from itertools import combinations
 
 import pytest
 
-from eval import EvalConfig, decode_completion, evaluate, main, pass_at_k, plot_runs
+from eval import EvalConfig, main, plot_runs
+from heldout import decode_completion, evaluate, pass_at_k
 from model import load_model, load_tokenizer
 from tasks import TASK_NAMES, get_task
 
