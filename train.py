@@ -34,7 +34,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
@@ -53,7 +53,6 @@ from advantage import (
     grpo_ma_token_weights,
     noise_corrected_rewards,
     pairwise_distinct_advantages,
-    splice_anchor_rewards,
     token_weights,
     two_grpo_advantages,
 )
@@ -82,7 +81,6 @@ from heldout import decode_completion, evaluate
 from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
 from pack import (
-    Answer,
     Batch,
     Group,
     completions,
@@ -94,7 +92,7 @@ from pack import (
     split_rows,
     token_stats,
 )
-from recipes import dapo, gtpo
+from recipes import dagrpo, dapo, gtpo
 from rewards import noise_rates, score_batch
 from sampler import StopText, Tree, sample_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
@@ -212,7 +210,7 @@ class TrainConfig:
         **dict.fromkeys(("temperature", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
         **dict(top_p="(0, 1]", clip_low="[0, 1)"),
         # extensions
-        **dict(select_fraction="(0, 1]", anchor_gamma="> 0"),
+        **dict(select_fraction="(0, 1]"),
     }
 
     def __post_init__(self) -> None:
@@ -258,12 +256,6 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         (("sequence_ratio",), "--sequence-ratio (GSPO)", cfg.sequence_ratio),
         (("advantage",), "--advantage agrae", cfg.advantage == "agrae"),
         (("aggregation",), "--aggregation seq_mean_token_sum_norm", cfg.aggregation == "seq_mean_token_sum_norm"),
-        (("pair_delta",), "", cfg.pair_delta >= 0),
-        (
-            ("anchors",),
-            "--anchors (an anchor is a whole reference completion, not a thought and its answers)",
-            cfg.anchors,
-        ),
     ]
     for fields, subject, used in one_answer:
         if used and cfg.answers > 1:
@@ -277,17 +269,13 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
     if cfg.noise_correct and cfg.std_normalize:
         why = "needs --no-std-normalize (or --algo dr_grpo): a std normalisation cancels the correction exactly"
         yield FlagError(("noise_correct",), why, ("std_normalize",))
-    if not (cfg.pair_delta == -1 or 0 <= cfg.pair_delta < math.inf):
-        yield FlagError(("pair_delta",), f"must be >= 0 (-1 = off), got {cfg.pair_delta}")
-    if cfg.pair_delta >= 0 and cfg.advantage != "grpo":
-        yield FlagError(("pair_delta",), "needs --advantage grpo (the pair mask is its own advantage)", ("advantage",))
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
     for recipe in RECIPES:
         yield from recipe.check(cfg)
 
 
-RECIPES = (dapo, gtpo)  # each extension's flag checks
+RECIPES = (dapo, dagrpo, gtpo)  # each extension's flag checks
 
 
 PRESETS: dict[str, dict] = {
@@ -376,7 +364,7 @@ def setup(cfg: TrainConfig) -> Run:
     topups = dapo.topups(task, cfg)
     heldout = task.test(cfg.eval_examples, cfg.seed)
     if cfg.anchors:
-        check_references(task, pool + topups)
+        dagrpo.check_references(task, pool + topups)
     resume_dir = find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
         check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
@@ -504,7 +492,7 @@ def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, 
     exs = [g.example for g, _, _ in done]
     reward = torch.tensor(score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), dtype=torch.float32)
     reward = inject_noise(reward.view(len(groups), -1), seeds, cfg).flatten() if cfg.reward_noise else reward
-    credit = pair_credit(run.task, texts, exs, cfg) if cfg.pair_delta >= 0 else None
+    credit = dagrpo.credit(run.task, texts, exs, cfg) if cfg.pair_delta >= 0 else None
     credit = reward if credit is None else credit  # a task without a partial credit: the reward
     correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
     if cfg.overlong_buffer:
@@ -546,65 +534,11 @@ def log_samples(run: Run, step: int, groups: list[Group]) -> None:
         log(run, dict(step=step, prompt=g.example["prompt"], completion=a.text, reward=a.reward), file="samples.jsonl")
 
 
-def splice_anchors(groups: list[Group], task: Task, tokenizer, limit: int) -> tuple[list[Group], dict[str, int]]:
-    """2c. DaGRPO's anchors (a RECONSTRUCTION; M = 1): in each group with no correct rollout, the last rollout is
-    replaced by the example's reference solution, task.reference(example) tokenised and ended by the end-of-turn
-    token, with reward 1 (advantage.splice_anchor_rewards), correct 1 and the top credit 1 (the pair mask then
-    compares every wrong rollout with it). A group gets no anchor when its example has no reference, when the
-    reference's tokens fail the task's own check or exceed the completion limit (never truncated). Packing, the
-    score pass and the update then see the reference's tokens; the update trains them off-policy (Answer.sampled
-    False: policy_loss's off-policy shaping), so they need no sampler log-probs (0 here) and no old log-probs.
-
-    groups: the policy's own rollouts, left unchanged. Returns the rollouts to train on and counts: anchors
-    (groups that got one), anchors/too_long and anchors/no_reference (groups that needed one but could not)."""
-    spliced, anchor = splice_anchor_rewards(per_group(groups, "reward"), per_group(groups, "correct"))
-    out, counts = list(groups), {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 0}
-    for p in anchor[:, -1].nonzero().flatten().tolist():
-        text = task.reference(groups[p].example)
-        ids = [] if text is None else tokenizer.encode(text) + ([] if tokenizer.end_id is None else [tokenizer.end_id])
-        completion = decode_completion(tokenizer, ids)
-        outcome = "anchors" if len(ids) <= limit else "anchors/too_long"
-        outcome = "anchors/no_reference" if not ids or task.correct(completion, groups[p].example) != 1 else outcome
-        counts[outcome] += 1
-        if outcome == "anchors":  # the group's last rollout (M = 1: the thought is empty, the answer is the completion)
-            last = groups[p].thoughts[-1]
-            reference = Answer(
-                ids, [0.0] * len(ids), "stop", completion, spliced[p, -1].item(), 1.0, 1.0, sampled=False
-            )
-            out[p] = replace(groups[p], thoughts=[*groups[p].thoughts[:-1], replace(last, answers=[reference])])
-    return out, counts
-
-
-def check_references(task: Task, examples: list[dict]) -> None:
-    """--anchors: refused when no training example has a reference solution (some may lack one: no anchor there)."""
-    if all(task.reference(ex) is None for ex in examples):
-        raise UserError(
-            f"--anchors needs reference solutions but no training example of task '{task.name}' has one "
-            "(synthetic: the SFT completion; gsm8k, math: the 'solution' field); drop --anchors (or pass --no-anchors)"
-        )
-
-
-def anchor_metrics(counts: dict[str, int], sums: dict, world: int) -> dict:
-    """--anchors: per-step group counts, and the anchor tokens' mean probability under the policy."""
-    n_off = all_sum(sums["off_tokens"], world).item()
-    return {
-        **{k: int(all_sum(v, world).item()) for k, v in counts.items()},
-        "anchors/p_mean": all_sum(sums["off_p"], world).item() / max(n_off, 1),
-    }
-
-
 def inject_noise(reward: torch.Tensor, seeds: list[int], cfg: TrainConfig) -> torch.Tensor:
     """--reward-noise: flip 0/1 rewards [P, G] at its rates, one generator per prompt seeded by its rollout seed
     (so batching and world size cannot change the flips)."""
     gens = [torch.Generator().manual_seed(derive_seed(s, 2)) for s in seeds]
     return flip_rewards(reward, *noise_rates(cfg.reward_noise, ""), gens)
-
-
-def pair_credit(task: Task, texts: list[str], examples: list[dict], cfg: TrainConfig) -> torch.Tensor | None:
-    """--pair-delta: DaGRPO's fine-grained score of each completion, the task's partial credit (None: it has none)."""
-    if task.partial_credit is None:
-        return None
-    return torch.tensor(score_batch(task.partial_credit, texts, examples, max_workers=cfg.reward_workers))
 
 
 # -----------------------------------------------------------------------------
@@ -878,7 +812,7 @@ def main(cfg: TrainConfig) -> dict:
         # 2c. DaGRPO anchors: the reference solution replaces the last rollout of each group with no correct one
         anchors = {}
         if cfg.anchors:
-            groups, anchors = splice_anchors(groups, run.task, run.tokenizer, cfg.completion_limit)
+            groups, anchors = dagrpo.splice_anchors(groups, run.task, run.tokenizer, cfg.completion_limit)
         t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
 
         # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
@@ -901,7 +835,7 @@ def main(cfg: TrainConfig) -> dict:
         row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": n_resampled}
         row |= update_metrics(run, batch, sums) | progress_metrics(run, grad_norm)
         row |= dict(zip(("noise/rho_plus", "noise/rho_minus"), run.state.get("noise_rates") or ()))
-        row |= anchor_metrics(anchors, sums, run.world) if cfg.anchors else {}
+        row |= dagrpo.metrics(anchors, sums, run.world) if cfg.anchors else {}
         row |= {f"time/{k}_s": v for k, v in times.items()}
         row |= {"tokens_per_s": row["tokens/generated"] / max(t_sample, 1e-9)}
         row |= {f"mem/{k}_gib": v for k, v in mem.items()}  # peak RSS (CPU) or allocated (CUDA) per phase

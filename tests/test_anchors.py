@@ -19,6 +19,7 @@ import train
 from helpers import BUNDLED, SMALL_RUN
 from model import load_model, load_tokenizer, token_logprobs
 from pack import Answer, Group, completions, rollouts
+from recipes import dagrpo
 from sampler import Tree
 from tasks import get_task, no_reference, render_prompt, sft_completion, solution_completion
 from train import PRESETS, TrainConfig
@@ -127,7 +128,7 @@ def test_splice_anchors_puts_the_reference_in_the_last_rollout_of_failing_groups
     credit = [[0.2, 0.95, 0.3, 0.0], [1.0, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]
     ro = hand_rollouts(run, correct, credit)
     sampled = [list(a.tokens) for a in flat(ro)]
-    trained, counts = train.splice_anchors(ro, run.task, run.tokenizer, run.cfg.completion_limit)
+    trained, counts = dagrpo.splice_anchors(ro, run.task, run.tokenizer, run.cfg.completion_limit)
     assert counts == {"anchors": 2, "anchors/too_long": 0, "anchors/no_reference": 0}
     assert [[not s for s in row] for row in table(trained, "sampled")] == [
         [False] * 3 + [True], [False] * 4, [False] * 3 + [True]
@@ -160,13 +161,13 @@ def test_groups_whose_reference_is_too_long_or_rejected_get_no_anchor(tmp_path):
     run = anchor_run(tmp_path)
     ro = hand_rollouts(run, [[0] * 4, [0] * 4], [[0] * 4, [0] * 4])
     longest = max(len(run.tokenizer.encode(sft_completion(ex))) + 1 for ex in run.pool[:2])
-    trained, counts = train.splice_anchors(ro, run.task, run.tokenizer, longest - 1)  # a limit one token short
+    trained, counts = dagrpo.splice_anchors(ro, run.task, run.tokenizer, longest - 1)  # a limit one token short
     assert counts["anchors/too_long"] >= 1 and counts["anchors"] + counts["anchors/too_long"] == 2
     assert sum(not a.sampled for a in flat(trained)) == counts["anchors"]
     assert sum(a.reward for a in flat(trained)) == counts["anchors"]
     assert all(len(a.tokens) <= longest - 1 for a in flat(trained))
     wrong = replace(run.task, reference=lambda ex: "<think>\n</think>0")
-    trained, counts = train.splice_anchors(ro, wrong, run.tokenizer, run.cfg.completion_limit)
+    trained, counts = dagrpo.splice_anchors(ro, wrong, run.tokenizer, run.cfg.completion_limit)
     assert counts == {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 2}
     assert all(a.sampled for a in flat(trained)) and sum(a.reward for a in flat(trained)) == 0
     assert [a.tokens for a in flat(trained)] == [a.tokens for a in flat(ro)]
