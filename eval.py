@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 from tqdm import tqdm
 
-from advantage import estimate_noise_rates, flip_rewards, select_hard_examples
+from advantage import select_hard_examples
 from cli import user_errors
 from heldout import decode_completion, evaluate
 from sampler import generate
@@ -169,44 +169,6 @@ def select_examples(task: Task, path: str, mode: str, fraction: float, seed: int
     idx = select_hard_examples(rates, fraction, mode=mode, generator=torch.Generator().manual_seed(seed))
     chosen = [examples[rows[i]["index"]] for i in idx.tolist()]
     return restrict_train(task, chosen, f"the --select {mode} {fraction:g} of {path}")
-
-
-@torch.no_grad()
-def calibrate_noise(
-    model,
-    tokenizer,
-    task: Task,
-    noise: tuple[float, float] | None,
-    *,
-    rollouts: int = 256,
-    n: int = 16,
-    max_new_tokens: int = 80,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """train.py --noise-correct auto: the flip rates (rho_plus, rho_minus) of the training reward against the task's
-    own correctness, fit once on `rollouts` samples of `model` (n per prompt, one batch) on training prompts of their
-    own stream. The reward is task.reward, flipped at the `noise` rates (per prompt seed) when the run injects them
-    (--reward-noise); advantage.estimate_noise_rates compares it with task.correct, so the sample needs right and
-    wrong completions both. Kept simple: fit on the starting model only, then held fixed (the rates may drift)."""
-    examples = task.train(-(-rollouts // n), seed)
-    seeds = [seed + i for i in range(len(examples))]
-    prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in examples]
-    out = generate(
-        model,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        n=n,
-        temperature=temperature,
-        stop_ids=tokenizer.stop_ids,
-        seed=seeds,
-    )
-    pairs = [(decode_completion(tokenizer, t), examples[i // n]) for i, t in enumerate(out.tokens)]
-    reward = torch.tensor([float(task.reward(t, ex)) for t, ex in pairs]).view(len(examples), n)
-    correct = torch.tensor([float(task.correct(t, ex)) for t, ex in pairs]).view(len(examples), n)
-    if noise is not None:
-        reward = flip_rewards(reward, *noise, [torch.Generator().manual_seed(s) for s in seeds])
-    return estimate_noise_rates(reward, correct)
 
 
 # -----------------------------------------------------------------------------

@@ -46,12 +46,10 @@ from advantage import (
     SELECTIONS,
     agrae_advantages,
     dynamic_sampling_keep,
-    flip_rewards,
     gradient_spike_score,
     grpo_ma_advantages,
     grpo_ma_token_advantages,
     grpo_ma_token_weights,
-    noise_corrected_rewards,
     pairwise_distinct_advantages,
     token_weights,
     two_grpo_advantages,
@@ -76,7 +74,7 @@ from distributed import (
     memory_peak,
     setup_distributed,
 )
-from eval import calibrate_noise, select_examples
+from eval import select_examples
 from heldout import decode_completion, evaluate
 from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
@@ -92,8 +90,8 @@ from pack import (
     split_rows,
     token_stats,
 )
-from recipes import dagrpo, dapo, gtpo
-from rewards import noise_rates, score_batch
+from recipes import dagrpo, dapo, gtpo, noise
+from rewards import score_batch
 from sampler import StopText, Tree, sample_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
 
@@ -264,18 +262,13 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         yield FlagError(("select",), f"must be one of {', '.join(SELECTIONS)} or empty (off), got {cfg.select!r}")
     if bool(cfg.select) != bool(cfg.pass_rates):
         yield FlagError(("select", "pass_rates"), "go together", subject="--select and --pass-rates FILE")
-    noise_rates(cfg.reward_noise, "--reward-noise")  # a bad RHO_PLUS,RHO_MINUS is a one-sentence ValueError
-    noise_rates(cfg.noise_correct, "--noise-correct", auto=True)
-    if cfg.noise_correct and cfg.std_normalize:
-        why = "needs --no-std-normalize (or --algo dr_grpo): a std normalisation cancels the correction exactly"
-        yield FlagError(("noise_correct",), why, ("std_normalize",))
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
     for recipe in RECIPES:
         yield from recipe.check(cfg)
 
 
-RECIPES = (dapo, dagrpo, gtpo)  # each extension's flag checks
+RECIPES = (noise, dapo, dagrpo, gtpo)  # each extension's flag checks
 
 
 PRESETS: dict[str, dict] = {
@@ -419,9 +412,7 @@ def setup(cfg: TrainConfig) -> Run:
     run.sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
     if cfg.noise_correct and "noise_rates" not in run.state:  # fixed, or "auto": fit at the start (resume keeps it)
         with rollout_weights(run), precision(run):
-            run.state["noise_rates"] = noise_rates(cfg.noise_correct, "--noise-correct", auto=True) or calibrate_noise(
-                run.sampler, tokenizer, task, noise_rates(cfg.reward_noise, ""), n=cfg.thoughts * cfg.answers,
-                max_new_tokens=new, temperature=cfg.temperature, seed=derive_seed(cfg.seed, 3))  # fmt: skip
+            run.state["noise_rates"] = noise.rates(run.sampler, tokenizer, task, cfg, max_new_tokens=new)
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
@@ -491,7 +482,7 @@ def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, 
     texts = [decode_completion(run.tokenizer, t.tokens + a.tokens) for _, t, a in done]
     exs = [g.example for g, _, _ in done]
     reward = torch.tensor(score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), dtype=torch.float32)
-    reward = inject_noise(reward.view(len(groups), -1), seeds, cfg).flatten() if cfg.reward_noise else reward
+    reward = noise.inject(reward.view(len(groups), -1), seeds, cfg).flatten() if cfg.reward_noise else reward
     credit = dagrpo.credit(run.task, texts, exs, cfg) if cfg.pair_delta >= 0 else None
     credit = reward if credit is None else credit  # a task without a partial credit: the reward
     correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
@@ -534,13 +525,6 @@ def log_samples(run: Run, step: int, groups: list[Group]) -> None:
         log(run, dict(step=step, prompt=g.example["prompt"], completion=a.text, reward=a.reward), file="samples.jsonl")
 
 
-def inject_noise(reward: torch.Tensor, seeds: list[int], cfg: TrainConfig) -> torch.Tensor:
-    """--reward-noise: flip 0/1 rewards [P, G] at its rates, one generator per prompt seeded by its rollout seed
-    (so batching and world size cannot change the flips)."""
-    gens = [torch.Generator().manual_seed(derive_seed(s, 2)) for s in seeds]
-    return flip_rewards(reward, *noise_rates(cfg.reward_noise, ""), gens)
-
-
 # -----------------------------------------------------------------------------
 # Steps 4-6: score pass, advantages, update
 
@@ -568,7 +552,7 @@ def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) ->
     (GRPO's when M = 1), or 2-GRPO's, A-GRAE's, DaGRPO's pair mask; rewards noise-corrected first."""
     cfg = run.cfg
     reward = per_completion(groups, "reward")
-    reward = noise_corrected_rewards(reward, *run.state["noise_rates"]) if cfg.noise_correct else reward
+    reward = noise.corrected(reward, run.state) if cfg.noise_correct else reward
     adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=cfg.std_normalize)
     group = reward.view(len(groups), -1)
     if cfg.advantage == "two_grpo":
@@ -834,7 +818,7 @@ def main(cfg: TrainConfig) -> dict:
         times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
         row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": n_resampled}
         row |= update_metrics(run, batch, sums) | progress_metrics(run, grad_norm)
-        row |= dict(zip(("noise/rho_plus", "noise/rho_minus"), run.state.get("noise_rates") or ()))
+        row |= noise.metrics(run.state)
         row |= dagrpo.metrics(anchors, sums, run.world) if cfg.anchors else {}
         row |= {f"time/{k}_s": v for k, v in times.items()}
         row |= {"tokens_per_s": row["tokens/generated"] / max(t_sample, 1e-9)}
