@@ -43,7 +43,6 @@ from tqdm import tqdm
 
 from advantage import (
     AGGREGATIONS,
-    SELECTIONS,
     agrae_advantages,
     dynamic_sampling_keep,
     gradient_spike_score,
@@ -74,7 +73,6 @@ from distributed import (
     memory_peak,
     setup_distributed,
 )
-from eval import select_examples
 from heldout import decode_completion, evaluate
 from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
@@ -90,7 +88,7 @@ from pack import (
     split_rows,
     token_stats,
 )
-from recipes import dagrpo, dapo, gtpo, noise
+from recipes import dagrpo, dapo, gtpo, hard_examples, noise
 from rewards import score_batch
 from sampler import StopText, Tree, sample_tree
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
@@ -208,7 +206,6 @@ class TrainConfig:
         **dict.fromkeys(("temperature", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
         **dict(top_p="(0, 1]", clip_low="[0, 1)"),
         # extensions
-        **dict(select_fraction="(0, 1]"),
     }
 
     def __post_init__(self) -> None:
@@ -258,17 +255,13 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
     for fields, subject, used in one_answer:
         if used and cfg.answers > 1:
             yield FlagError(fields, "needs --answers 1", ("answers",), subject)
-    if cfg.select not in ("", *SELECTIONS):
-        yield FlagError(("select",), f"must be one of {', '.join(SELECTIONS)} or empty (off), got {cfg.select!r}")
-    if bool(cfg.select) != bool(cfg.pass_rates):
-        yield FlagError(("select", "pass_rates"), "go together", subject="--select and --pass-rates FILE")
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
     for recipe in RECIPES:
         yield from recipe.check(cfg)
 
 
-RECIPES = (noise, dapo, dagrpo, gtpo)  # each extension's flag checks
+RECIPES = (hard_examples, noise, dapo, dagrpo, gtpo)  # each extension's flag checks
 
 
 PRESETS: dict[str, dict] = {
@@ -348,7 +341,7 @@ def setup(cfg: TrainConfig) -> Run:
     rank, world, device = setup_distributed(cfg)
     fixed_mmap_threshold()  # CPU: freed activations go back to the OS (a fragmenting heap cost GiBs at 0.5B)
     task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
-    task = select_examples(task, cfg.pass_rates, cfg.select, cfg.select_fraction, cfg.seed) if cfg.select else task
+    task = hard_examples.choose_data(task, cfg)
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
     # and a second one for dynamic-sampling top-ups.

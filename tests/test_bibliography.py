@@ -15,9 +15,9 @@ import sys
 import pytest
 
 import train
-from eval import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
 from helpers import SMALL_RUN
 from model import load_model, load_tokenizer
+from recipes.hard_examples import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
 from rewards import calculator_partial_credit, synthetic_partial_credit
 from tasks import get_task, sft_completion
 from train import PRESETS, TrainConfig
