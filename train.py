@@ -1,4 +1,4 @@
-"""train.py: RL for LLM reasoning, one readable loop.
+"""train.py: RL for LLM reasoning, one readable loop: plain GRPO with GRPO-MA's tree.
 
     python train.py                                   # bundled default: GRPO-MA, synthetic task, CPU
     python train.py --algo grpo --model PATH --task gsm8k --data gsm8k.jsonl --device cuda
@@ -7,20 +7,20 @@
 
 One step is the README's numbered algorithm, one function each, called in this order by main():
   1. sample      K thoughts per prompt, then M answers from each thought (sampler.sample_tree)
-  2. score       rewards [P, K, M] from the completion text (the task's reward function);
-                 dynamic_sampling (DAPO) re-draws prompts whose rewards are all equal;
-                 splice_anchors (DaGRPO, a reconstruction) trains on the reference solution in place of
-                 one rollout of each group with no correct one, off-policy
+  2. score       the step's record (pack.Group): rewards [P, K, M] from the completion text
   3. pack        one row per thought: thought | answer_1 .. answer_M, each thought once (tree attention);
                  each prompt runs once and its K rows attend to it (pack.py)
   4. score_pass  no-grad forward: old log-probs (mu > 1), reference log-probs (beta > 0), entropy
   5. advantages  thought [P, K] and answer [P, K, M] advantages, then per-token adv and weight
-  6. update      mu epochs over micro-batches of policy_loss, grad clip, AdamW step
+  6. update      mu epochs over micro-batches of losses.policy_loss (--loss picks the objective), AdamW step
   7. log, evaluate, save
 
-Every algorithm is a preset (--algo) of the same building blocks, and every block is a flag.
-Deliberate simplifications: one optimizer step per epoch over the whole batch (mu = 1 is fully
-on-policy); rows of a micro-batch are padded to its longest row; evaluation runs on rank 0 only.
+Each paper's extension enters at one seam, one call into its file in recipes/ (skip the file, skip the paper):
+choose the data (hard_examples), transform rewards (noise, dapo), transform rollouts (dapo's dynamic sampling,
+dagrpo's anchors), advantages and weights (noise, dagrpo, gtpo), the policy loss (losses.LOSSES). The flags,
+presets and their checks live in config.py.
+Left out on purpose: one optimizer step per epoch over the whole batch (mu = 1 is fully on-policy, no
+mini-batches); rows of a micro-batch are padded to its longest row; evaluation runs on rank 0 only.
 """
 
 from __future__ import annotations
@@ -33,16 +33,13 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
-from typing import ClassVar
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from advantage import (
-    AGGREGATIONS,
     agrae_advantages,
     dynamic_sampling_keep,
     gradient_spike_score,
@@ -60,10 +57,10 @@ from checkpoint import (
     load_trainer_state,
     prepare_out,
     read_trainer_step,
-    resume_flags,
     save_checkpoint,
 )
-from cli import FlagError, UserError, first_error, out_of_range, parse_config, user_errors
+from cli import UserError, parse_config, user_errors
+from config import PRESETS, RESUMABLE, TrainConfig, resume_config
 from distributed import (
     all_sum,
     derive_seed,
@@ -72,9 +69,10 @@ from distributed import (
     gather_full_state,
     memory_peak,
     setup_distributed,
+    wrap,
 )
 from heldout import decode_completion, evaluate
-from losses import LOSSES, loss_name, policy_loss, truncated_is_weights
+from losses import policy_loss, truncated_is_weights
 from model import Transformer, cast_copy, copy_weights_, load_model, load_tokenizer
 from pack import (
     Batch,
@@ -91,201 +89,7 @@ from pack import (
 from recipes import dagrpo, dapo, gtpo, hard_examples, noise
 from rewards import score_batch
 from sampler import StopText, Tree, sample_tree
-from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt
-
-# -----------------------------------------------------------------------------
-# Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
-
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo", "dagrpo")
-
-
-@dataclass
-class TrainConfig:
-    # -- run
-    algo: str = "grpo_ma"  # preset of the flags below (the flags you type win)
-    model: str = "assets/tiny-model"  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
-    task: str = "synthetic"  # built-in generator or file format (file tasks read --data)
-    data: str = ""  # JSONL file for file-based tasks
-    test_data: str = ""  # JSONL file of held-out examples (file tasks; default: every 10th example of --data)
-    out: str = "runs/default"  # output directory: metrics.jsonl, samples.jsonl, step-N/, final/
-    resume: str = ""  # run directory or step-N checkpoint to continue from exactly (its flags are the run's)
-    overwrite: bool = False  # replace the run already in --out (otherwise a non-empty --out is refused)
-    seed: int = 0  # seeds every rollout (with step and prompt index) and the data order
-    device: str = "auto"  # where to run (cuda:N picks a GPU)
-    dtype: str = "auto"  # bfloat16 = fp32 weights with bf16 autocast; auto = bf16 on CUDA, fp32 on CPU
-    max_steps: int = 200  # RL steps (one batch of prompts each)
-    # -- rollouts
-    prompts_per_step: int = 16  # P, global over all ranks
-    thoughts: int = 16  # K, thoughts per prompt (the GRPO group size G when answers = 1)
-    answers: int = 1  # M, answers sampled from each thought (1 = plain GRPO)
-    end_of_thought: str = "</think>"  # text marker that ends a thought (used when answers > 1)
-    max_thought_tokens: int = 64  # thought length limit; a cut-off thought gets the marker appended
-    max_answer_tokens: int = 16  # answer length limit (answers = 1: the completion gets both limits)
-    temperature: float = 1.0  # rollout temperature (the trainer divides logits by the same value)
-    top_k: int = 0  # rollout top-k (0 = off); truncation makes rollouts slightly off-policy
-    top_p: float = 1.0  # rollout nucleus (1 = off)
-    rollout_dtype: str = "auto"  # sampler and eval weights: a cast copy of the masters; auto = bf16 on CUDA, else fp32
-    select: str = ""  # Hard Examples: draw prompts only from the hardest|medium|easiest|random --pass-rates ("" = off)
-    select_fraction: float = 0.1  # fraction of the rated examples that --select keeps, in (0, 1] (the paper: 0.1)
-    pass_rates: str = ""  # JSONL of the starting model's per-example pass rates (eval.py --pass-rates --out FILE)
-    # -- rewards
-    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the limit (0 = off)
-    dynamic_sampling: bool = False  # DAPO: replace prompts whose rewards are all equal
-    max_resample_rounds: int = 3  # dynamic sampling: top-up rounds before keeping a flat group
-    reward_workers: int = 1  # threads scoring rewards in parallel (raise for --task code: sandboxed runs)
-    reward_noise: str = ""  # RHO_PLUS,RHO_MINUS: flip 0/1 rewards (wrong->1, right->0) at these rates ("" = off)
-    noise_correct: str = ""  # RHO+,RHO-|auto: unbias rewards (with --no-std-normalize: adv. x 1/(1-RHO+-RHO-))
-    # -- advantages
-    advantage: str = "grpo"  # grpo = group normalisation (GRPO-MA when answers > 1)
-    std_normalize: bool = True  # divide by the group std (off = Dr. GRPO / GTPO centring)
-    agrae_alpha: float = 1.0  # A-GRAE: positive advantages times min(1, batch accuracy / alpha)
-    gtpo_conflict: bool = False  # GTPO: reweight tokens shared by positive and negative completions
-    gtpo_w_pos: float = 2.0  # GTPO weight on conflict tokens of positive completions
-    gtpo_w_neg: float = 0.0  # GTPO weight on conflict tokens of negative completions
-    entropy_gate: bool = False  # GTPO: drop completions whose mean entropy (at --temperature) exceeds the threshold
-    entropy_threshold: float = 0.6931471805599453  # GTPO gate threshold in nats (ln 2)
-    entropy_gamma: float = 0.0  # GTPO: advantage minus gamma * mean token entropy (0 = off)
-    pair_delta: float = -1.0  # DaGRPO pair mask, a RECONSTRUCTION: drop pairs with |credit gap| < DELTA (-1 = off)
-    # DaGRPO anchors: the last rollout of a group with no correct one is replaced by the example's reference solution
-    # (task.reference; reward 1, top credit), trained off-policy: f(p) * A with f(p) = p / (p + GAMMA), no ratio clip
-    anchors: bool = False  # DaGRPO anchors, a RECONSTRUCTION: all-wrong groups train on the reference solution
-    anchor_gamma: float = 0.1  # anchor tokens' objective f(p) * A, f(p) = p / (p + GAMMA), unclipped (LUFFY's 0.1)
-    # -- loss
-    aggregation: str = "seq_mean_token_mean"  # token weights: GRPO | DAPO token mean | Dr. GRPO sum / max length
-    thought_weight: float = 1.0  # GRPO-MA: weight of the mean thought loss
-    answer_weight: float = 1.0  # GRPO-MA: weight of the mean answer loss
-    clip_low: float = 0.2  # ratio clip below 1 - clip_low
-    clip_high: float = 0.2  # ratio clip above 1 + clip_high (DAPO clip-higher: 0.28)
-    loss: str = "clip"  # policy objective (losses.py): clip = GRPO's clipped ratio, gspo = GSPO's sequence ratio
-    sequence_ratio: bool = False  # GSPO's sequence ratio: the same as --loss gspo (kept for existing commands)
-    beta: float = 0.0  # KL penalty to the starting model (k3 estimator); > 0 loads a reference copy
-    mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
-    tis_cap: float = 2.0  # with a --rollout-dtype copy: token losses times min(pi_train / pi_sampler, CAP) (0 = off)
-    # -- optimisation
-    lr: float = 3e-4  # AdamW learning rate (tiny model; about 1e-6 for 0.5B-7B models)
-    warmup_steps: int = 5  # linear learning-rate warm-up, in optimizer steps
-    lr_schedule: str = "cosine"  # cosine decays to 10% of --lr at the last step
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 1.0  # clip the global gradient norm to this value
-    micro_batch_rows: int = 64  # rows (thoughts) per forward/backward; changes memory, not the gradient
-    micro_batch_tokens: int = 0  # and at most N padded tokens per forward/backward, shared prompts counted (0 = off)
-    share_prompt: bool = True  # run each prompt once, its K rows attend to it (same gradient, less work)
-    gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
-    fsdp: bool = False  # under torchrun: shard weights, grads, optimizer state with FSDP2
-    optimizer_offload: bool = False  # AdamW state and step in CPU memory (saves 8 bytes/param on GPU); same update
-    max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
-    # -- logging and checkpoints
-    eval_every: int = 20  # evaluate held-out accuracy every N steps (0 = only at the start and end)
-    eval_examples: int = 200  # held-out prompts per evaluation
-    eval_samples: int = 4  # samples per held-out prompt for mean@n and pass@k
-    save_every: int = 0  # write OUT/step-N every N steps (0 = never; OUT/final is always written)
-    save_optimizer: bool = True  # checkpoints carry the optimizer state (needed to resume; 2x the weights)
-    save_dtype: str = "auto"  # dtype of saved weights; auto = the dtype the model was loaded in
-    samples_every: int = 10  # append decoded rollouts to OUT/samples.jsonl every N steps
-    wandb: str = ""  # wandb project name (empty = off; needs the wandb package)
-
-    # The values of every choice flag (shown by --help) and the range of every numeric one (cli.in_range).
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(
-        algo=ALGOS,
-        task=TASK_NAMES,
-        device=("auto", "cpu", "cuda", "cuda:N"),
-        dtype=("auto", "float32", "bfloat16"),
-        advantage=("grpo", "two_grpo", "agrae"),
-        aggregation=AGGREGATIONS,
-        loss=tuple(LOSSES),
-        lr_schedule=("cosine", "constant"),
-        save_dtype=("auto", "float32", "bfloat16", "float16"),
-        rollout_dtype=("auto", "float32", "bfloat16"),
-    )
-    RANGES: ClassVar[dict[str, str]] = {
-        **dict.fromkeys(("max_steps", "prompts_per_step", "thoughts", "answers", "max_answer_tokens"), ">= 1"),
-        **dict.fromkeys(("reward_workers", "mu", "micro_batch_rows", "max_bad_steps", "eval_examples"), ">= 1"),
-        **dict.fromkeys(("seed", "max_thought_tokens", "top_k", "thought_weight", "answer_weight", "beta"), ">= 0"),
-        **dict.fromkeys(("tis_cap", "warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every"), ">= 0"),
-        **dict.fromkeys(("eval_samples", "save_every", "samples_every"), ">= 0"),
-        **dict.fromkeys(("temperature", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
-        **dict(top_p="(0, 1]", clip_low="[0, 1)"),
-        # extensions
-    }
-
-    def __post_init__(self) -> None:
-        """Validate, never rewrite: each value in its range, then each combination; the first impossible
-        one (with any other that fails the same way) is one clear sentence."""
-        errors = [*out_of_range(self, self.RANGES), *check(self)]
-        if errors:
-            raise first_error(errors)
-
-    @property
-    def completion_limit(self) -> int:
-        """Tokens of a completion, thought and answer (with answers = 1 the completion gets both limits)."""
-        return self.max_thought_tokens + self.max_answer_tokens
-
-
-def check(cfg: TrainConfig) -> Iterator[FlagError]:
-    """The combinations of flags the trainer refuses: the core's, then each extension's (its recipe's check)."""
-    for name, allowed in cfg.CHOICES.items():
-        value = getattr(cfg, name)
-        if value not in allowed and not (name == "device" and value.startswith("cuda:")):
-            yield FlagError((name,), f"must be one of {', '.join(allowed)}, got {value!r}")
-    if cfg.optimizer_offload and cfg.fsdp:
-        why = "is for one process or DDP: --fsdp already shards the optimizer state over the ranks"
-        yield FlagError(("optimizer_offload",), why, ("fsdp",))
-    if cfg.thoughts * cfg.answers < 2:
-        yield FlagError(
-            (), "needs at least 2 samples: raise --thoughts or --answers", ("thoughts", "answers"), "a group"
-        )
-    if cfg.answers > 1 and not cfg.end_of_thought:
-        yield FlagError(
-            ("answers",), "needs an --end-of-thought marker", ("end_of_thought",), f"--answers {cfg.answers}"
-        )
-    if cfg.advantage == "two_grpo" and (cfg.thoughts, cfg.answers) != (2, 1):
-        yield FlagError(
-            ("advantage",), "needs --thoughts 2 --answers 1", ("thoughts", "answers"), "--advantage two_grpo"
-        )
-    if cfg.sequence_ratio and cfg.loss not in ("clip", "gspo"):
-        yield FlagError(
-            ("sequence_ratio",), f"is GSPO's ratio (--loss gspo); it contradicts --loss {cfg.loss}", ("loss",)
-        )
-    one_answer = [  # (fields, how the sentence names them, in use): each needs whole completions as rows
-        (("loss",), "--loss gspo", loss_name(cfg) == "gspo" and not cfg.sequence_ratio),
-        (("sequence_ratio",), "--sequence-ratio (GSPO)", cfg.sequence_ratio),
-        (("advantage",), "--advantage agrae", cfg.advantage == "agrae"),
-        (("aggregation",), "--aggregation seq_mean_token_sum_norm", cfg.aggregation == "seq_mean_token_sum_norm"),
-    ]
-    for fields, subject, used in one_answer:
-        if used and cfg.answers > 1:
-            yield FlagError(fields, "needs --answers 1", ("answers",), subject)
-    if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
-        yield FlagError(("resume",), "and --model name the same directory", ("model",))
-    for recipe in RECIPES:
-        yield from recipe.check(cfg)
-
-
-RECIPES = (hard_examples, noise, dapo, dagrpo, gtpo)  # each extension's flag checks
-
-
-PRESETS: dict[str, dict] = {
-    "grpo": {},
-    "dr_grpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm"),
-    "dapo": dict(clip_high=0.28, aggregation="token_mean", dynamic_sampling=True, overlong_buffer=16),
-    "gspo": dict(loss="gspo", clip_low=3e-4, clip_high=4e-4, mu=2),
-    "grpo_ma": dict(thoughts=4, answers=4),
-    # 2-GRPO's recipe against 16-GRPO: same rollouts per step (prompts x8) and learning rate x8.
-    "two_grpo": dict(
-        thoughts=2,
-        advantage="two_grpo",
-        prompts_per_step=8 * TrainConfig.prompts_per_step,
-        lr=8 * TrainConfig.lr,
-        clip_high=0.28,
-    ),  # fmt: skip
-    "agrae": dict(advantage="agrae"),
-    "gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1),
-    # DaGRPO, a RECONSTRUCTION: Dr. GRPO + the pair mask at the third-party delta 0.1 + reference-solution anchors
-    # on groups with no correct rollout, trained with LUFFY's off-policy shaping (gamma 0.1)
-    "dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1, anchors=True),
-}
-assert tuple(PRESETS) == ALGOS
-
+from tasks import Task, check_prompt_lengths, check_sizes, get_task, render_prompt
 
 # -----------------------------------------------------------------------------
 # Setup: the long-lived objects of a run
@@ -302,26 +106,28 @@ def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
 
 @dataclass
 class Run:
-    """Everything a step needs that outlives the step: a bag of state, passed to each step function."""
+    """Everything a step needs that outlives the step, passed to each step function."""
 
     cfg: TrainConfig
     rank: int
     world: int
     device: torch.device
-    policy: Transformer  # the trained model (its parameters are sharded in place under FSDP)
-    model: torch.nn.Module  # what the update runs: the policy, or its DDP wrapper
-    reference: Transformer | None  # frozen starting model for the KL penalty (beta > 0)
-    tokenizer: object
     task: Task
     pool: list[dict]  # training examples in order: step s, global slot i uses pool[s * P + i]
     topups: list[dict]  # dynamic sampling's replacement prompts, a stream of their own
     heldout: list[dict]
-    marker: StopText  # the end-of-thought marker (used when answers > 1)
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    state: dict  # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, and the extensions' state
-    sampler: Transformer | None = None  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
-    host_params: list[torch.Tensor] | None = None  # --optimizer-offload: the CPU float32 copies AdamW steps
+    policy: Transformer  # the trained model (its parameters are sharded in place under FSDP)
+    model: torch.nn.Module  # what the update runs: the policy, or its DDP wrapper
+    sampler: Transformer  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
+    reference: Transformer | None  # frozen starting model for the KL penalty (beta > 0)
+    tokenizer: object
+    # Set after the models: the end-of-thought marker (used when answers > 1), the optimizer (--optimizer-offload:
+    # it steps CPU float32 copies of the parameters), its schedule, and the trainer state saved with each
+    # checkpoint: step, grad_norms, bad_steps, skipped_steps, and the extensions' state.
+    marker: StopText = field(init=False)
+    optimizer: torch.optim.Optimizer = field(init=False)
+    scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
+    state: dict = field(init=False)
     wandb: object | None = None
 
     @property
@@ -340,14 +146,10 @@ def setup(cfg: TrainConfig) -> Run:
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
     rank, world, device = setup_distributed(cfg)
     fixed_mmap_threshold()  # CPU: freed activations go back to the OS (a fragmenting heap cost GiBs at 0.5B)
-    task = get_task(cfg.task, cfg.data or None, cfg.test_data or None)
-    task = hard_examples.choose_data(task, cfg)
+    task = hard_examples.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
-    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps),
-    # and a second one for dynamic-sampling top-ups.
-    n = cfg.max_steps * cfg.prompts_per_step
-    pool = task.train(n, cfg.seed)
-    topups = dapo.topups(task, cfg)
+    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps).
+    pool, topups = task.train(cfg.max_steps * cfg.prompts_per_step, cfg.seed), dapo.topups(task, cfg)
     heldout = task.test(cfg.eval_examples, cfg.seed)
     if cfg.anchors:
         dagrpo.check_references(task, pool + topups)
@@ -364,30 +166,18 @@ def setup(cfg: TrainConfig) -> Run:
     reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta else None
     # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
     marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
-    new = cfg.completion_limit + (len(marker.ids) if cfg.answers > 1 else 0)
-    context = policy.config.max_position_embeddings
+    new, context = cfg.completion_limit + len(marker.ids) * (cfg.answers > 1), policy.config.max_position_embeddings
     if new >= context:
-        raise UserError(
-            f"--max-thought-tokens + --max-answer-tokens ({new}) leave no room for a prompt in the "
-            f"model's context of {context} tokens"
-        )
+        room = f"leave no room for a prompt in the model's context of {context} tokens"
+        raise UserError(f"--max-thought-tokens + --max-answer-tokens ({new}) {room}")
     limit = f"the model's context of {context} tokens minus the completion limit of {new}"
     check_prompt_lengths(tokenizer, pool + topups + heldout, task.system_prompt, context - new, limit)
-    model, fsdp = policy, world > 1 and cfg.fsdp
-    if fsdp:  # each layer is one all-gather unit; the root holds the rest (embedding = tied lm_head, norm)
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in policy.model.layers:
-            fully_shard(layer)
-        fully_shard(policy)
-    elif world > 1:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids)
-    # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too),
-    # which optimizer_step copies the gradients to and the new weights back from.
+    fsdp = world > 1 and cfg.fsdp
+    model = wrap(policy, world, device, fsdp)
+    # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too), which
+    # optimizer_step copies the gradients to and the new weights back from. fused: one kernel over all parameters
+    # (7.6x the per-tensor loop on this CPU, as TRL's default adamw_torch_fused); FSDP's DTensors keep the default.
     host = [host_copy(p, device) for p in policy.parameters()] if cfg.optimizer_offload else None
-    # fused: one kernel over all parameters (7.6x the default per-tensor loop on this CPU, as TRL's default
-    # adamw_torch_fused); FSDP's sharded DTensor parameters keep the default implementation.
     optimizer = torch.optim.AdamW(
         host or policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp
     )
@@ -395,17 +185,17 @@ def setup(cfg: TrainConfig) -> Run:
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
     if resume_dir:
         state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
-    run = Run(cfg, rank, world, device, policy, model, reference, tokenizer, task, pool, topups, heldout, marker,
-              optimizer, scheduler, state, host_params=host)  # fmt: skip
     if host and resume_dir:  # the resumed masters
         with torch.no_grad():
             for h, p in zip(host, policy.parameters(), strict=True):
                 h.copy_(p)
     rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
-    run.sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
+    sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
+    run = Run(cfg, rank, world, device, task, pool, topups, heldout, policy, model, sampler, reference, tokenizer)
+    run.marker, run.optimizer, run.scheduler, run.state = marker, optimizer, scheduler, state
     if cfg.noise_correct and "noise_rates" not in run.state:  # fixed, or "auto": fit at the start (resume keeps it)
         with rollout_weights(run), precision(run):
-            run.state["noise_rates"] = noise.rates(run.sampler, tokenizer, task, cfg, max_new_tokens=new)
+            run.state["noise_rates"] = noise.rates(sampler, tokenizer, task, cfg, max_new_tokens=new)
     if rank == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=2)
@@ -414,21 +204,6 @@ def setup(cfg: TrainConfig) -> Run:
 
             run.wandb = wandb.init(project=cfg.wandb, config=asdict(cfg))
     return run
-
-
-# Flags a resumed run may change: how long it runs, what it reports and where. Every other flag
-# decides what the run computes and must equal the run's own (its checkpoint's train_config.json).
-RESUMABLE = (
-    *("resume", "out", "overwrite", "max_steps", "device", "reward_workers", "max_bad_steps", "wandb"),
-    *("optimizer_offload",),
-    *("eval_every", "eval_examples", "eval_samples", "save_every", "save_optimizer", "save_dtype", "samples_every"),
-)
-
-
-def resume_config(cfg: TrainConfig, typed: set[str]) -> TrainConfig:
-    """--resume on the command line: the run's own flags, replaced only by the flags typed now
-    (setup's check_resume then refuses those that would change what the run computes)."""
-    return TrainConfig(**resume_flags(asdict(cfg), typed, asdict(TrainConfig()))) if cfg.resume else cfg
 
 
 def precision(run: Run):
@@ -453,22 +228,28 @@ def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[int]], Tree]:
-    """1. Render P prompts and sample K thoughts x M answers each (M = 1: K plain completions)."""
+    """1. Render P prompts and sample K thoughts x M answers each (M = 1: K plain completions, both limits)."""
     cfg, M = run.cfg, run.cfg.answers
     prompts = [render_prompt(run.tokenizer, ex, run.task.system_prompt) for ex in examples]
+    thought, answer = (cfg.max_thought_tokens, cfg.max_answer_tokens) if M > 1 else (0, cfg.completion_limit)
+    kw = dict(end_of_thought=run.marker if M > 1 else (), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     with torch.no_grad(), precision(run):
-        tree = sample_tree(
-            run.sampler, prompts, k=cfg.thoughts, m=M, max_thought_tokens=cfg.max_thought_tokens if M > 1 else 0,
-            max_answer_tokens=cfg.max_answer_tokens + (0 if M > 1 else cfg.max_thought_tokens),
-            end_of_thought=run.marker if M > 1 else (), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-            stop_ids=run.tokenizer.stop_ids, seed=seeds,
-        )  # fmt: skip
-    return prompts, tree
+        return prompts, sample_tree(
+            run.sampler,
+            prompts,
+            k=cfg.thoughts,
+            m=M,
+            max_thought_tokens=thought,
+            max_answer_tokens=answer,
+            stop_ids=run.tokenizer.stop_ids,
+            seed=seeds,
+            **kw,
+        )
 
 
 def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, seeds: list[int]) -> list[Group]:
-    """2. The step's record: every completion's text, reward (transformed: --reward-noise flips it by its
-    prompt's rollout seed, DAPO's overlong penalty is added), the task's correctness and the pair mask's credit."""
+    """2. The step's record: every completion's text, reward, the task's correctness and the pair mask's credit.
+    Transform rewards: --reward-noise flips them by each prompt's rollout seed; DAPO adds its overlong penalty."""
     cfg = run.cfg
     groups = rollouts(examples, prompts, tree, cfg.thoughts, cfg.answers)
     done = list(completions(groups))
@@ -492,14 +273,12 @@ def draw(run: Run, examples: list[dict], seeds: list[int]) -> list[Group]:
 
 
 def rollout_metrics(run: Run, groups: list[Group]) -> dict:
-    """What the policy sampled this step (global over ranks unless noted), read before any transform
-    of the rollouts that trains on other tokens (DaGRPO's anchors)."""
-    world, M = run.world, run.cfg.answers
-    reward, correct = per_completion(groups, "reward"), per_completion(groups, "correct")
+    """What the policy sampled this step (global over ranks unless noted), read before a transform of the
+    rollouts puts other tokens in (DaGRPO's anchors)."""
+    world, reward, correct = run.world, per_completion(groups, "reward"), per_completion(groups, "correct")
     lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in completions(groups)]).view(reward.shape)
     thoughts = [t for g in groups for t in g.thoughts]
     answers = [a for t in thoughts for a in t.answers]
-    generated = sum(len(t.tokens) + sum(len(a.tokens) for a in t.answers) for t in thoughts)
     return {
         "reward/mean": (all_sum(reward.sum(), world) / all_sum(reward.numel(), world)).item(),
         "reward/std": reward.std().item(),  # this rank's (rank 0's) rollouts
@@ -507,8 +286,8 @@ def rollout_metrics(run: Run, groups: list[Group]) -> dict:
         "frac_zero_std_groups": (~dynamic_sampling_keep(reward.view(len(groups), -1))).float().mean().item(),
         "len/completion_mean": lengths.float().mean().item(),
         "truncated_frac": sum(a.finish == "length" for a in answers) / len(answers),
-        "thought_truncated_frac": sum(t.truncated for t in thoughts) / len(thoughts) if M > 1 else 0.0,
-        "tokens/generated": all_sum(generated, world).item(),
+        "thought_truncated_frac": sum(t.truncated for t in thoughts) / len(thoughts) if run.cfg.answers > 1 else 0.0,
+        "tokens/generated": all_sum(sum(len(t.tokens) for t in thoughts + answers), world).item(),
     }
 
 
@@ -521,10 +300,8 @@ def log_samples(run: Run, step: int, groups: list[Group]) -> None:
 # -----------------------------------------------------------------------------
 # Steps 4-6: score pass, advantages, update
 
-MicroBatches = list[tuple[torch.Tensor, Batch]]  # (row indices into the step's batch, that micro-batch)
 
-
-def score_pass(run: Run, micro: MicroBatches, shape: torch.Size) -> tuple[torch.Tensor | None, ...]:
+def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.Size) -> tuple[torch.Tensor | None, ...]:
     """4. No-grad forwards before the update, each (B, T) in the logical layout or None when not needed: old
     log-probs (mu > 1), reference log-probs (beta > 0), token entropy under the policy (mu > 1, GTPO)."""
     cfg = run.cfg
@@ -542,27 +319,21 @@ def score_pass(run: Run, micro: MicroBatches, shape: torch.Size) -> tuple[torch.
 
 def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) -> tuple[torch.Tensor, torch.Tensor]:
     """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion): GRPO-MA's
-    (GRPO's when M = 1), or 2-GRPO's, A-GRAE's, DaGRPO's pair mask; rewards noise-corrected first."""
-    cfg = run.cfg
+    (GRPO's when M = 1), or 2-GRPO's, A-GRAE's, DaGRPO's pair mask; noise-corrected rewards first."""
+    cfg, std = run.cfg, run.cfg.std_normalize
     reward = per_completion(groups, "reward")
     reward = noise.corrected(reward, run.state) if cfg.noise_correct else reward
-    adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=cfg.std_normalize)
+    adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=std)
     group = reward.view(len(groups), -1)
     if cfg.advantage == "two_grpo":
         adv_answer = two_grpo_advantages(group).view(adv_answer.shape)
     elif cfg.advantage == "agrae":
-        correct = per_group(groups, "correct")
-        adv_answer = agrae_advantages(
-            group,
-            correct=correct,
-            alpha=cfg.agrae_alpha,
-            batch_accuracy=batch_accuracy,
-            std_normalize=cfg.std_normalize,
-        ).view(adv_answer.shape)
+        correct, alpha = per_group(groups, "correct"), cfg.agrae_alpha
+        adv = agrae_advantages(group, correct=correct, alpha=alpha, batch_accuracy=batch_accuracy, std_normalize=std)
+        adv_answer = adv.view(adv_answer.shape)
     elif cfg.pair_delta >= 0:  # DaGRPO's mask (a reconstruction): pairs whose credits differ by < delta cancel
-        credit = per_group(groups, "credit")
-        adv_answer = pairwise_distinct_advantages(group, credit, cfg.pair_delta, std_normalize=cfg.std_normalize)
-        adv_answer = adv_answer.view(adv_thought.shape + (-1,))
+        adv = pairwise_distinct_advantages(group, per_group(groups, "credit"), cfg.pair_delta, std_normalize=std)
+        adv_answer = adv.view(adv_answer.shape)
     return adv_thought, adv_answer
 
 
@@ -575,38 +346,32 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     adv_thought, adv_answer = sequence_advantages(run, groups, batch_accuracy)
     mask = batch.thought | (batch.answer_id >= 0)
     raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
+    seq_adv = raw
     if gtpo.needs_entropy(cfg):  # GTPO's entropy gate and shift
         seq_adv = gtpo.entropy_control(raw, batch.entropy, mask.float(), cfg, run.state, world)
-    else:
-        seq_adv = raw
     if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
         mask = mask & dapo.kept(groups).to(dev)[batch.group][:, None]
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
-    adv = grpo_ma_token_advantages(
-        adv_thought.to(dev), seq_adv.view(adv_answer.shape).to(dev), batch.thought, batch.answer_id
-    )
-    rows, M = batch.ids.shape[0], cfg.answers
+    seq_adv = seq_adv.view(adv_answer.shape).to(dev)
+    adv = grpo_ma_token_advantages(adv_thought.to(dev), seq_adv, batch.thought, batch.answer_id)
+    rows, M = all_sum(batch.ids.shape[0], world).item(), cfg.answers  # thoughts over all ranks
     if M > 1 and cfg.aggregation == "seq_mean_token_mean":
-        weight = grpo_ma_token_weights(
-            batch.thought & mask, torch.where(mask, batch.answer_id, -1), thought_weight=cfg.thought_weight,
-            answer_weight=cfg.answer_weight, num_thoughts=all_sum(rows, world).item(),
-            num_answers=all_sum(rows * M, world).item(),
-        )  # fmt: skip
+        kw = dict(thought_weight=cfg.thought_weight, answer_weight=cfg.answer_weight, num_thoughts=rows)
+        answer_id = torch.where(mask, batch.answer_id, -1)
+        weight = grpo_ma_token_weights(batch.thought & mask, answer_id, num_answers=rows * M, **kw)
     else:
         m = mask.float()
-        weight = token_weights(
-            m, cfg.aggregation, max_len=cfg.completion_limit, num_seqs=all_sum(rows, world).item(),
-            num_tokens=all_sum(m.sum(), world).item(),
-        )  # fmt: skip
+        tokens = all_sum(m.sum(), world).item()
+        weight = token_weights(m, cfg.aggregation, max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
     if cfg.gtpo_conflict:  # GTPO's conflict tokens, by the sign of the raw group advantage
         weight = weight * gtpo.conflict_weights(batch.ids, mask.float(), raw.to(dev), cfg)
     return adv, weight, mask
 
 
-def update(run: Run, step: int, batch: Batch, micro: MicroBatches) -> tuple[dict, torch.Tensor]:
-    """6. mu epochs; each accumulates policy_loss over every micro-batch of `batch`, then one clipped AdamW
-    step. Tokens the policy did not sample (batch.off_policy) get policy_loss's off-policy shaping. Returns
-    the first epoch's sums of loss and token-weighted diagnostics, and the last epoch's gradient norm."""
+def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -> tuple[dict, torch.Tensor]:
+    """6. mu epochs; each accumulates policy_loss over every micro-batch (row indices into `batch`, the rows),
+    then one clipped AdamW step. Tokens the policy did not sample (batch.off_policy) get policy_loss's off-policy
+    shaping. Returns the first epoch's sums of loss and token-weighted diagnostics, and the last gradient norm."""
     cfg, world = run.cfg, run.world
     tis = cfg.tis_cap > 0 and run.sampler is not run.policy
     sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, off_tokens=0.0, off_p=0.0)
@@ -650,16 +415,17 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
     """Clip the global gradient norm and step AdamW and the schedule; a non-finite loss or gradient
     skips the update, and --max-bad-steps of them in a row end the run. Returns the gradient norm."""
     cfg, state = run.cfg, run.state
+    host = run.optimizer.param_groups[0]["params"] if cfg.optimizer_offload else None  # AdamW's CPU copies
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), cfg.grad_clip)
     if torch.isfinite(grad_norm) and loss_finite:
-        if run.host_params:  # --optimizer-offload: gradients to the CPU copies, AdamW there, weights back
-            for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
+        if host:  # --optimizer-offload: gradients to the CPU copies, AdamW there, weights back
+            for h, p in zip(host, run.policy.parameters(), strict=True):
                 h.grad = p.grad.to("cpu", torch.float32)
         run.optimizer.step()
         run.scheduler.step()
-        if run.host_params:
+        if host:
             with torch.no_grad():
-                for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
+                for h, p in zip(host, run.policy.parameters(), strict=True):
                     p.copy_(h, non_blocking=True)
         if run.sampler is not run.policy:  # the rollout copy follows the new weights
             copy_weights_(run.sampler, run.policy)
@@ -669,11 +435,10 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
         state["skipped_steps"] += 1
         warnings.warn(f"step {step}: non-finite loss or gradient, update skipped", stacklevel=2)
         if state["bad_steps"] >= cfg.max_bad_steps:
-            raise SystemExit(
-                f"{cfg.max_bad_steps} consecutive non-finite steps at step {step}: lower --lr or check the rewards"
-            )
+            why = f"{cfg.max_bad_steps} consecutive non-finite steps at step {step}: lower --lr or check the rewards"
+            raise SystemExit(why)
     run.optimizer.zero_grad(set_to_none=True)
-    if run.host_params:  # AdamW steps the CPU copies: the model's own gradients are cleared here
+    if host:  # AdamW steps the CPU copies: the model's own gradients are cleared here
         run.policy.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -691,49 +456,42 @@ def log(run: Run, row: dict, file: str = "metrics.jsonl") -> None:
             run.wandb.log(row, step=row["step"])
 
 
-def update_metrics(run: Run, batch: Batch, sums: dict) -> dict:
-    """The update's diagnostics, global over ranks, per trained token (logp_gap and tis: per sampled token)."""
-    world = run.world
+def update_metrics(run: Run, batch: Batch, sums: dict, grad_norm: torch.Tensor) -> dict:
+    """The update's diagnostics, global over ranks, per trained token (logp_gap and tis: per sampled token);
+    the gradient norm and its spike score (GRPO-MA's GSS over the run's norms so far), skipped steps, lr."""
+    world, state = run.world, run.state
     n_tok = max(all_sum(batch.mask.sum(), world).item(), 1)
     n_sampled = max(n_tok - all_sum(sums["off_tokens"], world).item(), 1)
+    state["grad_norms"].append(grad_norm.item())
+    gss, gss10 = gradient_spike_score(state["grad_norms"])
     row = {
         "loss": all_sum(sums["loss"], world).item(),
         "clip_frac": all_sum(sums["clip_frac"], world).item() / n_tok,
         "kl": all_sum(sums["kl"], world).item() / n_tok if run.reference is not None else None,
         "entropy": all_sum(sums["entropy"], world).item() / n_tok,
         "logp_gap": all_sum(sums["logp_gap"], world).item() / n_sampled,
-    }
-    if "tis" in sums:
-        row["tis/mean"] = all_sum(sums["tis"], world).item() / n_sampled
-        row["tis/capped_frac"] = all_sum(sums["tis_capped"], world).item() / n_sampled
-    return row
-
-
-def progress_metrics(run: Run, grad_norm: torch.Tensor) -> dict:
-    """The gradient norm and its spike score (GRPO-MA's GSS over the run's norms so far), skipped steps, lr."""
-    run.state["grad_norms"].append(grad_norm.item())
-    gss, gss10 = gradient_spike_score(run.state["grad_norms"])
-    skipped, lr = run.state["skipped_steps"], run.scheduler.get_last_lr()[0]
-    return {
+        **{k: all_sum(sums[s], world).item() / n_sampled for k, s in METRIC_TIS.items() if s in sums},
         "grad_norm": grad_norm.item(),
         "gss": gss[-1].item(),
         "gss10_frac": gss10,
-        "skipped_steps": skipped,
-        "lr": lr,
+        "skipped_steps": state["skipped_steps"],
+        "lr": run.scheduler.get_last_lr()[0],
     }
+    return row
+
+
+METRIC_TIS = {"tis/mean": "tis", "tis/capped_frac": "tis_capped"}  # --tis-cap's diagnostics
 
 
 def evaluate_heldout(run: Run, step: int) -> dict:
-    """Held-out greedy accuracy, mean@n and pass@k (eval.evaluate) on rank 0, logged as eval/..."""
+    """Held-out greedy accuracy, mean@n and pass@k (heldout.evaluate) on rank 0, logged as eval/..."""
     cfg = run.cfg
     with rollout_weights(run):  # FSDP: every rank gathers, then rank 0 alone runs forwards
         if run.rank != 0:
             return {}
+        kw = dict(n=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.completion_limit)
         with precision(run):
-            res = evaluate(
-                run.sampler, run.tokenizer, run.task, run.heldout, n=cfg.eval_samples, temperature=cfg.temperature,
-                max_new_tokens=cfg.completion_limit, seed=derive_seed(cfg.seed, 10**9),
-            )  # fmt: skip
+            res = evaluate(run.sampler, run.tokenizer, run.task, run.heldout, seed=derive_seed(cfg.seed, 10**9), **kw)
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     log(run, row)
     return row
@@ -747,11 +505,10 @@ def save(run: Run, path: str) -> None:
     if run.rank == 0:
         dtype = None if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
         lossy = (dtype or getattr(torch, run.policy.config.torch_dtype)) != torch.float32
-        masters = (
-            (weights if weights is not None else run.policy.state_dict()) if cfg.save_optimizer and lossy else None
-        )
-        state = dict(optimizer=optim if cfg.save_optimizer else None, scheduler=run.scheduler.state_dict(),
-                     trainer=run.state, config=asdict(cfg), master_weights=masters)  # fmt: skip
+        masters = (run.policy.state_dict() if weights is None else weights) if cfg.save_optimizer and lossy else None
+        optim, scheduler = optim if cfg.save_optimizer else None, run.scheduler.state_dict()
+        state = dict(optimizer=optim, scheduler=scheduler, trainer=run.state, config=asdict(cfg))
+        state["master_weights"] = masters
         save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), weights=weights, dtype=dtype)
     if run.world > 1:
         dist.barrier()
@@ -775,19 +532,18 @@ def main(cfg: TrainConfig) -> dict:
             seeds = [derive_seed(cfg.seed, step, s) for s in slots]
             prompts, tree = sample(run, examples, seeds)
             t_sample = time.perf_counter() - t0
-            # 2. score: the step's record, rewards [P, K, M]; DAPO replaces prompts whose rewards are all equal
+            # 2. score: the step's record, rewards [P, K, M]
             groups = score(run, examples, prompts, tree, seeds)
             correct = per_completion(groups, "correct")
             batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
-            n_resampled = 0
+            resampled = 0  # transform rollouts: DAPO's dynamic sampling redraws groups whose rewards are all equal
             if cfg.dynamic_sampling:
                 redraw = functools.partial(draw, run)
-                groups, n_resampled = dapo.dynamic_sampling(groups, step, slots, run.topups, cfg, redraw)
+                groups, resampled = dapo.dynamic_sampling(groups, step, slots, run.topups, cfg, redraw)
         sampled = rollout_metrics(run, groups)
         if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
             log_samples(run, step + 1, groups)
-        # 2c. DaGRPO anchors: the reference solution replaces the last rollout of each group with no correct one
-        anchors = {}
+        anchors = {}  # transform rollouts: DaGRPO's anchors train on a reference in groups with no correct rollout
         if cfg.anchors:
             groups, anchors = dagrpo.splice_anchors(groups, run.task, run.tokenizer, cfg.completion_limit)
         t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
@@ -809,12 +565,11 @@ def main(cfg: TrainConfig) -> dict:
         # 7. log, evaluate, save
         run.state["step"] = step + 1
         times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
-        row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": n_resampled}
-        row |= update_metrics(run, batch, sums) | progress_metrics(run, grad_norm)
-        row |= noise.metrics(run.state)
+        row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": resampled}
+        row |= update_metrics(run, batch, sums, grad_norm) | noise.metrics(run.state)
         row |= dagrpo.metrics(anchors, sums, run.world) if cfg.anchors else {}
         row |= {f"time/{k}_s": v for k, v in times.items()}
-        row |= {"tokens_per_s": row["tokens/generated"] / max(t_sample, 1e-9)}
+        row |= {"tokens_per_s": sampled["tokens/generated"] / max(t_sample, 1e-9)}
         row |= {f"mem/{k}_gib": v for k, v in mem.items()}  # peak RSS (CPU) or allocated (CUDA) per phase
         log(run, row)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
