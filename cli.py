@@ -119,9 +119,8 @@ def in_range(value: float, spec: str) -> bool:
         return False
     if spec[0] in "[(":
         low, high = (float(x) for x in spec[1:-1].split(","))
-        return (low <= value if spec[0] == "[" else low < value) and (
-            value <= high if spec[-1] == "]" else value < high
-        )
+        above = low <= value if spec[0] == "[" else low < value
+        return above and (value <= high if spec[-1] == "]" else value < high)
     op, bound = spec.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
 
@@ -131,10 +130,9 @@ def out_of_range(config: Any, ranges: dict[str, str]) -> Iterator[FlagError]:
     for name, spec in ranges.items():
         value = getattr(config, name)
         if not in_range(value, spec):
-            interval, finite = spec[0] in "[(", isinstance(value, float)
-            yield FlagError(
-                (name,), f"must be {'in ' * interval}{spec}{' and finite' * (finite and not interval)}, got {value}"
-            )
+            interval = spec[0] in "[("
+            finite = " and finite" * (isinstance(value, float) and not interval)  # an interval says it already
+            yield FlagError((name,), f"must be {'in ' * interval}{spec}{finite}, got {value}")
 
 
 def first_error(errors: list[FlagError]) -> FlagError:
@@ -143,9 +141,8 @@ def first_error(errors: list[FlagError]) -> FlagError:
     same = [e for e in errors if (e.predicate, e.others) == (errors[0].predicate, errors[0].others)]
     if len(same) == 1:
         return errors[0]
-    return FlagError(
-        sum((e.fields for e in same), ()), same[0].predicate, same[0].others, "/".join(e.subject for e in same)
-    )
+    fields, subject = sum((e.fields for e in same), ()), "/".join(e.subject for e in same)
+    return FlagError(fields, same[0].predicate, same[0].others, subject)
 
 
 def blame(e: FlagError, preset: dict[str, Any], by: str) -> str:

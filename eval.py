@@ -142,6 +142,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         """Validate, never rewrite: every impossible flag is one sentence, before any data or model is read."""
+        device, cuda = re.fullmatch(r"cpu|cuda(:\d+)?", self.device), self.device == "cpu" or torch.cuda.is_available()
         checks = [
             (not self.pass_rates or bool(self.out), "--pass-rates writes one row per example to --out FILE.jsonl"),
             (self.task in TASK_NAMES, f"--task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}"),
@@ -150,14 +151,8 @@ class EvalConfig:
             (self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {self.top_p}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
-            (
-                re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-                f"--device must be cpu, cuda or cuda:N, got {self.device!r}",
-            ),
-            (
-                self.device == "cpu" or torch.cuda.is_available(),
-                f"--device {self.device}: no CUDA device is available; use --device cpu",
-            ),
+            (device is not None, f"--device must be cpu, cuda or cuda:N, got {self.device!r}"),
+            (cuda, f"--device {self.device}: no CUDA device is available; use --device cpu"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -224,37 +219,14 @@ def main(cfg: EvalConfig) -> dict:
         keys = ("model", "task", "data", "examples", "temperature", "top_p", "max_new_tokens", "seed")
         settings = {**{key: getattr(cfg, key) for key in keys}, "k": cfg.rate_samples()} if cfg.pass_rates else {}
         done = resume_pass_rates(cfg.out, settings, examples) if cfg.pass_rates else {}
+    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     if cfg.pass_rates:
-        rates = write_pass_rates(
-            model,
-            tokenizer,
-            task,
-            examples,
-            cfg.out,
-            settings,
-            done,
-            k=settings["k"],
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            seed=cfg.seed,
-        )
+        rates = write_pass_rates(model, tokenizer, task, examples, cfg.out, settings, done, k=settings["k"], **sampling)
         res = {"pass_rate_mean": sum(rates) / len(rates), "zero_frac": sum(r == 0 for r in rates) / len(rates)}
         mean, zero = res["pass_rate_mean"], res["zero_frac"]
         print(f"{cfg.out}: {len(rates)} pass rates over k={settings['k']}; mean {mean:.4f}, {zero:.1%} at 0")
         return res
-    res = evaluate(
-        model,
-        tokenizer,
-        task,
-        examples,
-        n=cfg.n,
-        ks=cfg.pass_ks(),
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        seed=cfg.seed,
-    )
+    res = evaluate(model, tokenizer, task, examples, n=cfg.n, ks=cfg.pass_ks(), **sampling)
     width = max(map(len, res))
     print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in res.items()))
     if cfg.out:
@@ -271,27 +243,16 @@ if __name__ == "__main__":
 
     if "--plot" in sys.argv[1:]:  # `eval.py --plot RUN [RUN ...] [--out PNG]`
         p = argparse.ArgumentParser(description="Plot the curves of one or more runs into one PNG.", allow_abbrev=False)
-        p.add_argument(
-            "--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)"
-        )
-        p.add_argument("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
-        p.add_argument(
-            "--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens"
-        )
-        p.add_argument(
-            "--metrics",
-            default="",
-            help="comma-separated metric keys, one panel each (default: the six standard curves)",
+        add = p.add_argument
+        add("--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)")
+        add("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
+        add("--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens")
+        add(
+            "--metrics", default="", help="comma-separated metric keys, one panel each (default: the six standard ones)"
         )
         args = p.parse_args()
-        print(
-            plot_runs(
-                args.plot,
-                args.out or os.path.join(args.plot[0], "plot.png"),
-                x=args.x,
-                keys=[k for k in args.metrics.split(",") if k] or None,
-            )
-        )
+        keys = [k for k in args.metrics.split(",") if k] or None
+        print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
     else:
         with user_errors():
             main(parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0])

@@ -58,16 +58,10 @@ def rollouts(examples: list[dict], prompts: list[list[int]], tree, k: int, m: in
     """The sampler's tree (flat lists, prompt-major: prompt p's thought i at p*K + i, its answer j at
     (p*K + i)*M + j) as the step's record."""
 
-    def thought(i: int) -> Thought:
-        answers = [
-            Answer(tree.answers[a], tree.answer_logprobs[a], tree.answer_finish[a]) for a in range(i * m, i * m + m)
-        ]
-        return Thought(tree.thoughts[i], tree.thought_logprobs[i], tree.thought_truncated[i], answers)
-
-    return [
-        Group(ex, prompt, [thought(p * k + i) for i in range(k)])
-        for p, (ex, prompt) in enumerate(zip(examples, prompts))
-    ]
+    answers = [Answer(*a) for a in zip(tree.answers, tree.answer_logprobs, tree.answer_finish)]
+    thoughts = zip(tree.thoughts, tree.thought_logprobs, tree.thought_truncated)
+    thoughts = [Thought(*t, answers[i * m : (i + 1) * m]) for i, t in enumerate(thoughts)]
+    return [Group(ex, prompt, thoughts[p * k : (p + 1) * k]) for p, (ex, prompt) in enumerate(zip(examples, prompts))]
 
 
 def completions(groups: list[Group]) -> Iterator[tuple[Group, Thought, Answer]]:
