@@ -121,9 +121,9 @@ class Run:
     sampler: Transformer  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
     reference: Transformer | None  # frozen starting model for the KL penalty (beta > 0)
     tokenizer: object
-    # Set after the models: the end-of-thought marker (used when answers > 1), the optimizer (--optimizer-offload:
-    # it steps CPU float32 copies of the parameters), its schedule, and the trainer state saved with each
-    # checkpoint: step, grad_norms, bad_steps, skipped_steps, and the extensions' state.
+    # Set by setup after the constructor: the end-of-thought marker (used when answers > 1), the optimizer
+    # (--optimizer-offload: it steps CPU float32 copies of the parameters), its schedule, and the trainer state
+    # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, and the extensions' state.
     marker: StopText = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
     scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
@@ -228,23 +228,18 @@ def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[int]], Tree]:
-    """1. Render P prompts and sample K thoughts x M answers each (M = 1: K plain completions, both limits)."""
+    """1. Render P prompts and sample K thoughts x M answers each (M = 1: K plain completions)."""
     cfg, M = run.cfg, run.cfg.answers
     prompts = [render_prompt(run.tokenizer, ex, run.task.system_prompt) for ex in examples]
-    thought, answer = (cfg.max_thought_tokens, cfg.max_answer_tokens) if M > 1 else (0, cfg.completion_limit)
-    kw = dict(end_of_thought=run.marker if M > 1 else (), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    thought, answer, marker = cfg.max_thought_tokens, cfg.max_answer_tokens, run.marker
+    if M == 1:  # no thought: the completion is the answer and gets both limits
+        thought, answer, marker = 0, cfg.completion_limit, ()
+    kw = dict(
+        max_thought_tokens=thought, max_answer_tokens=answer, end_of_thought=marker, stop_ids=run.tokenizer.stop_ids
+    )
+    kw |= dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seeds)
     with torch.no_grad(), precision(run):
-        return prompts, sample_tree(
-            run.sampler,
-            prompts,
-            k=cfg.thoughts,
-            m=M,
-            max_thought_tokens=thought,
-            max_answer_tokens=answer,
-            stop_ids=run.tokenizer.stop_ids,
-            seed=seeds,
-            **kw,
-        )
+        return prompts, sample_tree(run.sampler, prompts, k=cfg.thoughts, m=M, **kw)
 
 
 def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, seeds: list[int]) -> list[Group]:
