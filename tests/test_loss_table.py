@@ -4,6 +4,7 @@ policy_loss hands each objective the right tokens and hyperparameters, --loss pi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -18,10 +19,9 @@ T = torch.tensor
 
 
 def hp(**kw) -> types.SimpleNamespace:
-    """The trainer's loss hyperparameters at their TrainConfig defaults, changed by kw."""
-    return types.SimpleNamespace(
-        **{"loss": "clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.0, "anchor_gamma": 0.1, **kw}
-    )
+    """The hyperparameters the trainer passes (every TrainConfig field, at its default), changed by kw: a loss
+    added to the table finds its own flags here too."""
+    return types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), **kw})
 
 
 def padded_batch() -> tuple[torch.Tensor, ...]:
