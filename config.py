@@ -21,7 +21,7 @@ from tasks import TASK_NAMES
 # -----------------------------------------------------------------------------
 # Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo", "dagrpo")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo", "dagrpo", "cispo")
 
 
 @dataclass
@@ -205,6 +205,8 @@ PRESETS: dict[str, dict] = {
     # DaGRPO, a RECONSTRUCTION: Dr. GRPO + the pair mask at the third-party delta 0.1 + reference-solution anchors
     # on groups with no correct rollout, trained with LUFFY's off-policy shaping (gamma 0.1)
     "dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1, anchors=True),
+    # CISPO: TRL's recommended cap of 5 on the importance weight, its token mean; mu = 2, or every weight is 1
+    "cispo": dict(loss="cispo", clip_high=4.0, aggregation="token_mean", mu=2),
 }
 assert tuple(PRESETS) == ALGOS
 

@@ -104,3 +104,27 @@ def test_sequence_ratio_contradicts_another_loss(name):
     """Guards against --sequence-ratio silently overriding (or being overridden by) another --loss."""
     with pytest.raises(ValueError, match=f"contradicts --loss {name}"):
         TrainConfig(sequence_ratio=True, loss=name, answers=1)
+
+
+def test_cispo_weights_are_clipped_detached_and_keep_every_gradient():
+    """Guards against CISPO built as PPO's clip (a token past the cap would lose its gradient, the one thing CISPO
+    keeps), a weight that carries gradient itself, a lower bound (TRL and the paper's runs have none), or a cap read
+    as TRL's absolute epsilon_high instead of 1 + --clip-high (losses.cispo's docstring). Ratios .01, 1.2, 6 with
+    --clip-high 4 give weights .01, 1.2, 5 (TRL's -clamp(coef, max=5).detach() * A * logp); the objective is
+    w * A * logp and its gradient under token weights v is -v * w * A on every token."""
+    ratio = T([[0.01, 1.2, 6.0]], dtype=torch.float64)
+    logp = T([[-1.0, -0.5, -2.0]], dtype=torch.float64, requires_grad=True)
+    old, adv = (logp - ratio.log()).detach(), T([[1.0, -2.0, 3.0]], dtype=torch.float64)
+    h, w = hp(loss="cispo", clip_low=0.2, clip_high=4.0), [0.01, 1.2, 5.0]
+    obj, cut = LOSSES["cispo"](logp, old, adv, torch.ones(1, 3, dtype=torch.bool), h)
+    want = T([[w[0] * 1 * -1.0, w[1] * -2 * -0.5, w[2] * 3 * -2.0]], dtype=torch.float64)
+    torch.testing.assert_close(obj.detach(), want, atol=1e-12, rtol=0)
+    assert not cut.any()
+    v = T([[0.5, 0.25, 0.25]], dtype=torch.float64)
+    loss, m = policy_loss(logp, old, adv, v, h)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = T([[-0.5 * w[0] * 1, -0.25 * w[1] * -2, -0.25 * w[2] * 3]], dtype=torch.float64)
+    torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)
+    assert m["clip_frac"] == 0.0
+    clip_loss, _ = policy_loss(logp, old, adv, v, hp(clip_low=0.2, clip_high=4.0))
+    assert torch.autograd.grad(clip_loss, logp)[0][0, 2] == 0  # the clip loss cuts the token CISPO keeps
