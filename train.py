@@ -338,6 +338,7 @@ class Run:
     sampler: Transformer | None = None  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
     static_step: Callable | None = None  # --compile: the compiled decode step sampling and evaluation run
     host_params: list[torch.Tensor] | None = None  # --optimizer-offload: the CPU float32 copies AdamW steps
+    master_norms: torch.Tensor | None = None  # weight_norms after the last update (weights change only there)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -751,12 +752,13 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
             for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
                 h.grad = p.grad.to("cpu", torch.float32)
         masters = run.host_params or list(run.policy.parameters())
-        before = weight_norms(masters)
+        before = run.master_norms if run.master_norms is not None else weight_norms(masters)
         run.optimizer.step()
         run.scheduler.step()
         # broken weights (NaN, inf, or a 1000-fold jump) stop the run before anything uses or saves them
         names = [n for n, _ in run.policy.named_parameters()]
-        check_update(names, before, weight_norms(masters), run.world, step + 1, f"lower --lr (now {cfg.lr:g})")
+        run.master_norms = weight_norms(masters)  # the next update's "before": one norm pass per update
+        check_update(names, before, run.master_norms, run.world, step + 1, f"lower --lr (now {cfg.lr:g})")
         if run.host_params:
             with torch.no_grad():
                 for h, p in zip(run.host_params, run.policy.parameters(), strict=True):
