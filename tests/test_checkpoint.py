@@ -339,6 +339,29 @@ def test_case2_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_pat
     load_model(checkpoint.find_checkpoint(str(out)))
 
 
+def test_case2_a_second_signal_while_a_stopped_run_winds_down_ends_it_at_once():
+    """Guards against the race CI met: the second Ctrl-C lands after the step's checkpoint, once the loop
+    has left the signal block; it must still end the process with status 130 and one line, not with
+    Python's default KeyboardInterrupt (killed by SIGINT, status -2)."""
+    code = """if True:
+        import os, signal, time
+        from cli import stop_signals
+        with stop_signals("python train.py --resume RUN") as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        assert stop.signum == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)  # the run is winding down (saving, closing logs)
+        time.sleep(5)
+        print("not stopped")
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130 and "Traceback" not in r.stderr and "not stopped" not in r.stdout, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "stopped at once by a second signal; the last complete checkpoint is intact: python train.py --resume RUN"
+    )
+
+
 DIE_AT = """
 import os, train
 from train import TrainConfig
