@@ -154,8 +154,8 @@ def stop_signals(resume: str) -> Iterator[StopRequest]:
     the returned request's signum: the loop checks it at each step boundary, writes a checkpoint and
     leaves through Stopped. A second one raises KeyboardInterrupt at once (user_errors: one line, exit
     status 130); one that comes after the block was left by a stop (the run is winding down) ends the
-    process at once with the same status. The last complete checkpoint stays: every save is atomic. `resume`: the command
-    that continues the run. Outside the main thread (no signal handlers there) it does nothing."""
+    process at once with the same status. The last complete checkpoint stays: every save is atomic.
+    `resume`: the command that continues the run. Outside the main thread (no signal handlers there) it does nothing."""
     stop = StopRequest(resume=resume)
 
     def handle(signum: int, frame) -> None:
@@ -171,9 +171,10 @@ def stop_signals(resume: str) -> Iterator[StopRequest]:
         old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread
         old = {}
+
     def handle_late(signum: int, frame) -> None:  # a signal after the stop began, while the run winds down
-        print(f"\nstopped at once by a second signal; the last complete checkpoint is intact: {resume}", file=sys.stderr)
-        sys.stderr.flush()
+        message = f"stopped at once by a second signal; the last complete checkpoint is intact: {resume}"
+        print(f"\n{message}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
     try:
