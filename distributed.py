@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import resource
 
@@ -40,6 +41,28 @@ def setup_distributed(cfg) -> tuple[int, int, torch.device]:
         if cfg.prompts_per_step % world:
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must divide evenly over {world} ranks")
     return rank, world, device
+
+
+def wrap(policy: torch.nn.Module, world: int, device: torch.device, fsdp: bool) -> torch.nn.Module:
+    """What the update runs: the policy itself in one process; under torchrun its DDP wrapper, or with
+    fsdp the policy sharded in place by FSDP2 (each layer one all-gather unit, the root the rest)."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in policy.model.layers:
+            fully_shard(layer)
+        return fully_shard(policy)
+    if world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids)
+    return policy
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed from (seed, step, global prompt index, ...): the same global batch gives the same
+    rollouts whatever the world size or batch composition."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:

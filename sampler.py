@@ -635,10 +635,3 @@ def sample_tree(
             thoughts[i] += marker
             thought_lp[i] += forced_lp[i].tolist()
     return Tree(thoughts, thought_lp, (~ended).tolist(), *_finish(ans))
-
-
-def splice_tree(tree: Tree, i: int, new: Tree, j: int, k: int, m: int) -> None:
-    """Put prompt j's rollouts of `new` in place of prompt i's rollouts of `tree` (dynamic sampling)."""
-    for name, n in (("thoughts", k), ("thought_logprobs", k), ("thought_truncated", k),
-                    ("answers", k * m), ("answer_logprobs", k * m), ("answer_finish", k * m)):  # fmt: skip
-        getattr(tree, name)[i * n : (i + 1) * n] = getattr(new, name)[j * n : (j + 1) * n]
