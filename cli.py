@@ -286,7 +286,9 @@ def start_line(
 ) -> str:
     """One line: the algorithm and what its preset sets, the model, task, device, the steps to run (from
     where a resumed run continues), the output directory and the memory estimate."""
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in preset.items())
+    flags = " ".join(
+        (f"--{'no-' * (not v)}{flag(k)[2:]}" if isinstance(v, bool) else f"{flag(k)} {v}") for k, v in preset.items()
+    )
     algo = f"--algo {algo}" + (f" ({flags})" if flags else "")
     steps = f"steps {step + 1}-{max_steps}, " + (
         f"resuming {resumed_from} at step {step}" if resumed_from else "from the start"

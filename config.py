@@ -6,6 +6,7 @@ change. Nothing here runs a model.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -14,14 +15,15 @@ from typing import ClassVar
 from advantage import AGGREGATIONS
 from checkpoint import resume_flags
 from cli import FlagError, first_error, out_of_range
-from losses import LOSSES, loss_name
-from recipes import dagrpo, dapo, gtpo, hard_examples, noise
+from losses import KL_ESTIMATORS, LOSSES, ROLLOUT_IS_MODES, loss_name
+from recipes import dagrpo, dapo, gtpo, hard_examples, noise, token_select
 from tasks import TASK_NAMES
 
 # -----------------------------------------------------------------------------
 # Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo", "dagrpo", "cispo")
+ALGOS += ("sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "gpg", "dsv32")
 
 
 @dataclass
@@ -86,9 +88,27 @@ class TrainConfig:
     clip_high: float = 0.2  # ratio clip above 1 + clip_high (DAPO clip-higher: 0.28)
     loss: str = "clip"  # policy objective (losses.py): clip = GRPO's clipped ratio, gspo = GSPO's sequence ratio
     sequence_ratio: bool = False  # GSPO's sequence ratio: the same as --loss gspo (kept for existing commands)
-    beta: float = 0.0  # KL penalty to the starting model (k3 estimator); > 0 loads a reference copy
+    sapo_tau_pos: float = 1.0  # SAPO: gate temperature for positive advantages
+    sapo_tau_neg: float = 1.05  # SAPO: gate temperature for negative advantages (steeper)
+    clip_cov_ratio: float = 2e-4  # Clip-Cov: fraction of the step's tokens dropped from the high-covariance band
+    clip_cov_lb: float = 1.0  # Clip-Cov: the band's lower covariance bound
+    clip_cov_ub: float = 5.0  # Clip-Cov: the band's upper covariance bound
+    kl_cov_ratio: float = 2e-3  # KL-Cov: fraction of the step's tokens, top by covariance, given the |log-ratio| term
+    kl_cov_coef: float = 1.0  # KL-Cov: coefficient of the |log-ratio| penalty on the selected tokens
+    dppo_mask_low: float = 0.2  # DPPO: mask a negative-advantage token whose probability fell by more than this
+    dppo_mask_high: float = 0.2  # DPPO: mask a positive-advantage token whose probability rose by more than this
+    dppo_kl_tau: float = 1e-3  # DPPO: coefficient of the squared log-ratio on every token
+    gpg_alpha: bool = False  # GPG: token weights times groups / groups whose rewards differ
+    top_entropy_fraction: float = 1.0  # 80/20 rule: train only on this top fraction of the step's tokens by entropy
+    opsm_delta: float = (
+        -1.0
+    )  # DeepSeek-V3.2: drop negative-advantage sequences whose KL(sampler||policy) > DELTA (-1 off)
+    beta: float = 0.0  # KL penalty to the starting model; > 0 loads a reference copy
+    kl_estimator: str = "k3"  # the penalty's estimator: k3, or unbiased (DeepSeek-V3.2: k3 times pi / pi_old)
     mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
     tis_cap: float = 2.0  # with a --rollout-dtype copy: token losses times min(pi_train / pi_sampler, CAP) (0 = off)
+    rollout_is: str = "token_truncate"  # the --tis-cap correction: per token or sequence, truncate or mask (0 weight)
+    tis_floor: float = 0.0  # lower bound of the correction's ratio (IcePop: --rollout-is token_mask, 0.5 and 5)
     # -- optimisation
     lr: float = 3e-4  # AdamW learning rate (tiny model; about 1e-6 for 0.5B-7B models)
     warmup_steps: int = 5  # linear learning-rate warm-up, in optimizer steps
@@ -121,6 +141,8 @@ class TrainConfig:
         advantage=("grpo", "two_grpo", "agrae"),
         aggregation=AGGREGATIONS,
         loss=tuple(LOSSES),
+        kl_estimator=KL_ESTIMATORS,
+        rollout_is=ROLLOUT_IS_MODES,
         lr_schedule=("cosine", "constant"),
         save_dtype=("auto", "float32", "bfloat16", "float16"),
         rollout_dtype=("auto", "float32", "bfloat16"),
@@ -132,7 +154,9 @@ class TrainConfig:
         **dict.fromkeys(("tis_cap", "warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every"), ">= 0"),
         **dict.fromkeys(("eval_samples", "save_every", "samples_every"), ">= 0"),
         **dict.fromkeys(("temperature", "top_p", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
-        **dict(clip_low="[0, 1)"),
+        **dict(clip_low="[0, 1]"),  # 1: no lower clip (Clip-Cov's recipe)
+        **dict.fromkeys(("sapo_tau_pos", "sapo_tau_neg"), "> 0"),
+        **dict.fromkeys(("dppo_mask_low", "dppo_mask_high", "dppo_kl_tau", "tis_floor"), ">= 0"),
     }
 
     def __post_init__(self) -> None:
@@ -180,6 +204,22 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         (("advantage",), "--advantage agrae", cfg.advantage == "agrae"),
         (("aggregation",), "--aggregation seq_mean_token_sum_norm", cfg.aggregation == "seq_mean_token_sum_norm"),
     ]
+    one_answer += [
+        (("loss",), f"--loss {cfg.loss} (one ratio per sequence)", cfg.loss == "gmpo"),
+        (("opsm_delta",), "--opsm-delta (one KL per sequence)", cfg.opsm_delta >= 0),
+        (("rollout_is",), f"--rollout-is {cfg.rollout_is}", cfg.rollout_is.startswith("sequence")),
+    ]
+    if cfg.opsm_delta != -1 and not (math.isfinite(cfg.opsm_delta) and cfg.opsm_delta >= 0):
+        yield FlagError(("opsm_delta",), f"must be >= 0, or -1 (off), got {cfg.opsm_delta}")
+    if cfg.kl_estimator == "unbiased" and cfg.beta == 0:
+        yield FlagError(
+            ("kl_estimator",), "is the KL penalty's estimator: it needs --beta > 0", subject="--kl-estimator unbiased"
+        )
+    if cfg.kl_estimator == "unbiased" and cfg.anchors:
+        why = "needs pi_old on every token; anchor tokens were not sampled by it"
+        yield FlagError(("kl_estimator",), why, ("anchors",), "--kl-estimator unbiased")
+    if cfg.tis_cap > 0 and cfg.tis_floor >= cfg.tis_cap:
+        yield FlagError(("tis_floor",), f"must be below --tis-cap, got {cfg.tis_floor} and {cfg.tis_cap}")
     for fields, subject, used in one_answer:
         if used and cfg.answers > 1:
             yield FlagError(fields, "needs --answers 1", ("answers",), subject)
@@ -189,7 +229,7 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         yield from recipe.check(cfg)
 
 
-RECIPES = (hard_examples, noise, dapo, dagrpo, gtpo)  # each extension's flag checks
+RECIPES = (hard_examples, noise, dapo, dagrpo, gtpo, token_select)  # each extension's flag checks
 
 
 PRESETS: dict[str, dict] = {
@@ -213,6 +253,16 @@ PRESETS: dict[str, dict] = {
     "dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1, anchors=True),
     # CISPO: TRL's recommended cap of 5 on the importance weight, its token mean; mu = 2, or every weight is 1
     "cispo": dict(loss="cispo", clip_high=4.0, aggregation="token_mean", mu=2),
+    # The field's newer losses at their papers' or reference code's defaults (losses.py says which). With mu = 1 the
+    # ratio is 1 and SAPO, KL-Cov and DPPO are the plain policy gradient: their presets take a second epoch.
+    "sapo": dict(loss="sapo", mu=2),  # tau 1.0 / 1.05 (the flags' defaults)
+    "gmpo": dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2),  # the clip in log space: (e^-0.4, e^0.4)
+    "clip_cov": dict(loss="clip_cov", clip_low=1.0, clip_high=1.0, aggregation="token_mean"),  # 7b_clip_cov.sh
+    "kl_cov": dict(loss="kl_cov", aggregation="token_mean", mu=2),  # ratio 2e-3, coef 1 (7b_kl_cov.sh)
+    "dppo": dict(loss="dppo", aggregation="token_mean", mu=2),  # prime-rl's defaults 0.2, 0.2, 1e-3
+    "gpg": dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True),
+    # DeepSeek-V3.2: the off-policy sequence mask at slime's delta and the unbiased KL
+    "dsv32": dict(opsm_delta=1e-4, kl_estimator="unbiased", beta=1e-3, mu=2),
 }
 assert tuple(PRESETS) == ALGOS
 

@@ -74,6 +74,24 @@ def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:
     return t.cpu()
 
 
+def gather_rows(x: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, slice]:
+    """Every rank's (B_r, T_r) rows, in rank order (the global prompt order), as one (sum B_r, max T_r) tensor whose
+    padding columns are zero, and the slice of them that is this rank's. For statistics of the whole step (a token
+    quantile, a covariance, a draw) that every rank then computes alike. One process: x itself."""
+    if world == 1:
+        return x, slice(0, x.shape[0])
+    shape = torch.tensor(x.shape, dtype=torch.long, device=x.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    rows, cols = (int(max(s[i] for s in shapes)) for i in (0, 1))
+    padded = torch.zeros(rows, cols, dtype=x.dtype, device=x.device)
+    padded[: x.shape[0], : x.shape[1]] = x
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    start = int(sum(s[0] for s in shapes[:rank]))
+    return torch.cat([p[: int(s[0])] for p, s in zip(parts, shapes)]), slice(start, start + x.shape[0])
+
+
 @contextlib.contextmanager
 def full_params(policy: torch.nn.Module, fsdp: bool):
     """FSDP: all-gather every parameter once, on every rank, and keep it whole until the block ends.

@@ -264,8 +264,19 @@ def gpg_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp:
     return _on_mask(adv, mask) * _on_mask(logp, mask), torch.zeros_like(mask)
 
 
-LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"clip": clip, "gspo": gspo, "cispo": cispo}
-SEQUENCE_LEVEL = ("gspo",)  # objectives whose ratio is one per sequence: ratio_mean reports that ratio
+LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "clip": clip,
+    "gspo": gspo,
+    "cispo": cispo,
+    "sapo": sapo_objective,
+    "gmpo": gmpo_objective,
+    "clip_cov": clip,  # the clipped surrogate; Clip-Cov's token mask is in the weights (recipes/token_select.py)
+    "kl_cov": kl_cov_objective,  # takes the step's selection (recipes/token_select.py) as `selected`
+    "dppo": dppo_objective,
+    "gpg": gpg_objective,
+}
+SEQUENCE_LEVEL = ("gspo", "gmpo")  # objectives whose ratio is one per sequence: ratio_mean reports that ratio
+KL_ESTIMATORS = ("k3", "unbiased")  # --kl-estimator: Schulman's k3, or DeepSeek-V3.2's k3 times the ratio
 
 
 def loss_name(hp) -> str:
@@ -288,9 +299,11 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     mask: Tensor | None = None,
     off_policy: Tensor | None = None,
+    selected: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """loss = -sum(weight * (obj - hp.beta * KL3)), obj = LOSSES[loss_name(hp)] (the clip loss:
-    min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)).
+    """loss = -sum(weight * (obj - hp.beta * KL)), obj = LOSSES[loss_name(hp)] (the clip loss:
+    min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)), KL per token by hp.kl_estimator: k3 (kl3), or
+    "unbiased" (DeepSeek-V3.2's unbiased_kl: k3 times pi / pi_old; it needs old_logp on every masked token).
 
     logp, old_logp, adv, weight (and ref_logp, mask): [B, T]. The weight carries the aggregation normaliser
     (advantage.token_weights), so the loss is a plain sum and micro-batch losses add up. mask: tokens that
@@ -303,6 +316,8 @@ def policy_loss(
     still learn), no clip and no old_logp (unused there, may be garbage). The objective sees only the other
     tokens (they are left out of GSPO's sequence mean); the KL term, if any, still covers them. None (default)
     is the plain loss, bit for bit.
+    selected: [B, T] bool, KL-Cov's tokens (kl_cov_select over the whole step, this call's rows); passed to the
+    objective, which must take it (only kl_cov does).
     Metrics (floats, no grad) are means over this call's masked tokens, i.e. partial for one micro-batch: the
     trainer averages them weighted by metrics["num_tokens"]. clip_frac_low / clip_frac_high split clip_frac by
     the sign of the advantage. Off-policy tokens are never clipped; with off_policy given, "off_policy_frac"
@@ -316,14 +331,17 @@ def policy_loss(
     mask = weight != 0 if mask is None else mask.bool()
     off = None if off_policy is None else off_policy.bool() & mask
     on = mask if off is None else mask & ~off  # tokens sampled from pi_old: the objective's ratio applies
-    obj, cut = LOSSES[name](logp, old_logp, adv, on, hp)
+    obj, cut = LOSSES[name](logp, old_logp, adv, on, hp, **({} if selected is None else dict(selected=selected)))
     if off is not None:
         p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
         obj = torch.where(off, p / (p + hp.anchor_gamma) * adv, obj)
     kl = None
     if ref_logp is not None:
         zero = torch.zeros_like(logp)
-        kl = kl3(torch.where(mask, logp, zero), torch.where(mask, ref_logp.detach(), zero))
+        if hp.kl_estimator == "unbiased":
+            kl = unbiased_kl(logp, ref_logp, old_logp, mask)
+        else:
+            kl = kl3(torch.where(mask, logp, zero), torch.where(mask, ref_logp.detach(), zero))
         obj = obj - hp.beta * kl
     loss = -(weight * torch.where(mask, obj, torch.zeros_like(obj))).sum()
 

@@ -110,12 +110,14 @@ class Batch:
     prompt_valid: torch.Tensor | None = None  # (P, Lp) bool: not padding
     prompt_of: torch.Tensor | None = None  # (B,) long: the prompt_ids row each packed row continues
     # Filled by the trainer's later steps, (B, T) each: the score pass, then the advantages.
+    score_logp: torch.Tensor | None = None  # the policy's log-probs in the score pass (None when nothing needs them)
     old_logp: torch.Tensor | None = None  # log-probs before the update (mu > 1; None: the update's own, detached)
     ref_logp: torch.Tensor | None = None  # under the reference model (beta > 0)
     entropy: torch.Tensor | None = None  # token entropy before the update (None: measured in the first epoch)
     adv: torch.Tensor | None = None
     weight: torch.Tensor | None = None  # the loss weight of each token: the step's aggregation, whole
     mask: torch.Tensor | None = None  # bool: the tokens the update trains
+    selected: torch.Tensor | None = None  # bool: KL-Cov's tokens for its objective (--loss kl_cov), else None
 
 
 def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: bool = False) -> Batch:

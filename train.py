@@ -76,6 +76,7 @@ from distributed import (
     fixed_mmap_threshold,
     full_params,
     gather_full_state,
+    gather_rows,
     memory_peak,
     setup_distributed,
     weight_norms,
@@ -83,7 +84,7 @@ from distributed import (
 )
 from heldout import evaluate
 from hf import load_model
-from losses import policy_loss, truncated_is_weights
+from losses import gpg_alpha, mismatch_is_weights, off_policy_sequence_mask, policy_loss
 from memory import check_memory
 from model import Transformer, cast_copy, copy_weights_
 from pack import (
@@ -98,7 +99,7 @@ from pack import (
     split_rows,
     token_stats,
 )
-from recipes import dagrpo, dapo, gtpo, hard_examples, noise
+from recipes import dagrpo, dapo, gtpo, hard_examples, noise, token_select
 from rewards import score_batch
 from sampler import StopText, Tree, decode_step_static, sample_tree
 from tasks import Task, check_prompt_lengths, check_sizes, get_task, render_prompt
@@ -322,10 +323,11 @@ def log_samples(run: Run, step: int, groups: list[Group]) -> None:
 
 
 def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.Size) -> tuple[torch.Tensor | None, ...]:
-    """4. No-grad forwards before the update, each (B, T) in the logical layout or None when not needed: old
-    log-probs (mu > 1), reference log-probs (beta > 0), token entropy under the policy (mu > 1, GTPO)."""
+    """4. No-grad forwards before the update, each (B, T) in the logical layout or None when not needed: the
+    policy's log-probs and token entropy (mu > 1: the old log-probs; GTPO; the step's token selections), the
+    reference's log-probs (beta > 0)."""
     cfg = run.cfg
-    need_policy = cfg.mu > 1 or gtpo.needs_entropy(cfg)
+    need_policy = cfg.mu > 1 or gtpo.needs_entropy(cfg) or token_select.needs_scores(cfg)
     old_logp, entropy = torch.zeros(shape, device=run.device), torch.zeros(shape, device=run.device)
     ref_logp = torch.zeros(shape, device=run.device) if run.reference is not None else None
     with torch.no_grad(), precision(run):
@@ -334,7 +336,7 @@ def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.S
                 old_logp[rows], entropy[rows] = token_stats(run.policy, mb, cfg.temperature, entropy=True)
             if run.reference is not None:
                 ref_logp[rows] = token_stats(run.reference, mb, cfg.temperature)[0]
-    return old_logp if cfg.mu > 1 else None, ref_logp, entropy if need_policy else None
+    return (old_logp, ref_logp, entropy) if need_policy else (None, ref_logp, None)
 
 
 def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,8 +359,9 @@ def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) ->
     return adv_thought, adv_answer
 
 
-def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple[torch.Tensor, ...]:
-    """5. Per-token advantage and weight (B, T) for the whole global step, and the trained-token mask (B, T).
+def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple:
+    """5. Per-token advantage and weight (B, T) for the whole global step, the trained-token mask (B, T), and the
+    step's selection metrics (KL-Cov's tokens go to batch.selected).
 
     The weight carries the loss normaliser of the WHOLE step (summed over ranks), so neither the
     micro-batch split nor the world size can change the gradient."""
@@ -385,7 +388,18 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
         weight = token_weights(m, cfg.aggregation, max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
     if cfg.gtpo_conflict:  # GTPO's conflict tokens, by the sign of the raw group advantage
         weight = weight * gtpo.conflict_weights(batch.ids, mask.float(), raw.to(dev), cfg)
-    return adv, weight, mask
+    metrics = {}
+    if token_select.needs_scores(cfg):  # Clip-Cov, KL-Cov, the 80/20 entropy mask: over the whole step's tokens
+        step = run.state["step"]
+        keep, batch.selected, metrics = token_select.select(
+            batch.score_logp, adv, batch.entropy, mask, cfg, step, run.rank, world
+        )
+        weight = weight * keep
+    if cfg.gpg_alpha:  # GPG: the gradient becomes the mean over the groups whose rewards differ
+        rewards = gather_rows(per_completion(groups, "reward").view(len(groups), -1).to(dev), run.rank, world)[0]
+        metrics["gpg/alpha"] = gpg_alpha(rewards)
+        weight = weight * metrics["gpg/alpha"]
+    return adv, weight, mask, metrics
 
 
 def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -> tuple[dict, torch.Tensor]:
@@ -396,6 +410,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     tis = cfg.tis_cap > 0 and run.sampler is not run.policy
     sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, off_tokens=0.0, off_p=0.0)
     sums |= dict(tis=0.0, tis_capped=0.0) if tis else {}
+    sums |= dict(opsm_masked=0.0) if cfg.opsm_delta >= 0 else {}
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
@@ -408,11 +423,20 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 off = None if batch.off_policy is None else batch.off_policy[rows] & mask
                 sampled = mask if off is None else mask & ~off  # the tokens with sampler log-probs
                 old, w = logp.detach() if batch.old_logp is None else batch.old_logp[rows], batch.weight[rows]
-                if tis:  # rollouts from a cast copy: reweight tokens by min(pi_old / pi_sampler, cap)
-                    w_is = truncated_is_weights(old, mb.sampler_logp, sampled, cfg.tis_cap)
+                if tis:  # rollouts from a cast copy: tokens reweighted by pi_old / pi_sampler, truncated or masked
+                    kw = dict(mode=cfg.rollout_is, low=cfg.tis_floor, high=cfg.tis_cap)
+                    w_is = mismatch_is_weights(old, mb.sampler_logp, sampled, **kw)
                     w = w * w_is
+                adv = batch.adv[rows]
+                if cfg.opsm_delta >= 0:  # DeepSeek-V3.2: negative-advantage sequences the policy drifted from
+                    behaviour = mb.sampler_logp if run.sampler is not run.policy else old
+                    opsm = off_policy_sequence_mask(logp, behaviour, adv, sampled, delta=cfg.opsm_delta)
+                    w = w * opsm
+                    sums["opsm_masked"] += (~opsm & sampled).sum().item() / cfg.mu  # the mean over epochs
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows]
-                loss, metrics = policy_loss(logp, old, batch.adv[rows], w, cfg, ref_logp=ref, off_policy=off)
+                selected = None if batch.selected is None else batch.selected[rows]
+                kw = dict(ref_logp=ref, off_policy=off, selected=selected)
+                loss, metrics = policy_loss(logp, old, adv, w, cfg, **kw)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 n = mask.float().sum().item()
@@ -423,7 +447,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 sums["entropy"] += ((ent if ent is not None else batch.entropy[rows]) * mask.float()).sum().item()
                 if tis:
                     sums["tis"] += (w_is * sampled).sum().item()
-                    sums["tis_capped"] += ((w_is >= cfg.tis_cap) & sampled).sum().item()
+                    sums["tis_capped"] += (((w_is >= cfg.tis_cap) | (w_is <= cfg.tis_floor)) & sampled).sum().item()
+
                 if off is not None:
                     sums["off_tokens"] += off.sum().item()
                     sums["off_p"] += (logp.detach().exp() * off).sum().item()
@@ -505,7 +530,8 @@ def update_metrics(run: Run, batch: Batch, sums: dict, grad_norm: torch.Tensor) 
     return row
 
 
-METRIC_TIS = {"tis/mean": "tis", "tis/capped_frac": "tis_capped"}  # --tis-cap's diagnostics
+# per sampled token: --tis-cap's correction (capped_frac: weights at a bound), DeepSeek-V3.2's mask
+METRIC_TIS = {"tis/mean": "tis", "tis/capped_frac": "tis_capped", "opsm/masked_frac": "opsm_masked"}
 
 
 def evaluate_heldout(run: Run, step: int) -> dict:
@@ -582,10 +608,11 @@ def main(cfg: TrainConfig) -> dict:
             cuts = split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
             micro = [(rows, select_rows(batch, rows)) for rows in cuts]
             # 4. score pass (no grad): old log-probs, reference log-probs, entropy
-            batch.old_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
+            batch.score_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
+            batch.old_logp = batch.score_logp if cfg.mu > 1 else None
             mem["score_pass"] = memory_peak(run.device)
             # 5. advantages: per sequence, then per-token adv and weight for the whole step
-            batch.adv, batch.weight, batch.mask = advantages(run, groups, batch, batch_accuracy)
+            batch.adv, batch.weight, batch.mask, selection = advantages(run, groups, batch, batch_accuracy)
             # 6. update: mu epochs, each one optimizer step over all micro-batches
             t1 = time.perf_counter()
             sums, grad_norm = update(run, step, batch, micro)
@@ -595,7 +622,7 @@ def main(cfg: TrainConfig) -> dict:
             run.state["step"] = step + 1
             times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
             row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": resampled}
-            row |= update_metrics(run, batch, sums, grad_norm) | noise.metrics(run.state)
+            row |= update_metrics(run, batch, sums, grad_norm) | noise.metrics(run.state) | selection
             row |= dagrpo.metrics(anchors, sums, run.world) if cfg.anchors else {}
             row |= {f"time/{k}_s": v for k, v in times.items()}
             row |= {"tokens_per_s": sampled["tokens/generated"] / max(t_sample, 1e-9)}

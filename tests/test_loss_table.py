@@ -38,7 +38,8 @@ def test_every_objective_keeps_the_contract(name):
     """Guards against a table entry that returns the wrong shapes or dtype, lets padded -inf/nan reach the
     objective or its gradient, or reports a cut token outside the mask."""
     logp, old, adv, mask = padded_batch()
-    obj, cut = LOSSES[name](logp, old, adv, mask, hp())
+    extra = dict(selected=T([[True, False, True], [False, True, False]])) if name == "kl_cov" else {}
+    obj, cut = LOSSES[name](logp, old, adv, mask, hp(), **extra)
     assert obj.shape == mask.shape and cut.shape == mask.shape and cut.dtype == torch.bool
     assert not (cut & ~mask).any()
     value = (torch.where(mask, obj, torch.zeros_like(obj))).sum()
@@ -128,3 +129,67 @@ def test_cispo_weights_are_clipped_detached_and_keep_every_gradient():
     assert m["clip_frac"] == 0.0
     clip_loss, _ = policy_loss(logp, old, adv, v, hp(clip_low=0.2, clip_high=4.0))
     assert torch.autograd.grad(clip_loss, logp)[0][0, 2] == 0  # the clip loss cuts the token CISPO keeps
+
+
+def test_the_newer_losses_are_table_entries_with_their_references_defaults():
+    """Guards against a newer loss reachable only as a function (no flag), a preset that does not choose it, or a
+    preset whose hyperparameters drift from the reference defaults its docstring cites."""
+    import losses
+
+    entries = dict(sapo="sapo_objective", gmpo="gmpo_objective", kl_cov="kl_cov_objective", dppo="dppo_objective")
+    entries |= dict(gpg="gpg_objective", clip_cov="clip")
+    for name, fn in entries.items():
+        assert LOSSES[name] is getattr(losses, fn)
+        assert PRESETS[name]["loss"] == name
+    d = TrainConfig()
+    assert (d.sapo_tau_pos, d.sapo_tau_neg) == (1.0, 1.05)  # SAPO paper, TRL, verl
+    assert (d.clip_cov_ratio, d.clip_cov_lb, d.clip_cov_ub) == (2e-4, 1.0, 5.0)  # verl, 7b_clip_cov.sh
+    assert (d.kl_cov_ratio, d.kl_cov_coef) == (2e-3, 1.0)  # 7b_kl_cov.sh
+    assert (d.dppo_mask_low, d.dppo_mask_high, d.dppo_kl_tau) == (0.2, 0.2, 1e-3)  # prime-rl DefaultLossConfig
+    assert PRESETS["gmpo"] | {} == dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2)  # GMPO's script
+    assert PRESETS["clip_cov"] == dict(loss="clip_cov", clip_low=1.0, clip_high=1.0, aggregation="token_mean")
+    assert PRESETS["gpg"] == dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True)
+    assert PRESETS["dsv32"] == dict(opsm_delta=1e-4, kl_estimator="unbiased", beta=1e-3, mu=2)  # slime's delta
+
+
+def test_policy_loss_passes_kl_covs_selection_and_uses_the_unbiased_kl():
+    """Guards against the seam dropping KL-Cov's step selection (its penalty would never act) or --kl-estimator
+    unbiased computing k3 anyway: the loss is -sum(w * (obj - beta * kl)) with the table's obj and losses.unbiased_kl,
+    and a KL-Cov loss without its selection is refused."""
+    import losses
+
+    logp, old, adv, mask = padded_batch()
+    w = torch.where(mask, 0.2, 0.0).double()
+    sel = T([[True, False, True], [False, True, False]])
+    h = hp(loss="kl_cov", kl_cov_coef=0.5)
+    loss, _ = policy_loss(logp, old, adv, w, h, mask=mask, selected=sel)
+    obj, _ = losses.kl_cov_objective(logp, old, adv, mask, h, selected=sel)
+    torch.testing.assert_close(loss, -(w * torch.where(mask, obj, 0.0)).sum(), atol=1e-12, rtol=0)
+    unselected, _ = policy_loss(logp, old, adv, w, h, mask=mask, selected=torch.zeros_like(sel))
+    assert not torch.equal(loss, unselected)
+    with pytest.raises(TypeError):
+        policy_loss(logp, old, adv, w, h, mask=mask)
+    ref = T([[-0.4, -1.2, -2.2], [-0.1, -0.6, float("nan")]], dtype=torch.float64)
+    h = hp(beta=0.3, kl_estimator="unbiased")
+    loss, m = policy_loss(logp, old, adv, w, h, ref_logp=ref, mask=mask)
+    obj, _ = LOSSES["clip"](logp, old, adv, mask, h)
+    kl = losses.unbiased_kl(logp, ref, old, mask)
+    torch.testing.assert_close(loss, -(w * torch.where(mask, obj - 0.3 * kl, 0.0)).sum(), atol=1e-12, rtol=0)
+    k3, _ = policy_loss(logp, old, adv, w, hp(beta=0.3), ref_logp=ref, mask=mask)
+    assert not torch.equal(loss, k3) and math.isclose(
+        m["kl"], (kl * mask).sum().item() / 5, rel_tol=1e-6
+    )  # metrics are float32
+
+
+def test_rollout_is_default_mode_is_the_old_truncation_bit_for_bit():
+    """Guards against --rollout-is's default (token_truncate, floor 0) changing a run that used --tis-cap before the
+    modes existed: its weights equal truncated_is_weights exactly."""
+    import losses
+
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(4, 7, generator=g) * 3
+    sampler = old + 0.3 * torch.randn(4, 7, generator=g)
+    mask = torch.rand(4, 7, generator=g) > 0.2
+    for cap in (1.5, 2.0):
+        a = losses.mismatch_is_weights(old, sampler, mask, mode="token_truncate", low=0.0, high=cap)
+        assert torch.equal(a, losses.truncated_is_weights(old, sampler, mask, cap))
