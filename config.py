@@ -276,6 +276,15 @@ RESUMABLE = (
 )
 
 
+def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then constant or a cosine decay to 10% at the last optimizer step."""
+    warm = min(1.0, (opt_step + 1) / max(1, cfg.warmup_steps))
+    if cfg.lr_schedule == "constant":
+        return warm
+    progress = min(1.0, opt_step / max(1, cfg.max_steps * cfg.mu - 1))
+    return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def resume_config(cfg: TrainConfig, typed: set[str]) -> TrainConfig:
     """--resume on the command line: the run's own flags, replaced only by the flags typed now
     (setup's check_resume then refuses those that would change what the run computes)."""

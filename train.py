@@ -42,50 +42,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from advantage import (
-    agrae_advantages,
-    dynamic_sampling_keep,
-    gradient_spike_score,
-    grpo_ma_advantages,
-    grpo_ma_token_advantages,
-    grpo_ma_token_weights,
-    pairwise_distinct_advantages,
-    token_weights,
-    two_grpo_advantages,
-)
-from checkpoint import (
-    append_row,
-    check_out_dir,
-    check_resume,
-    eval_rows,
-    find_checkpoint,
-    load_trainer_state,
-    lock_run_dir,
-    prepare_out,
-    read_trainer_step,
-    release_run_dir,
-    save_checkpoint,
-    writing,
-)
+import advantage
+import checkpoint
+import distributed
 from cli import Stopped, UserError, end_summary, parse_config, start_line, stop_signals, user_errors
-from config import PRESETS, RESUMABLE, TrainConfig, resume_config
-from distributed import (
-    all_sum,
-    check_update,
-    derive_seed,
-    fixed_mmap_threshold,
-    full_params,
-    gather_full_state,
-    gather_rows,
-    memory_peak,
-    setup_distributed,
-    weight_norms,
-    wrap,
-)
+from config import PRESETS, RESUMABLE, TrainConfig, lr_factor, resume_config
+from distributed import all_sum, derive_seed, memory_peak
 from heldout import evaluate
 from hf import load_model
 from losses import gpg_alpha, mismatch_is_weights, off_policy_sequence_mask, policy_loss
 from memory import check_memory
+from metrics import rollout_metrics, update_metrics
 from model import Transformer, cast_copy, copy_weights_
 from pack import (
     Batch,
@@ -107,15 +74,6 @@ from tokenizer import decode_completion, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # Setup: the long-lived objects of a run
-
-
-def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then constant or a cosine decay to 10% at the last optimizer step."""
-    warm = min(1.0, (opt_step + 1) / max(1, cfg.warmup_steps))
-    if cfg.lr_schedule == "constant":
-        return warm
-    progress = min(1.0, opt_step / max(1, cfg.max_steps * cfg.mu - 1))
-    return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass
@@ -160,8 +118,8 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     """Distributed init; then data, output directory and checkpoint are checked before any model is
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
-    rank, world, device = setup_distributed(cfg)
-    fixed_mmap_threshold()  # CPU: freed activations go back to the OS (a fragmenting heap cost GiBs at 0.5B)
+    rank, world, device = distributed.setup_distributed(cfg)
+    distributed.fixed_mmap_threshold()  # CPU: freed activations go back to the OS (heap fragments cost GiBs at 0.5B)
     task = hard_examples.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
@@ -171,13 +129,13 @@ def setup(cfg: TrainConfig) -> Run:
     heldout = task.test(cfg.eval_examples, cfg.seed)
     if cfg.anchors:
         dagrpo.check_references(task, pool + topups)
-    resume_dir = find_checkpoint(cfg.resume) if cfg.resume else ""
+    resume_dir = checkpoint.find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
-        check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
+        checkpoint.check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
     if rank == 0:
-        lock_run_dir(cfg.out)  # one writer per run directory: a second train.py on it is refused
-        check_out_dir(cfg.out, resume_dir, cfg.overwrite)
-        prepare_out(cfg.out, read_trainer_step(resume_dir) if resume_dir else 0)
+        checkpoint.lock_run_dir(cfg.out)  # one writer per run directory: a second train.py on it is refused
+        checkpoint.check_out_dir(cfg.out, resume_dir, cfg.overwrite)
+        checkpoint.prepare_out(cfg.out, checkpoint.read_trainer_step(resume_dir) if resume_dir else 0)
     torch.manual_seed(cfg.seed)
     policy = load_model(resume_dir or cfg.model, dtype=torch.float32, device=device)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
@@ -193,7 +151,7 @@ def setup(cfg: TrainConfig) -> Run:
     limit = f"the model's context of {context} tokens minus the completion limit of {new}"
     check_prompt_lengths(tokenizer, pool + topups + heldout, task.system_prompt, context - new, limit)
     fsdp = world > 1 and cfg.fsdp
-    model = wrap(policy, world, device, fsdp)
+    model = distributed.wrap(policy, world, device, fsdp)
     # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too), which
     # optimizer_step copies the gradients to and the new weights back from. fused: one kernel over all parameters
     # (7.6x the per-tensor loop on this CPU, as TRL's default adamw_torch_fused); FSDP's DTensors keep the default.
@@ -204,7 +162,7 @@ def setup(cfg: TrainConfig) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
     if resume_dir:
-        state = load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
+        state = checkpoint.load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
     if host and resume_dir:  # the resumed masters
         with torch.no_grad():
             for h, p in zip(host, policy.parameters(), strict=True):
@@ -219,7 +177,7 @@ def setup(cfg: TrainConfig) -> Run:
         with rollout_weights(run), precision(run):
             run.state["noise_rates"] = noise.rates(sampler, tokenizer, task, cfg, max_new_tokens=new)
     if rank == 0:
-        with writing(os.path.join(cfg.out, "config.json")), open(os.path.join(cfg.out, "config.json"), "w") as f:
+        with checkpoint.writing(path := os.path.join(cfg.out, "config.json")), open(path, "w") as f:
             json.dump(asdict(cfg), f, indent=2)
         if cfg.wandb:
             import wandb  # optional extra
@@ -240,7 +198,7 @@ def precision(run: Run):
 def rollout_weights(run: Run):
     """Around sampling and evaluation. FSDP: whole weights while ranks run different numbers of
     forwards (full_params); not needed when the sampler is its own --rollout-dtype copy."""
-    return full_params(run.policy, run.fsdp and run.sampler is run.policy)
+    return distributed.full_params(run.policy, run.fsdp and run.sampler is run.policy)
 
 
 def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -293,25 +251,6 @@ def draw(run: Run, examples: list[dict], seeds: list[int]) -> list[Group]:
     return score(run, examples, *sample(run, examples, seeds), seeds)
 
 
-def rollout_metrics(run: Run, groups: list[Group]) -> dict:
-    """What the policy sampled this step (global over ranks unless noted), read before a transform of the
-    rollouts puts other tokens in (DaGRPO's anchors)."""
-    world, reward, correct = run.world, per_completion(groups, "reward"), per_completion(groups, "correct")
-    lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in completions(groups)]).view(reward.shape)
-    thoughts = [t for g in groups for t in g.thoughts]
-    answers = [a for t in thoughts for a in t.answers]
-    return {
-        "reward/mean": (all_sum(reward.sum(), world) / all_sum(reward.numel(), world)).item(),
-        "reward/std": reward.std().item(),  # this rank's (rank 0's) rollouts
-        "accuracy": (all_sum(correct.sum(), world) / all_sum(correct.numel(), world)).item(),
-        "frac_zero_std_groups": (~dynamic_sampling_keep(reward.view(len(groups), -1))).float().mean().item(),
-        "len/completion_mean": lengths.float().mean().item(),
-        "truncated_frac": sum(a.finish == "length" for a in answers) / len(answers),
-        "thought_truncated_frac": sum(t.truncated for t in thoughts) / len(thoughts) if run.cfg.answers > 1 else 0.0,
-        "tokens/generated": all_sum(sum(len(t.tokens) for t in thoughts + answers), world).item(),
-    }
-
-
 def log_samples(run: Run, step: int, groups: list[Group]) -> None:
     """A few of the step's completions, as sampled, to OUT/samples.jsonl."""
     for g, _, a in itertools.islice(completions(groups), 4):
@@ -345,16 +284,18 @@ def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) ->
     cfg, std = run.cfg, run.cfg.std_normalize
     reward = per_completion(groups, "reward")
     reward = noise.corrected(reward, run.state) if cfg.noise_correct else reward
-    adv_thought, adv_answer = grpo_ma_advantages(reward, std_normalize=std)
+    adv_thought, adv_answer = advantage.grpo_ma_advantages(reward, std_normalize=std)
     group = reward.view(len(groups), -1)
     if cfg.advantage == "two_grpo":
-        adv_answer = two_grpo_advantages(group).view(adv_answer.shape)
+        adv_answer = advantage.two_grpo_advantages(group).view(adv_answer.shape)
     elif cfg.advantage == "agrae":
         correct, alpha = per_group(groups, "correct"), cfg.agrae_alpha
-        adv = agrae_advantages(group, correct=correct, alpha=alpha, batch_accuracy=batch_accuracy, std_normalize=std)
+        kw = dict(correct=correct, alpha=alpha, batch_accuracy=batch_accuracy, std_normalize=std)
+        adv = advantage.agrae_advantages(group, **kw)
         adv_answer = adv.view(adv_answer.shape)
     elif cfg.pair_delta >= 0:  # DaGRPO's mask (a reconstruction): pairs whose credits differ by < delta cancel
-        adv = pairwise_distinct_advantages(group, per_group(groups, "credit"), cfg.pair_delta, std_normalize=std)
+        credit = per_group(groups, "credit")
+        adv = advantage.pairwise_distinct_advantages(group, credit, cfg.pair_delta, std_normalize=std)
         adv_answer = adv.view(adv_answer.shape)
     return adv_thought, adv_answer
 
@@ -376,16 +317,17 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
         mask = mask & dapo.kept(groups).to(dev)[batch.group][:, None]
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
     seq_adv = seq_adv.view(adv_answer.shape).to(dev)
-    adv = grpo_ma_token_advantages(adv_thought.to(dev), seq_adv, batch.thought, batch.answer_id)
+    adv = advantage.grpo_ma_token_advantages(adv_thought.to(dev), seq_adv, batch.thought, batch.answer_id)
     rows, M = all_sum(batch.ids.shape[0], world).item(), cfg.answers  # thoughts over all ranks
     if M > 1 and cfg.aggregation == "seq_mean_token_mean":
         kw = dict(thought_weight=cfg.thought_weight, answer_weight=cfg.answer_weight, num_thoughts=rows)
         answer_id = torch.where(mask, batch.answer_id, -1)
-        weight = grpo_ma_token_weights(batch.thought & mask, answer_id, num_answers=rows * M, **kw)
+        weight = advantage.grpo_ma_token_weights(batch.thought & mask, answer_id, num_answers=rows * M, **kw)
     else:
         m = mask.float()
         tokens = all_sum(m.sum(), world).item()
-        weight = token_weights(m, cfg.aggregation, max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
+        kw = dict(max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
+        weight = advantage.token_weights(m, cfg.aggregation, **kw)
     if cfg.gtpo_conflict:  # GTPO's conflict tokens, by the sign of the raw group advantage
         weight = weight * gtpo.conflict_weights(batch.ids, mask.float(), raw.to(dev), cfg)
     metrics = {}
@@ -396,7 +338,8 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
         )
         weight = weight * keep
     if cfg.gpg_alpha:  # GPG: the gradient becomes the mean over the groups whose rewards differ
-        rewards = gather_rows(per_completion(groups, "reward").view(len(groups), -1).to(dev), run.rank, world)[0]
+        rewards = per_completion(groups, "reward").view(len(groups), -1).to(dev)
+        rewards = distributed.gather_rows(rewards, run.rank, world)[0]
         metrics["gpg/alpha"] = gpg_alpha(rewards)
         weight = weight * metrics["gpg/alpha"]
     return adv, weight, mask, metrics
@@ -435,8 +378,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                     sums["opsm_masked"] += (~opsm & sampled).sum().item() / cfg.mu  # the mean over epochs
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows]
                 selected = None if batch.selected is None else batch.selected[rows]
-                kw = dict(ref_logp=ref, off_policy=off, selected=selected)
-                loss, metrics = policy_loss(logp, old, adv, w, cfg, **kw)
+                loss, metrics = policy_loss(logp, old, adv, w, cfg, ref_logp=ref, off_policy=off, selected=selected)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 n = mask.float().sum().item()
@@ -448,7 +390,6 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 if tis:
                     sums["tis"] += (w_is * sampled).sum().item()
                     sums["tis_capped"] += (((w_is >= cfg.tis_cap) | (w_is <= cfg.tis_floor)) & sampled).sum().item()
-
                 if off is not None:
                     sums["off_tokens"] += off.sum().item()
                     sums["off_p"] += (logp.detach().exp() * off).sum().item()
@@ -467,13 +408,13 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
             for h, p in zip(host, run.policy.parameters(), strict=True):
                 h.grad = p.grad.to("cpu", torch.float32)
         masters = host or list(run.policy.parameters())
-        before = run.master_norms if run.master_norms is not None else weight_norms(masters)
+        before = run.master_norms if run.master_norms is not None else distributed.weight_norms(masters)
         run.optimizer.step()
         run.scheduler.step()
         # broken weights (NaN, inf, or a 1000-fold jump) stop the run before anything uses or saves them
         names = [n for n, _ in run.policy.named_parameters()]
-        run.master_norms = weight_norms(masters)  # the next update's "before": one norm pass per update
-        check_update(names, before, run.master_norms, run.world, step + 1, f"lower --lr (now {cfg.lr:g})")
+        run.master_norms = distributed.weight_norms(masters)  # the next update's "before": one norm pass per update
+        distributed.check_update(names, before, run.master_norms, run.world, step + 1, f"lower --lr (now {cfg.lr:g})")
         if host:
             with torch.no_grad():
                 for h, p in zip(host, run.policy.parameters(), strict=True):
@@ -501,37 +442,9 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
 def log(run: Run, row: dict, file: str = "metrics.jsonl") -> None:
     """The one logging call: a line of OUT/file (+ wandb for metrics), on rank 0."""
     if run.rank == 0:
-        append_row(os.path.join(run.cfg.out, file), row)
+        checkpoint.append_row(os.path.join(run.cfg.out, file), row)
         if run.wandb is not None and file == "metrics.jsonl":
             run.wandb.log(row, step=row["step"])
-
-
-def update_metrics(run: Run, batch: Batch, sums: dict, grad_norm: torch.Tensor) -> dict:
-    """The update's diagnostics, global over ranks, per trained token (logp_gap and tis: per sampled token);
-    the gradient norm and its spike score (GRPO-MA's GSS over the run's norms so far), skipped steps, lr."""
-    world, state = run.world, run.state
-    n_tok = max(all_sum(batch.mask.sum(), world).item(), 1)
-    n_sampled = max(n_tok - all_sum(sums["off_tokens"], world).item(), 1)
-    state["grad_norms"].append(grad_norm.item())
-    gss, gss10 = gradient_spike_score(state["grad_norms"])
-    row = {
-        "loss": all_sum(sums["loss"], world).item(),
-        "clip_frac": all_sum(sums["clip_frac"], world).item() / n_tok,
-        "kl": all_sum(sums["kl"], world).item() / n_tok if run.reference is not None else None,
-        "entropy": all_sum(sums["entropy"], world).item() / n_tok,
-        "logp_gap": all_sum(sums["logp_gap"], world).item() / n_sampled,
-        **{k: all_sum(sums[s], world).item() / n_sampled for k, s in METRIC_TIS.items() if s in sums},
-        "grad_norm": grad_norm.item(),
-        "gss": gss[-1].item(),
-        "gss10_frac": gss10,
-        "skipped_steps": state["skipped_steps"],
-        "lr": run.scheduler.get_last_lr()[0],
-    }
-    return row
-
-
-# per sampled token: --tis-cap's correction (capped_frac: weights at a bound), DeepSeek-V3.2's mask
-METRIC_TIS = {"tis/mean": "tis", "tis/capped_frac": "tis_capped", "opsm/masked_frac": "opsm_masked"}
 
 
 def evaluate_heldout(run: Run, step: int) -> dict:
@@ -553,7 +466,8 @@ def save(run: Run, path: str) -> None:
     """A checkpoint at `path`: HF weights in --save-dtype, tokenizer files and trainer state (with
     --save-optimizer: the optimizer, and float32 masters when the weights are written in less)."""
     cfg = run.cfg
-    weights, optim = gather_full_state(run.policy, run.optimizer) if run.fsdp else (None, run.optimizer.state_dict())
+    fsdp_state = distributed.gather_full_state(run.policy, run.optimizer) if run.fsdp else None
+    weights, optim = fsdp_state or (None, run.optimizer.state_dict())
     if run.rank == 0:
         dtype = None if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
         lossy = (dtype or getattr(torch, run.policy.config.torch_dtype)) != torch.float32
@@ -561,7 +475,7 @@ def save(run: Run, path: str) -> None:
         optim, scheduler = optim if cfg.save_optimizer else None, run.scheduler.state_dict()
         state = dict(optimizer=optim, scheduler=scheduler, trainer=run.state, config=asdict(cfg))
         state["master_weights"] = masters
-        save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), weights=weights, dtype=dtype)
+        checkpoint.save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), weights=weights, dtype=dtype)
     if run.world > 1:
         dist.barrier()
 
@@ -595,7 +509,7 @@ def main(cfg: TrainConfig) -> dict:
                 if cfg.dynamic_sampling:
                     redraw = functools.partial(draw, run)
                     groups, resampled = dapo.dynamic_sampling(groups, step, slots, run.topups, cfg, redraw)
-            sampled = rollout_metrics(run, groups)
+            sampled = rollout_metrics(groups, run.world, cfg.answers)
             if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
                 log_samples(run, step + 1, groups)
             anchors = {}  # transform rollouts: DaGRPO's anchors train on a reference in groups with no correct rollout
@@ -622,7 +536,9 @@ def main(cfg: TrainConfig) -> dict:
             run.state["step"] = step + 1
             times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
             row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": resampled}
-            row |= update_metrics(run, batch, sums, grad_norm) | noise.metrics(run.state) | selection
+            lr, kl = run.scheduler.get_last_lr()[0], run.reference is not None
+            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr) | noise.metrics(run.state)
+            row |= selection | ({} if kl else {"kl": None})
             row |= dagrpo.metrics(anchors, sums, run.world) if cfg.anchors else {}
             row |= {f"time/{k}_s": v for k, v in times.items()}
             row |= {"tokens_per_s": sampled["tokens/generated"] / max(t_sample, 1e-9)}
@@ -652,7 +568,7 @@ def stop_at_boundary(run: Run, step: int, signum: int, resume: str) -> None:
     message = f"stopped at step {step} of {cfg.max_steps} by {signal.Signals(signum).name}; {path} holds it: {how}"
     if run.rank == 0:
         print(f"\n{message}", file=sys.stderr)  # below the progress bar's line
-        release_run_dir(cfg.out)
+        checkpoint.release_run_dir(cfg.out)
     raise Stopped(signum, message)
 
 
@@ -663,12 +579,12 @@ def finish(run: Run, seconds: float) -> dict:
     cfg = run.cfg
     if run.rank != 0:
         return {"first_eval": {}, "last_eval": {}}
-    evals = eval_rows(cfg.out)
+    evals = checkpoint.eval_rows(cfg.out)
     files = [f for f in ("metrics.jsonl", "samples.jsonl", "config.json") if os.path.isfile(os.path.join(cfg.out, f))]
     data = [("--task", cfg.task), ("--data", cfg.data), ("--test-data", cfg.test_data)]
     flags = "".join(f"{k} {v} " for k, v in data if v) + f"--max-new-tokens {cfg.completion_limit} "
     print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps))
-    release_run_dir(cfg.out)
+    checkpoint.release_run_dir(cfg.out)
     return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}
 
 

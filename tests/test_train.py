@@ -323,7 +323,10 @@ def test_interrupted_save_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         train.main(small(tiny, out, max_steps=3, save_every=1, resume=out))
     monkeypatch.setattr(torch, "save", real_save)
-    assert os.path.basename(train.find_checkpoint(out)) in ("step-2", "final")  # both hold step 2, final is newest
+    assert os.path.basename(train.checkpoint.find_checkpoint(out)) in (
+        "step-2",
+        "final",
+    )  # both hold step 2, final is newest
     assert not os.path.exists(os.path.join(out, "step-3"))
     load_model(os.path.join(out, "step-2"))
 
@@ -471,7 +474,7 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
     batch.entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
     adv, weight, completion = train.advantages(run, groups, batch, batch_accuracy=0.5)
     assert torch.allclose(adv[:, 0], torch.tensor([0.5 - 0.6, -0.5 - 0.6]))  # both negative after the shift
-    base = train.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
+    base = train.advantage.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
     # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
     assert torch.equal(weight / base.clamp(min=1e-30) * (base > 0), torch.tensor([[2.0, 2.0, 1.0], [0.0, 0.0, 1.0]]))
 
