@@ -10,8 +10,8 @@ Conventions (design.md, "Algorithms (exact)"):
 How the trainer uses this file, one step:
   rewards -> group advantages (section 1; DAPO keep/overlong in 2; GTPO controls in 3)
   -> per-token adv [B, T] and weight [B, T] for the WHOLE step (section 4)
-  -> micro-batches: policy_loss(logp, old_logp, adv, weight) (section 5), gradients summed
-  -> diagnostics (section 6).
+  -> micro-batches: losses.policy_loss(logp, old_logp, adv, weight, hp), gradients summed
+  -> diagnostics (section 5).
 Because the weight carries the loss normaliser, summing micro-batch losses gives the full-batch
 loss whatever the micro-batch split or world size.
 """
@@ -445,129 +445,7 @@ def grpo_ma_token_advantages(
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. The policy loss: clipped surrogate (PPO/GRPO, DAPO clip-higher, GSPO) minus beta * KL3
-
-
-def kl3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Schulman's k3 estimator of KL(pi || ref) per token: exp(d) - d - 1 with d = ref_logp - logp.
-    Always >= 0 and 0 where logp == ref_logp; unbiased for the KL under samples from pi."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
-
-
-def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
-    """Truncated importance weights for rollouts sampled by other numerics than the trainer's
-    (a bf16 copy of the weights, another kernel): w = min(pi_old / pi_sampler, cap) per token, [B, T].
-
-    old_logp: the trainer's log-probs at the sampling-time parameters; sampler_logp: the sampler's own
-    for the same tokens; mask: the tokens that exist (w = 1 elsewhere, so padded garbage cannot reach
-    the loss). No gradient flows through w. Multiplying each token's loss weight by w is the
-    correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL
-    training", truncated IS; verl's tis_imp_ratio_cap, default 2): the gradient of the clipped surrogate
-    becomes an importance-weighted estimate under pi_old instead of pi_sampler, with its variance
-    bounded by the cap. The tokens the sampler overrated (w < 1) are not clipped from below."""
-    if not cap > 0:
-        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap}.")
-    if old_logp.shape != sampler_logp.shape or old_logp.shape != mask.shape:
-        raise ValueError(
-            f"truncated_is_weights: old_logp {tuple(old_logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
-            f"and mask {tuple(mask.shape)} must have one shape."
-        )
-    m = mask.bool()
-    zero = torch.zeros_like(old_logp)
-    w = torch.exp(torch.where(m, old_logp.detach() - sampler_logp.detach(), zero)).clamp(max=cap)
-    return torch.where(m, w, torch.ones_like(w))
-
-
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv: Tensor,
-    weight: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    ref_logp: Tensor | None = None,
-    beta: float = 0.0,
-    sequence_ratio: bool = False,
-    mask: Tensor | None = None,
-    off_policy: Tensor | None = None,
-    off_policy_gamma: float = 0.1,
-) -> tuple[Tensor, dict[str, float]]:
-    """loss = -sum(weight * (min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A) - beta*KL3)).
-
-    logp, old_logp, adv, weight (and ref_logp, mask): [B, T]. The weight carries the aggregation
-    normaliser (section 4), so the loss is a plain sum and micro-batch losses add up.
-    rho = exp(logp - old_logp) per token, or with sequence_ratio GSPO's (arXiv 2507.18071)
-    s_i = exp(mean over row i's tokens of (logp - old_logp)), used in the GSPO-token form
-    sg[s_i] * exp(logp_t - sg[logp_t]): the value is s_i on every token, the gradient s_i * grad logp_t,
-    which is GSPO's gradient for uniform row weights and stays right for per-token advantages.
-    mask: tokens that exist (default weight != 0); used for the GSPO mean and the metrics, and must
-    cover every token with non-zero weight. For packed GRPO-MA rows the GSPO mean spans the whole row.
-    off_policy: [B, T] bool, tokens not sampled from pi_old (e.g. an injected reference solution, see
-    splice_anchor_rewards). There LUFFY's policy shaping (arXiv 2504.14945; its code's
-    off_policy_reshape="p_div_p_0.1") replaces the clipped ratio term: obj = f(p) * A with
-    f(p) = p / (p + off_policy_gamma), p = exp(logp), gradient through p (d f / d logp = gamma p / (p + gamma)^2,
-    so low-probability expert tokens still learn), no clip and no old_logp (unused there, may be garbage).
-    They are left out of GSPO's sequence mean; the KL term, if any, still covers them. None (default)
-    is the plain loss, bit for bit.
-    Metrics (floats, no grad) are means over this call's masked tokens, i.e. partial for one
-    micro-batch: the trainer averages them weighted by metrics["num_tokens"]. Off-policy tokens count
-    as ratio 1, never clipped; with off_policy given, "off_policy_frac" (of the masked tokens) and
-    "off_policy_p_mean" (mean p over this call's off-policy tokens) are added.
-    """
-    if beta != 0.0 and ref_logp is None:
-        raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
-    if off_policy is not None and not off_policy_gamma > 0:
-        raise ValueError(f"policy_loss: off_policy_gamma must be > 0, got {off_policy_gamma}.")
-    mask = weight != 0 if mask is None else mask.bool()
-    off = None if off_policy is None else off_policy.bool() & mask
-    on = mask if off is None else mask & ~off  # tokens sampled from pi_old: the PPO ratio applies
-    # Zero the differences off the mask before exp: padded log-probs may be -inf or garbage, and
-    # exp(inf) * 0 would put nan into the loss and its gradient.
-    log_ratio = torch.where(on, logp - old_logp.detach(), torch.zeros_like(logp))
-    if sequence_ratio:
-        n = on.sum(-1, keepdim=True).clamp(min=1)
-        log_s = log_ratio.detach().sum(-1, keepdim=True) / n  # (B, 1) log of the geometric mean ratio
-        ratio = torch.exp(log_s + log_ratio - log_ratio.detach())
-    else:
-        ratio = torch.exp(log_ratio)
-    obj = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
-    if off is not None:
-        p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
-        obj = torch.where(off, p / (p + off_policy_gamma) * adv, obj)
-    kl = None
-    if ref_logp is not None:
-        zero = torch.zeros_like(logp)
-        kl = kl3(torch.where(mask, logp, zero), torch.where(mask, ref_logp.detach(), zero))
-        obj = obj - beta * kl
-    loss = -(weight * torch.where(mask, obj, torch.zeros_like(obj))).sum()
-
-    with torch.no_grad():
-        n_tok = mask.sum().clamp(min=1)
-        r = ratio.detach()
-        low = mask & (r < 1 - clip_low) & (adv < 0)  # clipped where the clip binds (zero gradient)
-        high = mask & (r > 1 + clip_high) & (adv > 0)
-        names = ["clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "num_tokens"]
-        vals = [
-            low.sum() / n_tok,
-            high.sum() / n_tok,
-            (low | high).sum() / n_tok,
-            (r * mask).sum() / n_tok,
-            mask.sum().float(),
-        ]
-        if kl is not None:
-            names.append("kl")
-            vals.append((kl.detach() * mask).sum() / n_tok)
-        if off is not None:
-            names += ["off_policy_frac", "off_policy_p_mean"]
-            vals += [off.sum() / n_tok, (p.detach() * off).sum() / off.sum().clamp(min=1)]
-        metrics = dict(zip(names, torch.stack([v.float() for v in vals]).tolist()))  # one device sync
-    return loss, metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# 6. Diagnostics: gradient spikes, GRPO-MA's variance claim, hard-example selection
+# 5. Diagnostics: gradient spikes, GRPO-MA's variance claim, hard-example selection
 
 
 def gradient_spike_score(grad_norms: list[float] | Tensor, tau: float = 10.0) -> tuple[Tensor, float]:

@@ -6,6 +6,10 @@ the source; `# -- family` comments group the flags in --help, and a `CHOICES` cl
 the values of choice flags. Unknown flags are an error. `parse_config` also reports which flags the
 user typed, so presets can fill only the rest (style: "presets fill defaults the user did not set").
 
+A config's `__post_init__` reports a bad value or combination as a `FlagError`: `out_of_range` checks
+numeric flags against ranges written as text ('>= 1', '> 0', '[0, 1)'), and `first_error` joins the checks
+that failed the same way into one sentence, which `parse_config` rewrites when a preset set the values.
+
 Errors a user can cause end as one line, `error: <sentence>`, exit status 2, no traceback: flags
 through the parser, everything else (files, data, checkpoints) through `user_errors`. Ctrl-C ends
 as one line too (exit status 130). A training loop runs inside `stop_signals`: the first SIGINT or
@@ -19,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
+import math
 import os
 import re
 import signal
@@ -79,17 +84,84 @@ def parse_config(
     ns = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
     explicit = set(ns)
     values: dict[str, Any] = {}
+    preset: dict[str, Any] = {}
     if presets is not None:
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         name = ns.get(preset_field, defaults[preset_field])
         if name not in presets:
-            parser.error(f"--{preset_field.replace('_', '-')} must be one of {', '.join(presets)}, got {name!r}")
-        values.update(presets[name])
+            parser.error(f"{flag(preset_field)} must be one of {', '.join(presets)}, got {name!r}")
+        preset = {k: v for k, v in presets[name].items() if k not in explicit}
+        values.update(preset)
     values.update(ns)
     try:
         return cls(**values), explicit
-    except ValueError as e:  # __post_init__ validation: one sentence, no traceback
+    except FlagError as e:  # __post_init__ validation: one sentence, no traceback
+        parser.error(blame(e, preset, f"{flag(preset_field)} {values.get(preset_field)}"))
+    except ValueError as e:
         parser.error(str(e))
+
+
+def flag(name: str) -> str:
+    """A field's command-line spelling: max_steps -> --max-steps."""
+    return "--" + name.replace("_", "-")
+
+
+class FlagError(ValueError):
+    """A flag value or combination a config refuses, said as `{subject} {predicate}`: `fields` are the flags
+    the subject names (by default the subject is their spellings), `others` the flags the predicate names."""
+
+    def __init__(self, fields: tuple[str, ...], predicate: str, others: tuple[str, ...] = (), subject: str = ""):
+        self.fields, self.predicate, self.others = fields, predicate, others
+        self.subject = subject or "/".join(map(flag, fields))
+        self.verb = re.sub(r"^needs ", "need ", predicate) if len(fields) > 1 else predicate  # agrees with the subject
+        super().__init__(f"{self.subject} {self.verb}")
+
+
+def in_range(value: float, spec: str) -> bool:
+    """value in `spec`: '>= 1', '> 0' or an interval such as '[0, 1)'; a float must also be finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if spec[0] in "[(":
+        low, high = (float(x) for x in spec[1:-1].split(","))
+        above = low <= value if spec[0] == "[" else low < value
+        return above and (value <= high if spec[-1] == "]" else value < high)
+    op, bound = spec.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def out_of_range(config: Any, ranges: dict[str, str]) -> Iterator[FlagError]:
+    """A FlagError for each field of `config` outside its range (see in_range)."""
+    for name, spec in ranges.items():
+        value = getattr(config, name)
+        if not in_range(value, spec):
+            interval = spec[0] in "[("
+            finite = " and finite" * (isinstance(value, float) and not interval)  # an interval says it already
+            yield FlagError((name,), f"must be {'in ' * interval}{spec}{finite}, got {value}")
+
+
+def first_error(errors: list[FlagError]) -> FlagError:
+    """The first failed check, joined by the later ones that failed the same way (same predicate and flags),
+    so that one sentence names them all: `--pair-delta/--anchors need --answers 1`."""
+    same = [e for e in errors if (e.predicate, e.others) == (errors[0].predicate, errors[0].others)]
+    if len(same) == 1:
+        return errors[0]
+    fields, subject = sum((e.fields for e in same), ()), "/".join(e.subject for e in same)
+    return FlagError(fields, same[0].predicate, same[0].others, subject)
+
+
+def blame(e: FlagError, preset: dict[str, Any], by: str) -> str:
+    """e's sentence, where the preset `by` (e.g. `--algo dagrpo`) set some of its flags to the values in `preset`
+    (the ones the user did not type): a preset's value is never blamed as if the user had typed it."""
+    set_here = [f for f in (*e.fields, *e.others) if f in preset]
+    if not set_here:
+        return str(e)
+    if e.fields and all(f in preset for f in e.fields):
+        shown = [f for f in e.others if f in preset]
+        text = f"{by} sets {e.subject}, which {e.verb}"
+    else:
+        shown, text = set_here, str(e)
+    values = [flag(f) if preset[f] is True else f"{flag(f)} {preset[f]}" for f in shown]
+    return text + (f" ({by} sets {', '.join(values)})" if values else "")
 
 
 class UserError(Exception):
@@ -214,7 +286,9 @@ def start_line(
 ) -> str:
     """One line: the algorithm and what its preset sets, the model, task, device, the steps to run (from
     where a resumed run continues), the output directory and the memory estimate."""
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in preset.items())
+    flags = " ".join(
+        (f"--{'no-' * (not v)}{flag(k)[2:]}" if isinstance(v, bool) else f"{flag(k)} {v}") for k, v in preset.items()
+    )
     algo = f"--algo {algo}" + (f" ({flags})" if flags else "")
     steps = f"steps {step + 1}-{max_steps}, " + (
         f"resuming {resumed_from} at step {step}" if resumed_from else "from the start"

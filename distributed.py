@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import resource
 
@@ -42,6 +43,28 @@ def setup_distributed(cfg) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def wrap(policy: torch.nn.Module, world: int, device: torch.device, fsdp: bool) -> torch.nn.Module:
+    """What the update runs: the policy itself in one process; under torchrun its DDP wrapper, or with
+    fsdp the policy sharded in place by FSDP2 (each layer one all-gather unit, the root the rest)."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in policy.model.layers:
+            fully_shard(layer)
+        return fully_shard(policy)
+    if world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(policy, device_ids=ids)
+    return policy
+
+
+def derive_seed(*parts: int) -> int:
+    """A seed from (seed, step, global prompt index, ...): the same global batch gives the same
+    rollouts whatever the world size or batch composition."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:
     """Sum over ranks (a no-op in one process); used for every global normaliser."""
     t = torch.as_tensor(x, dtype=torch.float64).clone()
@@ -49,6 +72,24 @@ def all_sum(x: float | torch.Tensor, world: int) -> torch.Tensor:
         t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t)
     return t.cpu()
+
+
+def gather_rows(x: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, slice]:
+    """Every rank's (B_r, T_r) rows, in rank order (the global prompt order), as one (sum B_r, max T_r) tensor whose
+    padding columns are zero, and the slice of them that is this rank's. For statistics of the whole step (a token
+    quantile, a covariance, a draw) that every rank then computes alike. One process: x itself."""
+    if world == 1:
+        return x, slice(0, x.shape[0])
+    shape = torch.tensor(x.shape, dtype=torch.long, device=x.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    rows, cols = (int(max(s[i] for s in shapes)) for i in (0, 1))
+    padded = torch.zeros(rows, cols, dtype=x.dtype, device=x.device)
+    padded[: x.shape[0], : x.shape[1]] = x
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    start = int(sum(s[0] for s in shapes[:rank]))
+    return torch.cat([p[: int(s[0])] for p, s in zip(parts, shapes)]), slice(start, start + x.shape[0])
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""eval.py: held-out evaluation (greedy accuracy, mean@n, unbiased pass@k) and plots of runs.
+"""eval.py: the evaluation command line (heldout.evaluate: greedy accuracy, mean@n, unbiased pass@k), the
+pass-rate pass for train.py --select (recipes/hard_examples.py) and plots of runs.
 
     python eval.py --model assets/tiny-model --task synthetic --n 16 --k 1,4,16
     python eval.py --model runs/default/final --task gsm8k --test-data test.jsonl --out eval.json
@@ -18,283 +19,17 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 import torch
-from tqdm import tqdm
 
-from advantage import estimate_noise_rates, flip_rewards, select_hard_examples
 from checkpoint import hold_lock
 from cli import user_errors
-from rewards import format_reward
-from sampler import decode_step_static, generate
-from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task, render_prompt, restrict_train
-from tokenizer import decode_completion
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
-
-    Computed as a product to stay exact for large n (Chen et al., 2021)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-@torch.no_grad()
-def evaluate(
-    model,
-    tokenizer,
-    task,
-    examples: list[dict],
-    *,
-    n: int = 4,
-    ks: tuple[int, ...] = (1,),
-    max_new_tokens: int = 80,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    batch_prompts: int = 64,
-    static_step: Callable | None = None,
-) -> dict:
-    """Greedy accuracy, mean@n and pass@k at `temperature`, format rate, length, truncation.
-    n = 0: greedy only (`ks` unused); otherwise every k must be in 1..n (pass@k needs k samples).
-    static_step: the decode step to sample through (sampler.decode), e.g. a compiled one."""
-    if not examples:
-        raise ValueError("evaluate: no examples; pass at least one.")
-    if n < 0 or (n > 0 and not all(1 <= k <= n for k in ks)):
-        raise ValueError(f"evaluate: need n >= 0 and every k in 1..n, got n={n}, ks={tuple(ks)}.")
-    prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in examples]
-    greedy_correct, sampled_correct, lengths, truncated, formats = [], [], [], [], []
-    for start in range(0, len(prompts), batch_prompts):
-        chunk, exs = prompts[start : start + batch_prompts], examples[start : start + batch_prompts]
-        greedy = generate(
-            model,
-            chunk,
-            max_new_tokens=max_new_tokens,
-            n=1,
-            temperature=0.0,
-            stop_ids=tokenizer.stop_ids,
-            static_step=static_step,
-        )
-        greedy_correct += [task.correct(decode_completion(tokenizer, t), ex) for t, ex in zip(greedy.tokens, exs)]
-        if n > 0:
-            seeds = [seed + start + i for i in range(len(chunk))]  # per prompt: independent of batching
-            sampled = generate(
-                model,
-                chunk,
-                max_new_tokens=max_new_tokens,
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                stop_ids=tokenizer.stop_ids,
-                seed=seeds,
-                static_step=static_step,
-            )
-            texts = [decode_completion(tokenizer, t) for t in sampled.tokens]
-            sampled_correct += [[task.correct(texts[i * n + j], ex) for j in range(n)] for i, ex in enumerate(exs)]
-            lengths += [len(t) for t in sampled.tokens]
-            truncated += [f == "length" for f in sampled.finish]
-            formats += [format_reward(t, {}) == 1.0 for t in texts]
-    res = {"greedy_accuracy": sum(greedy_correct) / len(examples), "examples": len(examples)}
-    if n > 0:
-        counts = [int(sum(c)) for c in sampled_correct]
-        res[f"mean@{n}"] = sum(counts) / (n * len(examples))
-        for k in ks:
-            res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
-        res.update(
-            format_rate=sum(formats) / len(formats),
-            len_mean=sum(lengths) / len(lengths),
-            truncated_frac=sum(truncated) / len(truncated),
-        )
-    res["accuracy"] = res["greedy_accuracy"]
-    return res
-
-
-# -----------------------------------------------------------------------------
-# Pass rates of the starting model on the training split (Hard Examples, arXiv 2508.14094), for train.py --select
-# A file: one settings header line {"pass_rates": {...}}, then one row {"index", "prompt", "pass_rate"} per example.
-
-PASS_RATE_CHUNK = 16  # prompts sampled together; fixed, so a resumed pass batches (and samples) as an uninterrupted one
-
-
-def pass_rate_examples(task: Task, n: int) -> list[dict]:
-    """The examples a pass-rate file rates: the first n of the training split in its fixed (seed 0) order,
-    whatever a run's --seed (task.train is prefix-stable in n), so row index i is example i here and in train.py."""
-    return task.train(n, 0)
-
-
-def read_pass_rates(path: str) -> tuple[dict | None, list[dict]]:
-    """(settings header or None, rows sorted by index) of a pass-rate file; a bad line is a ValueError naming it."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such pass-rate file; write one with eval.py --pass-rates --out {path}")
-    header, rows = None, []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(f"{path} line {line_no}: not valid JSON (an interrupted pass? rerun it)") from None
-            if line_no == 1 and isinstance(row, dict) and isinstance(row.get("pass_rates"), dict):
-                header = row["pass_rates"]
-                continue
-            get = row.get if isinstance(row, dict) else {}.get
-            rate_ok = type(get("pass_rate")) in (int, float) and 0 <= get("pass_rate") <= 1
-            if not (type(get("index")) is int and get("index") >= 0 and isinstance(get("prompt"), str) and rate_ok):
-                raise ValueError(f'{path} line {line_no}: expected {{"index": I, "prompt": TEXT, "pass_rate": 0..1}}')
-            rows.append(row)
-    rows.sort(key=lambda r: r["index"])
-    for a, b in zip(rows, rows[1:]):
-        if a["index"] == b["index"]:
-            raise ValueError(f"{path}: example {a['index']} has two rows; keep one")
-    return header, rows
-
-
-def resume_pass_rates(path: str, settings: dict, examples: list[dict]) -> dict[int, float]:
-    """The rates an interrupted pass left in `path` (index -> rate; {} when the file is absent or empty), after
-    cutting a torn last line. A file made with other settings, or for other examples, is a ValueError."""
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return {}
-    with open(path, "rb+") as f:  # a pass killed mid-write leaves a line without its newline: drop it
-        data = f.read()
-        f.truncate(data.rfind(b"\n") + 1)
-    header, rows = read_pass_rates(path)
-    if header != settings:
-        old = header or {}
-        diff = "; ".join(f"{k} {v!r} here, {old.get(k)!r} in the file" for k, v in settings.items() if old.get(k) != v)
-        raise ValueError(
-            f"--out {path} holds pass rates made with other settings ({diff}); pass another --out or delete the file"
-        )
-    for r in rows:
-        if r["index"] >= len(examples) or examples[r["index"]]["prompt"] != r["prompt"]:
-            raise ValueError(f"--out {path}: row {r['index']} is not this task's training example {r['index']}")
-    return {r["index"]: r["pass_rate"] for r in rows}
-
-
-@torch.no_grad()
-def write_pass_rates(
-    model,
-    tokenizer,
-    task: Task,
-    examples: list[dict],
-    path: str,
-    settings: dict,
-    done: dict[int, float],
-    *,
-    k: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    static_step: Callable | None = None,
-) -> list[float]:
-    """Per example, the fraction of k samples that task.correct accepts, appended to `path` as it goes (after the
-    settings header, for a new file); the examples in `done` (resume_pass_rates) are skipped. Example i samples
-    with seed + i in its fixed chunk of PASS_RATE_CHUNK, so a resumed pass writes an uninterrupted one's rows."""
-    rates = dict(done)
-    bar = tqdm(total=len(examples), initial=len(done), desc="pass rates", dynamic_ncols=True)
-    with open(path, "a") as f, bar:
-        if f.tell() == 0:
-            f.write(json.dumps({"pass_rates": settings}) + "\n")
-        for start in range(0, len(examples), PASS_RATE_CHUNK):
-            chunk = examples[start : start + PASS_RATE_CHUNK]
-            if all(start + j in done for j in range(len(chunk))):
-                continue
-            out = generate(
-                model,
-                [render_prompt(tokenizer, ex, task.system_prompt) for ex in chunk],
-                max_new_tokens=max_new_tokens,
-                n=k,
-                temperature=temperature,
-                top_p=top_p,
-                stop_ids=tokenizer.stop_ids,
-                seed=[seed + start + j for j in range(len(chunk))],
-                static_step=static_step,
-            )
-            for j, ex in enumerate(chunk):
-                if start + j not in done:
-                    texts = [decode_completion(tokenizer, t) for t in out.tokens[j * k : (j + 1) * k]]
-                    rates[start + j] = sum(task.correct(t, ex) for t in texts) / k
-                    row = {"index": start + j, "prompt": ex["prompt"], "pass_rate": rates[start + j]}
-                    f.write(json.dumps(row) + "\n")
-                    bar.update(1)
-            f.flush()
-    return [rates[i] for i in range(len(examples))]
-
-
-def select_examples(task: Task, path: str, mode: str, fraction: float, seed: int) -> Task:
-    """train.py --select: `task` with its training split cut to the `mode` `fraction` of the examples rated in the
-    pass-rate file `path` (advantage.select_hard_examples: ties in index order; random: a draw seeded by `seed`).
-    Rows are matched to pass_rate_examples by index and checked by prompt; a mismatch, or an unfinished pass,
-    is a ValueError."""
-    header, rows = read_pass_rates(path)
-    if header is not None and len(rows) < header.get("examples", 0):
-        raise ValueError(
-            f"--pass-rates {path} rates {len(rows)} of its {header['examples']} examples: the pass was interrupted; "
-            "rerun the same eval.py --pass-rates command to finish it"
-        )
-    if not rows:
-        raise ValueError(f"--pass-rates {path} has no rows; write it with python eval.py --pass-rates --out {path}")
-    n = rows[-1]["index"] + 1
-    if task.n_train is not None and n > task.n_train:
-        raise ValueError(
-            f"--pass-rates {path} rates example {n - 1} but {task.train_source} has {task.n_train} training "
-            "examples; it was made for another task or data file"
-        )
-    examples = pass_rate_examples(task, n)
-    bad = next((r["index"] for r in rows if examples[r["index"]]["prompt"] != r["prompt"]), None)
-    if bad is not None:
-        raise ValueError(
-            f"--pass-rates {path}: row {bad}'s prompt is not training example {bad}'s "
-            f"({examples[bad]['prompt'][:40]!r}); it was made for another task or data file"
-        )
-    rates = torch.tensor([r["pass_rate"] for r in rows], dtype=torch.float64)
-    idx = select_hard_examples(rates, fraction, mode=mode, generator=torch.Generator().manual_seed(seed))
-    chosen = [examples[rows[i]["index"]] for i in idx.tolist()]
-    return restrict_train(task, chosen, f"the --select {mode} {fraction:g} of {path}")
-
-
-@torch.no_grad()
-def calibrate_noise(
-    model,
-    tokenizer,
-    task: Task,
-    noise: tuple[float, float] | None,
-    *,
-    rollouts: int = 256,
-    n: int = 16,
-    max_new_tokens: int = 80,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """train.py --noise-correct auto: the flip rates (rho_plus, rho_minus) of the training reward against the task's
-    own correctness, fit once on `rollouts` samples of `model` (n per prompt, one batch) on training prompts of their
-    own stream. The reward is task.reward, flipped at the `noise` rates (per prompt seed) when the run injects them
-    (--reward-noise); advantage.estimate_noise_rates compares it with task.correct, so the sample needs right and
-    wrong completions both. Kept simple: fit on the starting model only, then held fixed (the rates may drift)."""
-    examples = task.train(-(-rollouts // n), seed)
-    seeds = [seed + i for i in range(len(examples))]
-    prompts = [render_prompt(tokenizer, ex, task.system_prompt) for ex in examples]
-    out = generate(
-        model,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        n=n,
-        temperature=temperature,
-        stop_ids=tokenizer.stop_ids,
-        seed=seeds,
-    )
-    pairs = [(decode_completion(tokenizer, t), examples[i // n]) for i, t in enumerate(out.tokens)]
-    reward = torch.tensor([float(task.reward(t, ex)) for t, ex in pairs]).view(len(examples), n)
-    correct = torch.tensor([float(task.correct(t, ex)) for t, ex in pairs]).view(len(examples), n)
-    if noise is not None:
-        reward = flip_rewards(reward, *noise, [torch.Generator().manual_seed(s) for s in seeds])
-    return estimate_noise_rates(reward, correct)
-
+from heldout import evaluate
+from recipes.hard_examples import pass_rate_examples, resume_pass_rates, write_pass_rates
+from sampler import decode_step_static
+from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task
 
 # -----------------------------------------------------------------------------
 # Plots of one or more runs (matplotlib is an optional extra)
@@ -414,6 +149,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         """Validate, never rewrite: every impossible flag is one sentence, before any data or model is read."""
+        device, cuda = re.fullmatch(r"cpu|cuda(:\d+)?", self.device), self.device == "cpu" or torch.cuda.is_available()
         checks = [
             (not self.pass_rates or bool(self.out), "--pass-rates writes one row per example to --out FILE.jsonl"),
             (self.task in TASK_NAMES, f"--task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}"),
@@ -422,14 +158,8 @@ class EvalConfig:
             (self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {self.top_p}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
-            (
-                re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-                f"--device must be cpu, cuda or cuda:N, got {self.device!r}",
-            ),
-            (
-                self.device == "cpu" or torch.cuda.is_available(),
-                f"--device {self.device}: no CUDA device is available; use --device cpu",
-            ),
+            (device is not None, f"--device must be cpu, cuda or cuda:N, got {self.device!r}"),
+            (cuda, f"--device {self.device}: no CUDA device is available; use --device cpu"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -503,39 +233,15 @@ def main(cfg: EvalConfig) -> dict:
         done = resume_pass_rates(cfg.out, settings, examples) if cfg.pass_rates else {}
     # --compile: the caller compiles the sampler's small decode step; CUDA replays it as a graph
     static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True) if cfg.compile else None
+    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+    sampling.update(static_step=static_step)
     if cfg.pass_rates:
-        rates = write_pass_rates(
-            model,
-            tokenizer,
-            task,
-            examples,
-            cfg.out,
-            settings,
-            done,
-            k=settings["k"],
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            seed=cfg.seed,
-            static_step=static_step,
-        )
+        rates = write_pass_rates(model, tokenizer, task, examples, cfg.out, settings, done, k=settings["k"], **sampling)
         res = {"pass_rate_mean": sum(rates) / len(rates), "zero_frac": sum(r == 0 for r in rates) / len(rates)}
         mean, zero = res["pass_rate_mean"], res["zero_frac"]
         print(f"{cfg.out}: {len(rates)} pass rates over k={settings['k']}; mean {mean:.4f}, {zero:.1%} at 0")
         return res
-    res = evaluate(
-        model,
-        tokenizer,
-        task,
-        examples,
-        n=cfg.n,
-        ks=cfg.pass_ks(),
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        seed=cfg.seed,
-        static_step=static_step,
-    )
+    res = evaluate(model, tokenizer, task, examples, n=cfg.n, ks=cfg.pass_ks(), **sampling)
     width = max(map(len, res))
     print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in res.items()))
     if cfg.out:
@@ -552,27 +258,16 @@ if __name__ == "__main__":
 
     if "--plot" in sys.argv[1:]:  # `eval.py --plot RUN [RUN ...] [--out PNG]`
         p = argparse.ArgumentParser(description="Plot the curves of one or more runs into one PNG.", allow_abbrev=False)
-        p.add_argument(
-            "--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)"
-        )
-        p.add_argument("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
-        p.add_argument(
-            "--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens"
-        )
-        p.add_argument(
-            "--metrics",
-            default="",
-            help="comma-separated metric keys, one panel each (default: the six standard curves)",
+        add = p.add_argument
+        add("--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)")
+        add("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
+        add("--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens")
+        add(
+            "--metrics", default="", help="comma-separated metric keys, one panel each (default: the six standard ones)"
         )
         args = p.parse_args()
-        print(
-            plot_runs(
-                args.plot,
-                args.out or os.path.join(args.plot[0], "plot.png"),
-                x=args.x,
-                keys=[k for k in args.metrics.split(",") if k] or None,
-            )
-        )
+        keys = [k for k in args.metrics.split(",") if k] or None
+        print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
     else:
         with user_errors():
             main(parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0])

@@ -1,21 +1,82 @@
-"""pack.py: a step's rollouts as training rows, and the log-probs of their tokens.
+"""pack.py: a step's rollouts as one record (per prompt, thought and answer), as training rows, and the
+log-probs of their tokens.
 
-A tree of rollouts (K thoughts per prompt, M answers per thought) becomes one row per thought:
-thought | answer_1 .. answer_M, the thought's tokens once, with tree attention so each answer sees
-only the prompt, its thought and itself. With a shared prompt (the default) each distinct prompt
-runs once and its K rows attend to its keys and values. `token_stats` runs the model on those rows
-and returns every completion token's log-prob (and entropy) in the logical layout where the
-advantages and weights of the loss live.
+The record: a Group per prompt holds its K Thoughts, each holding its M Answers; an Answer is one
+completion (GRPO-Zero's episode): its tokens, the sampler's log-probs, its text, reward, correctness.
+`per_completion` reads a field of every completion as a [P, K, M] tensor, so no code indexes flat lists.
+The rows: one per thought, thought | answer_1 .. answer_M, the thought's tokens once, with tree
+attention so each answer sees only the prompt, its thought and itself. With a shared prompt (the
+default) each distinct prompt runs once and its K rows attend to its keys and values. `token_stats`
+runs the model on those rows and returns every completion token's log-prob (and entropy) in the
+logical layout where the advantages and weights of the loss live.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from model import head_logprobs
 from sampler import chunk_mask
+
+
+@dataclass
+class Answer:
+    """One completion of a step (GRPO-Zero's episode): an answer to its thought, and what the task made of
+    thought + answer. With --answers 1 the thought is empty and the answer is the whole completion."""
+
+    tokens: list[int]
+    logprobs: list[float]  # the sampler's log-prob of each token
+    finish: str  # "stop" | "length"
+    text: str = ""  # thought + answer up to the stop token, as the reward functions read it
+    reward: float = 0.0
+    correct: float = 0.0  # the task's own 0/1 correctness (the reward may add shaping or noise)
+    credit: float = 0.0  # the fine-grained score DaGRPO's pair mask compares (--pair-delta), else the reward
+    sampled: bool = True  # False: not sampled from the policy (an anchor), trained off-policy
+
+
+@dataclass
+class Thought:
+    tokens: list[int]  # ends with the end-of-thought marker (empty with --answers 1)
+    logprobs: list[float]
+    truncated: bool  # cut at its limit, the marker appended
+    answers: list[Answer]  # M
+
+
+@dataclass
+class Group:
+    """One prompt of a step and its K thoughts x M answers: GRPO's group."""
+
+    example: dict
+    prompt: list[int]  # token ids
+    thoughts: list[Thought]  # K
+
+
+def rollouts(examples: list[dict], prompts: list[list[int]], tree, k: int, m: int) -> list[Group]:
+    """The sampler's tree (flat lists, prompt-major: prompt p's thought i at p*K + i, its answer j at
+    (p*K + i)*M + j) as the step's record."""
+
+    answers = [Answer(*a) for a in zip(tree.answers, tree.answer_logprobs, tree.answer_finish)]
+    thoughts = zip(tree.thoughts, tree.thought_logprobs, tree.thought_truncated)
+    thoughts = [Thought(*t, answers[i * m : (i + 1) * m]) for i, t in enumerate(thoughts)]
+    return [Group(ex, prompt, thoughts[p * k : (p + 1) * k]) for p, (ex, prompt) in enumerate(zip(examples, prompts))]
+
+
+def completions(groups: list[Group]) -> Iterator[tuple[Group, Thought, Answer]]:
+    """Every completion of the step with its group and thought, prompt-major."""
+    return ((g, t, a) for g in groups for t in g.thoughts for a in t.answers)
+
+
+def per_completion(groups: list[Group], field: str) -> torch.Tensor:
+    """A field of every completion (Answer), float32 [P, K, M]."""
+    return torch.tensor([[[getattr(a, field) for a in t.answers] for t in g.thoughts] for g in groups])
+
+
+def per_group(groups: list[Group], field: str) -> torch.Tensor:
+    """A field of every completion, float32 [P, G] (G = K*M: one row per group, thought-major)."""
+    return per_completion(groups, field).flatten(1)
 
 
 @dataclass
@@ -43,32 +104,44 @@ class Batch:
     # by the token before them: answer j > 0 (its thought's end), and with shared prompts a row's first
     # token (source -1: the prompt's last token, in the prompt pass)
     to_logical: torch.Tensor  # (B, T') long: b * T + t of the logical token at this slot, -1 = none (prompt, padding)
+    group: torch.Tensor | None = None  # (B,) long: the group (prompt) of each row
+    off_policy: torch.Tensor | None = None  # (B, T) bool: tokens the policy did not sample (anchors); None if none
     prompt_ids: torch.Tensor | None = None  # (P, Lp) left-padded shared prompts (--share-prompt), else None
     prompt_valid: torch.Tensor | None = None  # (P, Lp) bool: not padding
     prompt_of: torch.Tensor | None = None  # (B,) long: the prompt_ids row each packed row continues
+    # Filled by the trainer's later steps, (B, T) each: the score pass, then the advantages.
+    score_logp: torch.Tensor | None = None  # the policy's log-probs in the score pass (None when nothing needs them)
+    old_logp: torch.Tensor | None = None  # log-probs before the update (mu > 1; None: the update's own, detached)
+    ref_logp: torch.Tensor | None = None  # under the reference model (beta > 0)
+    entropy: torch.Tensor | None = None  # token entropy before the update (None: measured in the first epoch)
+    adv: torch.Tensor | None = None
+    weight: torch.Tensor | None = None  # the loss weight of each token: the step's aggregation, whole
+    mask: torch.Tensor | None = None  # bool: the tokens the update trains
+    selected: torch.Tensor | None = None  # bool: KL-Cov's tokens for its objective (--loss kl_cov), else None
 
 
-def pack(
-    prompts: list[list[int]], tree, k: int, m: int, pad_id: int, device: torch.device, share_prompt: bool = False
-) -> Batch:
+def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: bool = False) -> Batch:
     """Build the packed rows segment by segment (prompt unless shared, thought, each answer); each
     segment records its logical position and the slot that predicts its first token. The logical
     layout is then a scatter of the packed one."""
-    B = len(tree.thoughts)
-    T = max(len(tree.thoughts[b]) + sum(map(len, tree.answers[b * m : (b + 1) * m])) for b in range(B))
-    packs = []  # per packed row: ids, positions, answer index (-1 none), sampler log-prob, logical index, jumps
-    for b in range(B):
-        prompt = prompts[b // k]
+    rows = [(p, g.prompt, t) for p, g in enumerate(groups) for t in g.thoughts]
+    B, m = len(rows), len(groups[0].thoughts[0].answers)
+    T = max(len(t.tokens) + sum(len(a.tokens) for a in t.answers) for _, _, t in rows)
+    packs, off = (
+        [],
+        [],
+    )  # per packed row: ids, positions, answer index (-1 none), sampler log-prob, logical index, jumps
+    for b, (_, prompt, thought) in enumerate(rows):
         lead = [] if share_prompt else list(prompt)  # the prompt tokens this row runs itself
         row = (lead, list(range(len(lead))), [-1] * len(lead), [0.0] * len(lead), [-1] * len(lead), [])
 
-        thought, n = tree.thoughts[b], len(prompt)
-        _add_segment(row, thought, list(tree.thought_logprobs[b]), n, -1, b * T, len(lead) - 1)
-        source, col = len(row[0]) - 1, len(thought)  # the slot that predicts each answer's first token
-        for j in range(m):
-            a = tree.answers[b * m + j]
-            _add_segment(row, a, list(tree.answer_logprobs[b * m + j]), n + len(thought), j, b * T + col, source)
-            col += len(a)
+        n = len(prompt)
+        _add_segment(row, thought.tokens, list(thought.logprobs), n, -1, b * T, len(lead) - 1)
+        source, col = len(row[0]) - 1, len(thought.tokens)  # the slot that predicts each answer's first token
+        for j, a in enumerate(thought.answers):
+            _add_segment(row, a.tokens, list(a.logprobs), n + len(thought.tokens), j, b * T + col, source)
+            off += [] if a.sampled else [(b, col, col + len(a.tokens))]
+            col += len(a.tokens)
         packs.append(row)
     Tp = max(len(p[0]) for p in packs)
 
@@ -104,14 +177,21 @@ def pack(
         attn,
         jumps,
         to_logical.to(device),
+        group=torch.tensor([p for p, _, _ in rows], device=device),
     )
+    if off:  # the tokens of answers the policy did not sample
+        batch.off_policy = torch.zeros(B, T, dtype=torch.bool)
+        for b, start, end in off:
+            batch.off_policy[b, start:end] = True
+        batch.off_policy = batch.off_policy.to(device)
     if share_prompt:
+        prompts = [g.prompt for g in groups]
         Lp = max(map(len, prompts))
         batch.prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts], device=device)
         batch.prompt_valid = (
             torch.arange(Lp, device=device) >= torch.tensor([Lp - len(p) for p in prompts], device=device)[:, None]
         )
-        batch.prompt_of = torch.arange(B, device=device) // k
+        batch.prompt_of = batch.group
     return batch
 
 

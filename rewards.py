@@ -252,20 +252,3 @@ def calculator_partial_credit(completion: str, example: dict) -> float:
         return 0.0
     seen = {parse_number(n.rstrip(",")) for n in _UNSIGNED_NUMBER.findall(completion[-MAX_ANSWER_CHARS:])}
     return len(results & seen) / len(results)
-
-
-def noise_rates(text: str, flag: str, *, auto: bool = False) -> tuple[float, float] | None:
-    """A `RHO_PLUS,RHO_MINUS` flag -> the two flip rates (each in [0, 1), their sum below 1), else a
-    one-sentence ValueError naming `flag`; "" (off), and "auto" where `auto` allows it, give None."""
-    if not text or (auto and text == "auto"):
-        return None
-    try:
-        rho_plus, rho_minus = (float(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} must be RHO_PLUS,RHO_MINUS, two numbers such as 0.2,0.1, got {text!r}") from None
-    if not (0 <= rho_plus < 1 and 0 <= rho_minus < 1 and rho_plus + rho_minus < 1):
-        raise ValueError(
-            f"{flag} {text}: each flip rate must be in [0, 1) and RHO_PLUS + RHO_MINUS below 1 (at 1 or more the "
-            "noisy reward carries no signal)"
-        )
-    return rho_plus, rho_minus

@@ -41,12 +41,13 @@ Decisions (deliberate simplifications):
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from model import Transformer, token_logprobs
+from stop_text import StopText, TextWatch, text_hits, watch_text
 
 COMPACT_WHEN_DONE = 0.5  # compact the batch once this fraction of the active rows has finished
 SYNC_EVERY = 8  # on GPU, look at the done flags (a host sync) only every this many steps
@@ -147,33 +148,6 @@ class KVCache:
         if self.k.is_cuda:  # only CUDA graphs care (and it costs a dynamo import)
             for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
                 torch._dynamo.mark_static_address(t)
-
-
-@dataclass
-class StopText:
-    """An end-of-thought marker matched on text: `text` (e.g. "</think>"), its token `ids`
-    (tokenizer.encode(text), appended to a thought cut off at the limit), and the tokenizer's
-    `decode` (ids -> text, special tokens kept). Build it once per run: it decodes each of the
-    vocab_size tokens once (~0.2 s for a 152k vocabulary) to find the tokens that can complete the
-    marker. A marker ending in a space is not supported by decoders that strip a leading space."""
-
-    text: str
-    ids: Sequence[int]
-    decode: Callable[[list[int]], str]
-    vocab_size: int
-    candidates: Tensor = field(init=False, repr=False)  # (vocab_size,) bool: the token can end the marker
-    window: int = field(init=False)  # tokens decoded per check: each token holds >= 1 byte of the text
-
-    def __post_init__(self):
-        if not self.text or not self.ids:
-            raise ValueError(
-                f"StopText: need a non-empty marker text and its token ids, got {self.text!r}, {self.ids}."
-            )
-        last = self.text[-1]
-        partial = not last.isascii()  # a multi-byte last character may end in a token that decodes to U+FFFD
-        pieces = [self.decode([i]) for i in range(self.vocab_size)]
-        self.candidates = torch.tensor([last in p or (partial and "\ufffd" in p) for p in pieces], dtype=torch.bool)
-        self.window = len(self.text.encode()) + 1  # + 1: room for a leading space a decoder might strip
 
 
 @dataclass
@@ -326,29 +300,6 @@ class Samples:
         )
 
 
-@dataclass
-class TextWatch:
-    """Matching a StopText against the rows' decoded tokens: where the rows started (to cut a row
-    back to its marker) and how many steps have been checked."""
-
-    stop: StopText
-    can_end: Tensor  # (V,) bool over the model's vocabulary: the token can end the marker
-    start_slot: int  # cache slot of every row's first sampled token
-    start_pos: Tensor  # (B,) RoPE position of each caller row's first sampled token
-    checked: int = 0  # steps before this one have been matched against the text
-
-
-def watch_text(stop: StopText, vocab_size: int, cache: KVCache) -> TextWatch:
-    """A TextWatch for the cache's active rows, about to sample their first token."""
-    can_end = torch.zeros(vocab_size, dtype=torch.bool)  # the model's vocab may be padded
-    n = min(vocab_size, len(stop.candidates))
-    can_end[:n] = stop.candidates[:n]
-    B = cache.batch
-    start_pos = torch.empty_like(cache.next_pos[:B])
-    start_pos[cache.rows[:B]] = cache.next_pos[:B]
-    return TextWatch(stop, can_end.to(cache.k.device), cache.length, start_pos)
-
-
 def end_on_ids(out: Samples, t: int, rows: Tensor, tok: Tensor, alive: Tensor, stop: Tensor, mark: Tensor) -> Tensor:
     """Active rows whose token t is a stop id, or whose tokens now end with the marker, end after
     t + 1 tokens; returns the new alive (per active cache row)."""
@@ -461,31 +412,6 @@ def check_finite(logp: Tensor, n_tokens: Tensor, dtype: torch.dtype) -> None:
             f"sampling: the model's next-token logits are not finite (NaN or inf) in {rows} of {len(logp)} rows: "
             f"its weights hold NaN or inf, or are so large that the forward overflows in {str(dtype)[6:]}"
         )
-
-
-def text_hits(
-    stop: StopText, can_end: Tensor, tokens: Tensor, n_tokens: Tensor, lo: int, hi: int
-) -> tuple[list[int], list[int]]:
-    """Rows (caller order) whose decoded text first contains stop.text at a step in [lo, hi), and
-    that step. Only steps whose token can end the marker (can_end) are decoded, each as the tail of
-    stop.window tokens: a marker completed there lies inside it, and one completed earlier was
-    found earlier."""
-    steps = torch.arange(lo, hi, device=tokens.device)
-    maybe = (can_end[tokens[:, lo:hi]] & (steps < n_tokens[:, None])).cpu()  # (B, hi - lo); the host sync
-    rows = maybe.any(1).nonzero()[:, 0]
-    if len(rows) == 0:
-        return [], []
-    w0 = max(0, lo + 1 - stop.window)
-    tails = tokens[rows.to(tokens.device), w0:hi].tolist()
-    hit_rows, hit_steps = [], []
-    for r, tail, flags in zip(rows.tolist(), tails, maybe[rows].tolist()):
-        for j in (j for j, f in enumerate(flags) if f):
-            end = lo + j + 1 - w0  # tail[:end] ends with the token of step lo + j
-            if stop.text in stop.decode(tail[max(0, end - stop.window) : end]):
-                hit_rows.append(r)
-                hit_steps.append(lo + j)
-                break
-    return hit_rows, hit_steps
 
 
 # ----------------------------------------------------------------------------- public API
@@ -635,10 +561,3 @@ def sample_tree(
             thoughts[i] += marker
             thought_lp[i] += forced_lp[i].tolist()
     return Tree(thoughts, thought_lp, (~ended).tolist(), *_finish(ans))
-
-
-def splice_tree(tree: Tree, i: int, new: Tree, j: int, k: int, m: int) -> None:
-    """Put prompt j's rollouts of `new` in place of prompt i's rollouts of `tree` (dynamic sampling)."""
-    for name, n in (("thoughts", k), ("thought_logprobs", k), ("thought_truncated", k),
-                    ("answers", k * m), ("answer_logprobs", k * m), ("answer_finish", k * m)):  # fmt: skip
-        getattr(tree, name)[i * n : (i + 1) * n] = getattr(new, name)[j * n : (j + 1) * n]

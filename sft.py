@@ -159,7 +159,7 @@ def build_model(cfg: SFTConfig, tokenizer) -> Transformer:
 
 
 def main(cfg: SFTConfig) -> float:
-    from eval import evaluate  # the same held-out evaluation the trainer reports
+    from heldout import evaluate  # the same held-out evaluation the trainer reports
 
     torch.manual_seed(cfg.seed)
     task = get_task(cfg.task)

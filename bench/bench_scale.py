@@ -66,8 +66,8 @@ import bench_sampler  # noqa: E402
 import bench_trl  # noqa: E402
 from random_checkpoint import MODELS, checkpoint  # noqa: E402
 
-from advantage import truncated_is_weights  # noqa: E402
 from hf import config_from_hf, load_model  # noqa: E402
+from losses import truncated_is_weights  # noqa: E402
 from model import Transformer, cast_copy, token_logprobs  # noqa: E402
 from sampler import generate  # noqa: E402
 

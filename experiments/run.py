@@ -37,6 +37,12 @@ Claims and the runs that test them (same task, model, lengths and base learning 
             because a std normalisation cancels the correction
   DaGRPO    dagrpo_t8 (the reconstruction, --algo dagrpo) against grpo_t8 and dr_grpo_t8: accuracy,
             gradient spikes, pass@1..64
+  Losses    one ranking of every method at the 300-step budget of grpo_t8 (16 prompts x 8 rollouts): the
+            losses of losses.py (sapo_t8, gmpo_t8, clip_cov_t8, kl_cov_t8, dppo_t8, gpg_t8, dsv32_t8,
+            top_entropy20_t8), the rollout-mismatch corrections on a bf16 sampler copy (*_bf16, against
+            grpo_t8_bf16 without one and tis_t8_bf16 with today's truncation), grpo_t8_mu2 (the baseline of the
+            presets with mu = 2: SAPO, GMPO, KL-Cov, DPPO and V3.2's mask only differ from GRPO off-policy), and
+            the methods that had no run at this budget (dapo_t8, gspo_t8, gtpo_t8, grpo_ma_t4a2, two_grpo_p64)
 Left out since the previous round: A-GRAE at 100 steps on GRPO, Dr. GRPO and DAPO, and dapo (the
 300-step A-GRAE runs replace them).
 
@@ -55,6 +61,10 @@ benchmarks shared the cores; their figure is that of the quiet jobs of the same 
   | 200 steps, 2 x 4 or 2 x 3x3: stress_grpo_t4a1, stress_grpo_ma_t3a3   | 56     | 6    | 333     |
   | eval.py: pass rates (2000 x 10), 25 pass@16, 16 pass@64, 13 OOD; variance | 13-56 | 56 | 1160  |
   | all 119 jobs, 2 at a time                                            |        |      | 16229 / 2 = 2.3 h |
+
+The loss ranking's 20 configurations (60 runs of 300 steps, 60 pass@64 evaluations) have not been timed: at
+445 s a run (more with mu = 2, which doubles the update, and with a bf16 sampler on the CPU) they add at
+least 60 x 445 + 60 x 56 = 30,060 s, about 4.2 h at 2 jobs at a time, to the suite.
 
 A degenerate run costs more: A-GRAE alpha 1 seed 0 collapsed, its completions grew long, and it took
 1309 s under load (the others 525-564 s).
@@ -81,6 +91,8 @@ RATES = "{rates}"  # stands for the pass-rate file of this suite (OUT/evals/pass
 NOISE = ["--algo", "dr_grpo", "--reward-noise", "0.2,0.2"]
 STRESS = ["--prompts-per-step", "2", "--temperature", "0.5"]
 SELECT = ["--select-fraction", "0.1", "--pass-rates", RATES]
+T8 = ["--thoughts", "8"]  # 16 prompts x 8 rollouts, the loss comparisons' budget
+BF16 = ["--algo", "grpo", *T8, "--rollout-dtype", "bfloat16"]  # a bf16 sampler copy: pi_sampler != pi_old on a CPU
 
 # name -> (train.py flags, steps of the full suite). Most expensive first, so the last jobs to start are short ones.
 CONFIGS = {
@@ -89,6 +101,29 @@ CONFIGS = {
     "grpo_t8": (["--algo", "grpo", "--thoughts", "8"], 300),
     "dr_grpo_t8": (["--algo", "dr_grpo", "--thoughts", "8"], 300),
     "dagrpo_t8": (["--algo", "dagrpo", "--thoughts", "8"], 300),
+    # the losses of losses.py, each with its preset (paper or reference-code defaults)
+    "sapo_t8": (["--algo", "sapo", *T8], 300),
+    "gmpo_t8": (["--algo", "gmpo", *T8], 300),
+    "clip_cov_t8": (["--algo", "clip_cov", *T8], 300),
+    "kl_cov_t8": (["--algo", "kl_cov", *T8], 300),
+    "dppo_t8": (["--algo", "dppo", *T8], 300),
+    "gpg_t8": (["--algo", "gpg", *T8], 300),
+    "dsv32_t8": (["--algo", "dsv32", *T8], 300),  # DeepSeek-V3.2: off-policy sequence mask + unbiased KL
+    "top_entropy20_t8": (["--algo", "grpo", *T8, "--top-entropy-fraction", "0.2"], 300),
+    "grpo_t8_mu2": (["--algo", "grpo", *T8, "--mu", "2"], 300),
+    # rollout/trainer mismatch corrections (TRL's modes at its clip_max 3; IcePop [0.5, 5])
+    "grpo_t8_bf16": ([*BF16, "--tis-cap", "0"], 300),
+    "tis_t8_bf16": (BF16, 300),  # per-token truncation at 2, the trainer's default
+    "is_token_mask_t8_bf16": ([*BF16, "--rollout-is", "token_mask", "--tis-cap", "3"], 300),
+    "is_seq_truncate_t8_bf16": ([*BF16, "--rollout-is", "sequence_truncate", "--tis-cap", "3"], 300),
+    "is_seq_mask_t8_bf16": ([*BF16, "--rollout-is", "sequence_mask", "--tis-cap", "3"], 300),
+    "icepop_t8_bf16": ([*BF16, "--rollout-is", "token_mask", "--tis-floor", "0.5", "--tis-cap", "5"], 300),
+    # methods with no run at this budget yet: GRPO-MA with 8 answers (4 thoughts x 2), 2-GRPO with 64 x 2 rollouts
+    "dapo_t8": (["--algo", "dapo", *T8], 300),
+    "gspo_t8": (["--algo", "gspo", *T8], 300),
+    "gtpo_t8": (["--algo", "gtpo", *T8], 300),
+    "grpo_ma_t4a2": (["--algo", "grpo_ma", "--answers", "2"], 300),
+    "two_grpo_p64": (["--algo", "two_grpo", "--prompts-per-step", "64", "--lr", "3e-4"], 300),
     "select_hardest10": (["--algo", "grpo", "--select", "hardest", *SELECT], 100),
     "select_random10": (["--algo", "grpo", "--select", "random", *SELECT], 100),
     "gtpo": (["--algo", "gtpo"], 100),
@@ -106,6 +141,12 @@ CONFIGS = {
     "stress_grpo_t4a1": (["--algo", "grpo", "--thoughts", "4", *STRESS], 200),
     "stress_grpo_ma_t3a3": (["--algo", "grpo_ma", "--thoughts", "3", "--answers", "3", *STRESS], 200),
 }
+# configurations added for the loss ranking (experiments/report.py ranks every configuration at grpo_t8's budget)
+LOSS_RANKING = (
+    ("sapo_t8", "gmpo_t8", "clip_cov_t8", "kl_cov_t8", "dppo_t8", "gpg_t8", "dsv32_t8", "top_entropy20_t8")
+    + ("grpo_t8_mu2", "grpo_t8_bf16", "tis_t8_bf16", "is_token_mask_t8_bf16", "is_seq_truncate_t8_bf16")
+    + ("is_seq_mask_t8_bf16", "icepop_t8_bf16", "dapo_t8", "gspo_t8", "gtpo_t8", "grpo_ma_t4a2", "two_grpo_p64")
+)
 # evaluations of the end models (eval.py on the same held-out prompts for every checkpoint): kind -> (configs, flags)
 EVALS = {
     "passk": (
@@ -114,7 +155,7 @@ EVALS = {
         ["--n", "16", "--k", "1,2,4,8,16"],
     ),
     "passk64": (
-        ("agrae_t8_a1", "agrae_t8_a05", "grpo_t8", "dr_grpo_t8", "dagrpo_t8"),
+        ("agrae_t8_a1", "agrae_t8_a05", "grpo_t8", "dr_grpo_t8", "dagrpo_t8") + LOSS_RANKING,
         ["--n", "64", "--k", "1,2,4,8,16,32,64"],
     ),
     "ood": (

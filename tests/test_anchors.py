@@ -19,6 +19,8 @@ import train
 from helpers import BUNDLED, SMALL_RUN
 from hf import load_model
 from model import token_logprobs
+from pack import Answer, Group, completions, rollouts
+from recipes import dagrpo
 from sampler import Tree
 from tasks import get_task, no_reference, render_prompt, sft_completion, solution_completion
 from tokenizer import load_tokenizer
@@ -92,7 +94,7 @@ def anchor_run(tmp_path, **kw) -> train.Run:
     return train.setup(TrainConfig(**{**cfg, **kw}))
 
 
-def hand_rollouts(run: train.Run, correct: list[list[float]], credit: list[list[float]]) -> train.Rollouts:
+def hand_rollouts(run: train.Run, correct: list[list[float]], credit: list[list[float]]) -> list[Group]:
     """P groups of K wrong-format rollouts for run.pool's first P examples, with the given 0/1 correctness
     (reward = correctness) and partial credit, each [P][K]."""
     tok, P, K = run.tokenizer, len(correct), len(correct[0])
@@ -102,9 +104,20 @@ def hand_rollouts(run: train.Run, correct: list[list[float]], credit: list[list[
     logprobs = [[-0.5] * len(a) for a in answers]
     tree = Tree([[] for _ in range(P * K)], [[] for _ in range(P * K)], [False] * (P * K), answers, logprobs,
                 ["stop"] * (P * K))  # fmt: skip
-    c = torch.tensor(correct).view(P, K, 1)
-    lengths = torch.tensor([len(a) for a in answers]).view(P, K, 1)
-    return train.Rollouts(examples, prompts, tree, c.clone(), c.clone(), lengths, torch.tensor(credit).view(P, K, 1))
+    groups = rollouts(examples, prompts, tree, K, 1)
+    for (_, _, a), c, s in zip(completions(groups), sum(correct, []), sum(credit, [])):
+        a.reward, a.correct, a.credit = float(c), float(c), float(s)
+    return groups
+
+
+def flat(groups: list[Group]) -> list[Answer]:
+    """The step's completions, prompt-major (row b = p * K + k with M = 1)."""
+    return [a for _, _, a in completions(groups)]
+
+
+def table(groups: list[Group], field: str) -> list[list]:
+    """A field of every completion, [P][K] (M = 1)."""
+    return [[getattr(t.answers[0], field) for t in g.thoughts] for g in groups]
 
 
 def test_splice_anchors_puts_the_reference_in_the_last_rollout_of_failing_groups(tmp_path):
@@ -116,22 +129,27 @@ def test_splice_anchors_puts_the_reference_in_the_last_rollout_of_failing_groups
     correct = [[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
     credit = [[0.2, 0.95, 0.3, 0.0], [1.0, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]
     ro = hand_rollouts(run, correct, credit)
-    sampled = [list(a) for a in ro.tree.answers]
-    trained, counts = train.splice_anchors(run, ro)
+    sampled = [list(a.tokens) for a in flat(ro)]
+    trained, counts = dagrpo.splice_anchors(ro, run.task, run.tokenizer, run.cfg.completion_limit)
     assert counts == {"anchors": 2, "anchors/too_long": 0, "anchors/no_reference": 0}
-    assert trained.anchor.view(3, 4).tolist() == [[False] * 3 + [True], [False] * 4, [False] * 3 + [True]]
+    assert [[not s for s in row] for row in table(trained, "sampled")] == [
+        [False] * 3 + [True], [False] * 4, [False] * 3 + [True]
+    ]  # fmt: skip
     tok = run.tokenizer
     for p, b in ((0, 3), (2, 11)):
         ref = tok.encode(sft_completion(run.pool[p])) + [tok.end_id]
-        assert trained.tree.answers[b] == ref and trained.lengths.flatten()[b] == len(ref)
-        assert trained.tree.answer_finish[b] == "stop" and len(trained.tree.answer_logprobs[b]) == len(ref)
-    assert [trained.tree.answers[b] for b in range(12) if b not in (3, 11)] == [
+        a = flat(trained)[b]
+        assert a.tokens == ref and len(trained[p].thoughts[-1].tokens) + len(a.tokens) == len(ref)
+        assert a.finish == "stop" and len(a.logprobs) == len(ref)
+    assert [flat(trained)[b].tokens for b in range(12) if b not in (3, 11)] == [
         sampled[b] for b in range(12) if b not in (3, 11)
     ]
-    assert ro.tree.answers == sampled and ro.reward.sum() == 1 and ro.anchor is None  # the policy's rollouts
-    assert trained.reward.view(3, 4).tolist() == [[0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 1]]
-    assert trained.correct.view(3, 4).tolist() == trained.reward.view(3, 4).tolist()
-    assert trained.credit.view(3, 4)[:, -1].tolist() == [1.0, 0.5, 1.0]
+    # the policy's rollouts
+    assert [a.tokens for a in flat(ro)] == sampled and sum(sum(table(ro, "reward"), [])) == 1
+    assert all(a.sampled for a in flat(ro))
+    assert table(trained, "reward") == [[0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 1]]
+    assert table(trained, "correct") == table(trained, "reward")
+    assert [row[-1] for row in table(trained, "credit")] == [1.0, 0.5, 1.0]
     _, adv = train.sequence_advantages(run, trained, batch_accuracy=0.0)
     # Dr. GRPO's pairwise form: (1/G) sum_j m_ij (r_i - r_j). Group 0: the rollout credited .95 is within .1 of
     # the anchor's 1.0, so that pair cancels; group 2: plain (G-1)/G and -1/G; group 1 is untouched.
@@ -145,15 +163,16 @@ def test_groups_whose_reference_is_too_long_or_rejected_get_no_anchor(tmp_path):
     run = anchor_run(tmp_path)
     ro = hand_rollouts(run, [[0] * 4, [0] * 4], [[0] * 4, [0] * 4])
     longest = max(len(run.tokenizer.encode(sft_completion(ex))) + 1 for ex in run.pool[:2])
-    short = replace(run, cfg=replace(run.cfg, max_thought_tokens=longest - 1 - run.cfg.max_answer_tokens))
-    trained, counts = train.splice_anchors(short, ro)
+    trained, counts = dagrpo.splice_anchors(ro, run.task, run.tokenizer, longest - 1)  # a limit one token short
     assert counts["anchors/too_long"] >= 1 and counts["anchors"] + counts["anchors/too_long"] == 2
-    assert trained.anchor.sum() == counts["anchors"] and trained.reward.sum() == counts["anchors"]
-    assert all(len(a) <= longest - 1 for a in trained.tree.answers)
-    wrong = replace(run, task=replace(run.task, reference=lambda ex: "<think>\n</think>0"))
-    trained, counts = train.splice_anchors(wrong, ro)
+    assert sum(not a.sampled for a in flat(trained)) == counts["anchors"]
+    assert sum(a.reward for a in flat(trained)) == counts["anchors"]
+    assert all(len(a.tokens) <= longest - 1 for a in flat(trained))
+    wrong = replace(run.task, reference=lambda ex: "<think>\n</think>0")
+    trained, counts = dagrpo.splice_anchors(ro, wrong, run.tokenizer, run.cfg.completion_limit)
     assert counts == {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 2}
-    assert not trained.anchor.any() and trained.reward.sum() == 0 and trained.tree.answers == ro.tree.answers
+    assert all(a.sampled for a in flat(trained)) and sum(a.reward for a in flat(trained)) == 0
+    assert [a.tokens for a in flat(trained)] == [a.tokens for a in flat(ro)]
 
 
 # ---------------------------------------------------------------- the update sees the reference
@@ -169,13 +188,13 @@ def test_anchor_logprobs_in_the_update_equal_a_plain_forward(tmp_path, monkeypat
     calls, wiring = [], []
     real_loss, real_update = train.policy_loss, train.update
 
-    def spy_loss(logp, old_logp, adv, weight, **kw):
-        calls.append(dict(logp=logp.detach().clone(), adv=adv, off=kw["off_policy"], gamma=kw["off_policy_gamma"]))
-        return real_loss(logp, old_logp, adv, weight, **kw)
+    def spy_loss(logp, old_logp, adv, weight, hp, **kw):
+        calls.append(dict(logp=logp.detach().clone(), adv=adv, off=kw["off_policy"], gamma=hp.anchor_gamma))
+        return real_loss(logp, old_logp, adv, weight, hp, **kw)
 
-    def spy_update(run, step, micro, *args):
-        wiring.append((micro, args[-1]))
-        return real_update(run, step, micro, *args)
+    def spy_update(run, step, batch, micro):
+        wiring.append((micro, batch.off_policy & batch.mask))  # the anchors' tokens the update trains
+        return real_update(run, step, batch, micro)
 
     monkeypatch.setattr(train, "policy_loss", spy_loss)
     monkeypatch.setattr(train, "update", spy_update)

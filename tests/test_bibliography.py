@@ -15,9 +15,9 @@ import sys
 import pytest
 
 import train
-from eval import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
 from helpers import SMALL_RUN
 from hf import load_model
+from recipes.hard_examples import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
 from rewards import calculator_partial_credit
 from tasks import get_task, sft_completion, synthetic_partial_credit
 from tokenizer import load_tokenizer
@@ -250,8 +250,8 @@ def test_select_hardest_trains_only_on_selected_prompts(tmp_path):
         (["--noise-correct", "1,0", "--no-std-normalize"], "each flip rate must be in [0, 1)"),
         (["--pair-delta", "-0.5"], "--pair-delta must be >= 0"),
         (["--pair-delta", "nan"], "--pair-delta must be >= 0"),
-        (["--pair-delta", "0.1", "--answers", "2"], "--pair-delta must be >= 0 (-1 = off), with --advantage grpo"),
-        (["--algo", "dagrpo", "--advantage", "agrae"], "--pair-delta must be >= 0 (-1 = off), with --advantage grpo"),
+        (["--pair-delta", "0.1", "--answers", "2"], "--pair-delta needs --answers 1"),
+        (["--algo", "dagrpo", "--advantage", "agrae"], "--algo dagrpo sets --pair-delta, which needs --advantage grpo"),
     ],
 )
 def test_bad_flags_are_one_sentence(tmp_path, argv, message):

@@ -11,7 +11,8 @@ from itertools import combinations
 
 import pytest
 
-from eval import EvalConfig, evaluate, main, pass_at_k, plot_runs
+from eval import EvalConfig, main, plot_runs
+from heldout import evaluate, pass_at_k
 from helpers import count_compiled_steps, lock_held_elsewhere
 from hf import load_model
 from tasks import TASK_NAMES, get_task

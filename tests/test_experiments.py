@@ -100,3 +100,53 @@ def test_an_interrupted_run_resumes_and_a_stale_one_starts_again(tmp_path):
     # the suite's flags changed since: the old run's directory is overwritten, not resumed
     changed = dict(job, argv=job["argv"][:3] + ["5"] + job["argv"][4:])
     assert suite.command(changed, str(jobs_dir)) == changed["argv"] + ["--overwrite"]
+
+
+report_spec = importlib.util.spec_from_file_location("suite_report", os.path.join(ROOT, "experiments", "report.py"))
+report = importlib.util.module_from_spec(report_spec)
+report_spec.loader.exec_module(report)
+
+
+def fake_run(runs, name: str, seed: int, greedy: float, steps: int = 300, thoughts: int = 8, evaluated: float = -1):
+    """A finished run as report.py reads it: config.json, metrics.jsonl, final/, and optionally its pass@64 eval."""
+    run = runs / f"{name}-s{seed}"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "trainer_state.pt").write_bytes(b"")
+    cfg = {"max_steps": steps, "prompts_per_step": 16, "thoughts": thoughts, "answers": 1}
+    (run / "config.json").write_text(json.dumps(cfg))
+    train = {
+        "loss": 0.1,
+        "grad_norm": 1.0,
+        "time/step_s": 2.0,
+        "tokens/generated": 1000,
+        "gss10_frac": 0.0,
+        "gss": 1.0,
+        "entropy": 0.5,
+        "reward/mean": 0.5,
+        "accuracy": 0.5,
+        "frac_zero_std_groups": 0.2,
+    }
+    evals = {"eval/accuracy": greedy, "eval/greedy_accuracy": greedy, "eval/mean@4": greedy}
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [evals, train, train, evals]) + "\n")
+    if evaluated >= 0:
+        (runs / "evals").mkdir(exist_ok=True)
+        res = {"greedy_accuracy": evaluated, **{f"pass@{k}": evaluated for k in report.KS64}}
+        (runs / "evals" / f"{name}-s{seed}.passk64.json").write_text(json.dumps({"results": res}))
+
+
+def test_ranking_orders_every_configuration_at_the_reference_budget(tmp_path):
+    """The loss ranking: only configurations at grpo_t8's budget, best eval.py greedy accuracy first (those without
+    the evaluation last), mean +- sd over seeds, and it says it is a toy-scale ranking."""
+    for seed, (a, b) in enumerate([(0.70, 0.60), (0.74, 0.64)]):
+        fake_run(tmp_path, "grpo_t8", seed, greedy=0.9, evaluated=a)  # the in-run figure must not decide the order
+        fake_run(tmp_path, "sapo_t8", seed, greedy=0.1, evaluated=b + 0.2)
+        fake_run(tmp_path, "gpg_t8", seed, greedy=0.5)  # no pass@64 evaluation yet
+        fake_run(tmp_path, "grpo_t16a1", seed, greedy=0.99, steps=100, thoughts=16, evaluated=0.99)  # another budget
+    names = ["grpo_t8", "sapo_t8", "gpg_t8", "grpo_t16a1"]
+    S = {n: [report.summarise(r) for r in report.seeds_of(str(tmp_path), n)] for n in names}
+    text = report.ranking(str(tmp_path), S)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("| 1", "sapo_t8"), ("| 2", "grpo_t8"), ("| 3", "gpg_t8")]
+    assert rows[0][3] == "82.0 ± 2.8" and rows[1][3] == "72.0 ± 2.8" and rows[2][3] == "-"
+    assert "300 steps of 128 rollouts" in text and "TOY-SCALE ranking" in text
+    assert report.ranking(str(tmp_path), {n: S[n] for n in names if n != "grpo_t8"}) == ""

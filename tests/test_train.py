@@ -151,7 +151,7 @@ def test_micro_batch_split_does_not_change_the_update(tiny, tmp_path):
 def test_token_budget_cuts_micro_batches_within_it(tiny):
     """Guards against --micro-batch-tokens exceeding its budget (rows x longest row + shared prompts x
     longest prompt), losing or repeating a row, or splitting when one micro-batch fits."""
-    from pack import pack, split_rows
+    from pack import pack, rollouts, split_rows
 
     model = load_model(tiny)
     prompts = [[1, 2, 3, 4, 5], [6, 7]]
@@ -159,7 +159,7 @@ def test_token_budget_cuts_micro_batches_within_it(tiny):
 
     tree = sample_tree(model, prompts, k=4, m=1, max_thought_tokens=0, max_answer_tokens=9, seed=[1, 2])
     for share in (False, True):
-        batch = pack(prompts, tree, 4, 1, pad_id=0, device=torch.device("cpu"), share_prompt=share)
+        batch = pack(rollouts([{}, {}], prompts, tree, 4, 1), pad_id=0, device=torch.device("cpu"), share_prompt=share)
         every = torch.sort(torch.cat(split_rows(batch, 64))).values
         assert len(split_rows(batch, 64, max_tokens=10**6)) == 1
         for budget in (1, 20, 40, 80):
@@ -181,6 +181,7 @@ def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
     (the prompt leading each row, or shared: run once, its keys/values prepended): every completion token's log-prob
     and entropy must equal a plain forward of that one sequence, prompt + thought + answer."""
     from model import token_entropy, token_logprobs
+    from pack import rollouts
     from sampler import Tree
 
     model = load_model(tiny)
@@ -200,7 +201,8 @@ def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
         [[0.0] * len(a) for a in answers],
         ["stop"] * len(answers),
     )
-    batch = train.pack(prompts, tree, K, m, pad_id=0, device=torch.device("cpu"), share_prompt=share_prompt)
+    groups = rollouts([{}] * P, prompts, tree, K, m)
+    batch = train.pack(groups, pad_id=0, device=torch.device("cpu"), share_prompt=share_prompt)
     assert (batch.prompt_ids is not None) == share_prompt and batch.packed_ids.shape[0] == P * K
     rows = torch.tensor([4, 1, 2])  # a micro-batch out of order, across two prompts: the index re-basing runs
     with torch.no_grad():
@@ -321,16 +323,19 @@ def test_interrupted_save_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         train.main(small(tiny, out, max_steps=3, save_every=1, resume=out))
     monkeypatch.setattr(torch, "save", real_save)
-    assert os.path.basename(train.find_checkpoint(out)) in ("step-2", "final")  # both hold step 2, final is newest
+    assert os.path.basename(train.checkpoint.find_checkpoint(out)) in (
+        "step-2",
+        "final",
+    )  # both hold step 2, final is newest
     assert not os.path.exists(os.path.join(out, "step-3"))
     load_model(os.path.join(out, "step-2"))
 
 
 def test_non_finite_steps_are_skipped_then_stop(tiny, tmp_path, monkeypatch):
     """Guards against silently applying NaN updates: each is skipped and counted, and a run of them stops."""
-    import advantage
+    import losses
 
-    real = advantage.policy_loss
+    real = losses.policy_loss
 
     def nan_loss(*a, **kw):
         loss, m = real(*a, **kw)
@@ -455,21 +460,21 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
     so the shared tokens are conflict tokens: weight x2 on the correct completion, x0 on the wrong one."""
     import types
 
-    from pack import pack
+    from pack import completions, pack, rollouts
     from sampler import Tree
 
     cfg = TrainConfig(algo="gtpo", thoughts=2, answers=1, prompts_per_step=1, entropy_gamma=1.0, gtpo_conflict=True,
                       entropy_gate=True, std_normalize=False, max_thought_tokens=4, max_answer_tokens=4)  # fmt: skip
     run = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"), state={"gate_on": True})
     tree = Tree([[], []], [[], []], [False, False], [[5, 6, 7], [5, 6, 8]], [[0.0] * 3, [0.0] * 3], ["stop"] * 2)
-    reward = torch.tensor([1.0, 0.0]).view(1, 2, 1)
-    lengths = torch.tensor([3, 3]).view(1, 2, 1)
-    ro = train.Rollouts([{}], [[1, 2]], tree, reward, reward.clone(), lengths, credit=reward.clone())
-    batch = pack([[1, 2]], tree, 2, 1, pad_id=0, device=torch.device("cpu"))
-    entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
-    adv, weight, completion = train.advantages(run, ro, batch, entropy, batch_accuracy=0.5)
+    groups = rollouts([{}], [[1, 2]], tree, 2, 1)
+    for (_, _, a), reward in zip(completions(groups), (1.0, 0.0)):
+        a.reward = a.correct = a.credit = reward
+    batch = pack(groups, pad_id=0, device=torch.device("cpu"))
+    batch.entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
+    adv, weight, completion = train.advantages(run, groups, batch, batch_accuracy=0.5)
     assert torch.allclose(adv[:, 0], torch.tensor([0.5 - 0.6, -0.5 - 0.6]))  # both negative after the shift
-    base = train.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
+    base = train.advantage.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
     # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
     assert torch.equal(weight / base.clamp(min=1e-30) * (base > 0), torch.tensor([[2.0, 2.0, 1.0], [0.0, 0.0, 1.0]]))
 
@@ -602,3 +607,79 @@ def test_case15_random_checkpoint_builds_a_published_shape(tmp_path, monkeypatch
     assert {k: written[k] for k in ("vocab_size", "hidden_size", "rope_theta", "tie_word_embeddings")} == {
         k: shape[k] for k in ("vocab_size", "hidden_size", "rope_theta", "tie_word_embeddings")
     }
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--clip-low", "2"], "--clip-low must be in [0, 1), got 2.0"),
+        (["--clip-low", "-0.1"], "--clip-low must be in [0, 1), got -0.1"),
+        (["--clip-high", "0"], "--clip-high must be > 0 and finite, got 0.0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1] (1 = off), got 1.5"),
+        (["--top-p", "0"], "--top-p must be > 0 and finite, got 0.0"),
+        (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+        (["--beta", "nan"], "--beta must be >= 0 and finite, got nan"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+        (["--thought-weight", "-1"], "--thought-weight must be >= 0 and finite, got -1.0"),
+        (["--agrae-alpha", "0"], "--agrae-alpha must be > 0 and finite, got 0.0"),
+        (["--entropy-threshold", "0"], "--entropy-threshold must be > 0 and finite, got 0.0"),
+        (["--gtpo-w-neg", "-1"], "--gtpo-w-neg must be >= 0 and finite, got -1.0"),
+        (["--max-resample-rounds", "0"], "--max-resample-rounds must be >= 1, got 0"),
+        (["--overlong-buffer", "-1"], "--overlong-buffer must be >= 0, got -1"),
+    ],
+)
+def test_numeric_flags_are_range_checked_when_parsed(argv, message):
+    """Guards against a numeric flag outside its range being accepted silently (--clip-low 2 once was: a
+    clip range whose low end is negative) or failing only after the model has loaded: parsing alone refuses it."""
+    with pytest.raises(cli.UserExit) as e:
+        cli.parse_config(TrainConfig, argv, presets=PRESETS, preset_field="algo")
+    assert str(e.value) == message + " (see --help)"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--algo", "dagrpo", "--answers", "4"],
+            "--algo dagrpo sets --aggregation seq_mean_token_sum_norm/--pair-delta/--anchors (an anchor is a whole "
+            "reference completion, not a thought and its answers), which need --answers 1",
+        ),
+        (
+            ["--algo", "dagrpo", "--anchors", "--answers", "4"],
+            "--aggregation seq_mean_token_sum_norm/--pair-delta/--anchors (an anchor is a whole reference completion, "
+            "not a thought and its answers) need --answers 1 (--algo dagrpo sets --aggregation "
+            "seq_mean_token_sum_norm, --pair-delta 0.1)",
+        ),
+        (
+            ["--algo", "grpo_ma", "--sequence-ratio"],
+            "--sequence-ratio (GSPO) needs --answers 1 (--algo grpo_ma sets --answers 4)",
+        ),
+        (
+            ["--algo", "two_grpo", "--thoughts", "4"],
+            "--algo two_grpo sets --advantage two_grpo, which needs --thoughts 2 --answers 1",
+        ),
+        (
+            ["--algo", "gtpo", "--answers", "2"],
+            "--algo gtpo sets --gtpo-conflict/--entropy-gate/--entropy-gamma, which need --answers 1",
+        ),
+        (
+            ["--algo", "grpo_ma", "--end-of-thought", ""],
+            "--algo grpo_ma sets --answers 4, which needs an --end-of-thought marker",
+        ),
+        (["--pair-delta", "0.1", "--answers", "2"], "--pair-delta needs --answers 1"),
+    ],
+)
+def test_a_presets_value_is_never_blamed_as_typed(argv, message):
+    """Guards against an error that names a flag the user did not type as the problem (`--algo dagrpo --answers 4`
+    once said `--pair-delta must be ...`): what a preset set is said to come from the preset, and checks that fail
+    the same way are one sentence."""
+    with pytest.raises(cli.UserExit) as e:
+        cli.parse_config(TrainConfig, argv, presets=PRESETS, preset_field="algo")
+    assert str(e.value) == message + " (see --help)"
+
+
+def test_every_preset_is_valid_alone():
+    """Guards against a preset whose own values contradict each other (every run of it would be refused)."""
+    for name in PRESETS:
+        cli.parse_config(TrainConfig, ["--algo", name], presets=PRESETS, preset_field="algo")

@@ -1,0 +1,59 @@
+"""metrics.py: what a training step logs (step 7 of train.py), as plain functions of the step's record and the
+update's sums: every figure global over ranks (distributed.all_sum) unless its comment says otherwise."""
+
+from __future__ import annotations
+
+import torch
+
+from advantage import dynamic_sampling_keep, gradient_spike_score
+from distributed import all_sum
+from pack import Group, completions, per_completion
+
+
+def rollout_metrics(groups: list[Group], world: int, answers: int) -> dict:
+    """What the policy sampled this step (global over ranks unless noted), read before a transform of the
+    rollouts puts other tokens in (DaGRPO's anchors). answers: M, the answers per thought."""
+    reward, correct = per_completion(groups, "reward"), per_completion(groups, "correct")
+    lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in completions(groups)]).view(reward.shape)
+    thoughts = [t for g in groups for t in g.thoughts]
+    answers = [a for t in thoughts for a in t.answers]
+    return {
+        "reward/mean": (all_sum(reward.sum(), world) / all_sum(reward.numel(), world)).item(),
+        "reward/std": reward.std().item(),  # this rank's (rank 0's) rollouts
+        "accuracy": (all_sum(correct.sum(), world) / all_sum(correct.numel(), world)).item(),
+        "frac_zero_std_groups": (~dynamic_sampling_keep(reward.view(len(groups), -1))).float().mean().item(),
+        "len/completion_mean": lengths.float().mean().item(),
+        "truncated_frac": sum(a.finish == "length" for a in answers) / len(answers),
+        "thought_truncated_frac": sum(t.truncated for t in thoughts) / len(thoughts) if answers > 1 else 0.0,
+        "tokens/generated": all_sum(sum(len(t.tokens) for t in thoughts + answers), world).item(),
+    }
+
+
+def update_metrics(
+    sums: dict, trained: torch.Tensor, grad_norm: torch.Tensor, state: dict, world: int, **fields
+) -> dict:
+    """The update's diagnostics, global over ranks, per trained token (logp_gap and tis: per sampled token);
+    the gradient norm and its spike score (GRPO-MA's GSS over the run's norms so far, state["grad_norms"]), skipped
+    steps; trained: this rank's trained-token mask; fields: more entries of the row (kl: None without a reference)."""
+    n_tok = max(all_sum(trained.sum(), world).item(), 1)
+    n_sampled = max(n_tok - all_sum(sums["off_tokens"], world).item(), 1)
+    state["grad_norms"].append(grad_norm.item())
+    gss, gss10 = gradient_spike_score(state["grad_norms"])
+    row = {
+        "loss": all_sum(sums["loss"], world).item(),
+        "clip_frac": all_sum(sums["clip_frac"], world).item() / n_tok,
+        "kl": all_sum(sums["kl"], world).item() / n_tok,
+        "entropy": all_sum(sums["entropy"], world).item() / n_tok,
+        "logp_gap": all_sum(sums["logp_gap"], world).item() / n_sampled,
+        **{k: all_sum(sums[s], world).item() / n_sampled for k, s in METRIC_TIS.items() if s in sums},
+        "grad_norm": grad_norm.item(),
+        "gss": gss[-1].item(),
+        "gss10_frac": gss10,
+        "skipped_steps": state["skipped_steps"],
+        **fields,
+    }
+    return row
+
+
+# per sampled token: --tis-cap's correction (capped_frac: weights at a bound), DeepSeek-V3.2's mask
+METRIC_TIS = {"tis/mean": "tis", "tis/capped_frac": "tis_capped", "opsm/masked_frac": "opsm_masked"}

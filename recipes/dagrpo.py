@@ -1,0 +1,83 @@
+"""DaGRPO (arXiv 2512.06337), a RECONSTRUCTION (no official code, no readable method text; reference
+bibliography §1.5): the wiring of its two stated mechanisms (formulas: advantage.py).
+- advantages: the distinctiveness mask (--pair-delta) drops the pairs of completions whose fine-grained scores
+  differ by less than delta (advantage.pairwise_distinct_advantages); the score is the task's partial credit;
+- transform rollouts: anchors (--anchors). In each group with no correct rollout the last rollout is replaced
+  by the example's reference solution, trained off-policy (losses.policy_loss's LUFFY shaping, --anchor-gamma)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+
+from advantage import splice_anchor_rewards
+from cli import FlagError, UserError, out_of_range
+from distributed import all_sum
+from pack import Answer, Group, per_group
+from rewards import score_batch
+from tokenizer import decode_completion
+
+ANCHOR = "--anchors (an anchor is a whole reference completion, not a thought and its answers)"
+
+
+def check(cfg) -> Iterator[FlagError]:
+    yield from out_of_range(cfg, dict(anchor_gamma="> 0"))
+    if not (cfg.pair_delta == -1 or 0 <= cfg.pair_delta < math.inf):
+        yield FlagError(("pair_delta",), f"must be >= 0 (-1 = off), got {cfg.pair_delta}")
+    if cfg.pair_delta >= 0 and cfg.advantage != "grpo":
+        yield FlagError(("pair_delta",), "needs --advantage grpo (the pair mask is its own advantage)", ("advantage",))
+    for field, subject, used in (("pair_delta", "", cfg.pair_delta >= 0), ("anchors", ANCHOR, cfg.anchors)):
+        if used and cfg.answers > 1:
+            yield FlagError((field,), "needs --answers 1", ("answers",), subject)
+
+
+def check_references(task, examples: list[dict]) -> None:
+    """--anchors: refused when no training example has a reference solution (some may lack one: no anchor there)."""
+    if all(task.reference(ex) is None for ex in examples):
+        raise UserError(
+            f"--anchors needs reference solutions but no training example of task '{task.name}' has one "
+            "(synthetic: the SFT completion; gsm8k, math: the 'solution' field); drop --anchors (or pass --no-anchors)"
+        )
+
+
+def credit(task, texts: list[str], examples: list[dict], cfg) -> torch.Tensor | None:
+    """--pair-delta: each completion's fine-grained score, the task's partial credit (None: the task has none)."""
+    if task.partial_credit is None:
+        return None
+    return torch.tensor(score_batch(task.partial_credit, texts, examples, max_workers=cfg.reward_workers))
+
+
+def splice_anchors(groups: list[Group], task, tokenizer, limit: int) -> tuple[list[Group], dict[str, int]]:
+    """In each group with no correct rollout (M = 1), the last rollout becomes the example's reference solution:
+    task.reference(example) tokenised and ended by the end-of-turn token, reward 1 (splice_anchor_rewards),
+    correct 1 and the top credit 1 (the pair mask then compares every wrong rollout with it), Answer.sampled
+    False (no sampler log-probs: 0 here, and no old log-probs needed). A group gets no anchor when its example
+    has no reference, or the reference fails the task's own check or exceeds `limit` tokens (never truncated).
+
+    groups: the policy's own rollouts, left unchanged. Returns the rollouts to train on and counts: anchors
+    (groups that got one), anchors/too_long and anchors/no_reference (groups that needed one but could not)."""
+    spliced, anchor = splice_anchor_rewards(per_group(groups, "reward"), per_group(groups, "correct"))
+    out, counts = list(groups), {"anchors": 0, "anchors/too_long": 0, "anchors/no_reference": 0}
+    for p in anchor[:, -1].nonzero().flatten().tolist():
+        text, example = task.reference(groups[p].example), groups[p].example
+        ids = [] if text is None else tokenizer.encode(text) + ([] if tokenizer.end_id is None else [tokenizer.end_id])
+        completion = decode_completion(tokenizer, ids)
+        outcome = "anchors" if len(ids) <= limit else "anchors/too_long"
+        outcome = "anchors/no_reference" if not ids or task.correct(completion, example) != 1 else outcome
+        counts[outcome] += 1
+        if outcome == "anchors":  # M = 1: the last thought is empty, its one answer is the completion
+            reward, last = spliced[p, -1].item(), groups[p].thoughts[-1]
+            reference = Answer(ids, [0.0] * len(ids), "stop", completion, reward, 1.0, 1.0, sampled=False)
+            out[p] = replace(groups[p], thoughts=[*groups[p].thoughts[:-1], replace(last, answers=[reference])])
+    return out, counts
+
+
+def metrics(counts: dict[str, int], sums: dict, world: int) -> dict:
+    """The step's anchor counts over ranks, and anchors/p_mean: the anchor tokens' mean probability under the
+    policy (the update's sums over its off-policy tokens)."""
+    row = {k: int(all_sum(v, world).item()) for k, v in counts.items()}
+    n_off = all_sum(sums["off_tokens"], world).item()
+    return row | {"anchors/p_mean": all_sum(sums["off_p"], world).item() / max(n_off, 1)}

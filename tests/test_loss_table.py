@@ -1,0 +1,195 @@
+"""The policy-loss table (losses.LOSSES) and its seam: every objective keeps the contract policy_loss relies on,
+policy_loss hands each objective the right tokens and hyperparameters, --loss picks the entry, and the old
+--sequence-ratio flag still means GSPO."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+import pytest
+import torch
+
+from cli import parse_config
+from losses import LOSSES, loss_name, policy_loss
+from train import PRESETS, TrainConfig
+
+T = torch.tensor
+
+
+def hp(**kw) -> types.SimpleNamespace:
+    """The hyperparameters the trainer passes (every TrainConfig field, at its default), changed by kw: a loss
+    added to the table finds its own flags here too."""
+    return types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), **kw})
+
+
+def padded_batch() -> tuple[torch.Tensor, ...]:
+    """Two rows, the second one token shorter, whose padding holds -inf and nan as a model's may."""
+    logp = T([[-0.5, -1.0, -2.0], [-0.3, -0.7, float("-inf")]], dtype=torch.float64, requires_grad=True)
+    old = T([[-0.6, -0.9, -2.5], [-0.2, -0.9, float("nan")]], dtype=torch.float64)
+    adv = T([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]], dtype=torch.float64)
+    mask = T([[True, True, True], [True, True, False]])
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_objective_keeps_the_contract(name):
+    """Guards against a table entry that returns the wrong shapes or dtype, lets padded -inf/nan reach the
+    objective or its gradient, or reports a cut token outside the mask."""
+    logp, old, adv, mask = padded_batch()
+    extra = dict(selected=T([[True, False, True], [False, True, False]])) if name == "kl_cov" else {}
+    obj, cut = LOSSES[name](logp, old, adv, mask, hp(), **extra)
+    assert obj.shape == mask.shape and cut.shape == mask.shape and cut.dtype == torch.bool
+    assert not (cut & ~mask).any()
+    value = (torch.where(mask, obj, torch.zeros_like(obj))).sum()
+    (grad,) = torch.autograd.grad(value, logp)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+
+
+def test_clip_and_gspo_entries_exact_values():
+    """Guards against the clip entry using another ratio than exp(logp - old_logp) per token, and GSPO's entry
+    not putting each row's sequence ratio exp(mean log-ratio) on every token of the row (clip ranges wide open)."""
+    logp, old, adv, mask = padded_batch()
+    wide = hp(clip_low=0.99, clip_high=10.0)
+    obj, cut = LOSSES["clip"](logp, old, adv, mask, wide)
+    want = [[math.exp(0.1), math.exp(-0.1), math.exp(0.5)], [-2 * math.exp(-0.1), -2 * math.exp(0.2), 0.0]]
+    torch.testing.assert_close(torch.where(mask, obj, 0.0), T(want, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert not cut.any()
+    obj, _ = LOSSES["gspo"](logp, old, adv, mask, wide)
+    s0, s1 = math.exp((0.1 - 0.1 + 0.5) / 3), math.exp((-0.1 + 0.2) / 2)
+    want = [[s0, s0, s0], [-2 * s1, -2 * s1, 0.0]]
+    torch.testing.assert_close(torch.where(mask, obj, 0.0), T(want, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_policy_loss_hands_the_objective_its_tokens_and_hyperparameters(monkeypatch):
+    """Guards against the seam: policy_loss must call the entry --loss names with the on-policy tokens only
+    (off-policy ones get LUFFY's shaping instead), pass the trainer's hyperparameters through, weight and negate
+    the objective, and report the entry's cut tokens as clip_frac."""
+    seen = {}
+
+    def probe(logp, old_logp, adv, mask, h):
+        seen.update(mask=mask.clone(), h=h)
+        return 3.0 * adv * torch.ones_like(logp), mask & (adv < 0)
+
+    monkeypatch.setitem(LOSSES, "probe", probe)
+    logp = T([[math.log(0.5), -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    adv, w = T([[1.0, 1.0, -1.0]], dtype=torch.float64), T([[0.5, 0.25, 0.25]], dtype=torch.float64)
+    h = hp(loss="probe", anchor_gamma=0.5)
+    loss, m = policy_loss(logp, logp.detach(), adv, w, h, off_policy=T([[True, False, False]]))
+    assert seen["mask"].tolist() == [[False, True, True]] and seen["h"] is h
+    # the anchor token: f(.5) = .5 / (.5 + .5) = .5 times A = 1; the others: 3 * A
+    assert math.isclose(loss.item(), -(0.5 * 0.5 + 0.25 * 3.0 - 0.25 * 3.0), abs_tol=1e-12)
+    assert math.isclose(m["clip_frac"], 1 / 3, rel_tol=1e-6)
+    assert m["clip_frac_low"] == m["clip_frac"] and m["clip_frac_high"] == 0
+
+
+def test_sequence_ratio_flag_is_the_gspo_entry():
+    """Guards against --sequence-ratio (GSPO's switch before --loss existed, still in users' commands and saved
+    runs) drifting from --loss gspo, and against the gspo preset no longer choosing GSPO's objective."""
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    old = logp + 0.1 * torch.randn(3, 5, generator=g, dtype=torch.float64)
+    adv, w = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 5), torch.full((3, 5), 1 / 15)
+    assert loss_name(hp(sequence_ratio=True)) == "gspo" and loss_name(hp()) == "clip"
+    a, ma = policy_loss(logp, old, adv, w, hp(sequence_ratio=True, clip_low=3e-4, clip_high=4e-4))
+    b, mb = policy_loss(logp, old, adv, w, hp(loss="gspo", clip_low=3e-4, clip_high=4e-4))
+    c, _ = policy_loss(logp, old, adv, w, hp(clip_low=3e-4, clip_high=4e-4))
+    assert torch.equal(a, b) and ma == mb and not torch.equal(a, c)
+    cfg, _ = parse_config(TrainConfig, ["--algo", "gspo"], presets=PRESETS, preset_field="algo")
+    assert loss_name(cfg) == "gspo" and loss_name(TrainConfig(sequence_ratio=True)) == "gspo"
+
+
+@pytest.mark.parametrize("name", [n for n in LOSSES if n not in ("clip", "gspo")])
+def test_sequence_ratio_contradicts_another_loss(name):
+    """Guards against --sequence-ratio silently overriding (or being overridden by) another --loss."""
+    with pytest.raises(ValueError, match=f"contradicts --loss {name}"):
+        TrainConfig(sequence_ratio=True, loss=name, answers=1)
+
+
+def test_cispo_weights_are_clipped_detached_and_keep_every_gradient():
+    """Guards against CISPO built as PPO's clip (a token past the cap would lose its gradient, the one thing CISPO
+    keeps), a weight that carries gradient itself, a lower bound (TRL and the paper's runs have none), or a cap read
+    as TRL's absolute epsilon_high instead of 1 + --clip-high (losses.cispo's docstring). Ratios .01, 1.2, 6 with
+    --clip-high 4 give weights .01, 1.2, 5 (TRL's -clamp(coef, max=5).detach() * A * logp); the objective is
+    w * A * logp and its gradient under token weights v is -v * w * A on every token."""
+    ratio = T([[0.01, 1.2, 6.0]], dtype=torch.float64)
+    logp = T([[-1.0, -0.5, -2.0]], dtype=torch.float64, requires_grad=True)
+    old, adv = (logp - ratio.log()).detach(), T([[1.0, -2.0, 3.0]], dtype=torch.float64)
+    h, w = hp(loss="cispo", clip_low=0.2, clip_high=4.0), [0.01, 1.2, 5.0]
+    obj, cut = LOSSES["cispo"](logp, old, adv, torch.ones(1, 3, dtype=torch.bool), h)
+    want = T([[w[0] * 1 * -1.0, w[1] * -2 * -0.5, w[2] * 3 * -2.0]], dtype=torch.float64)
+    torch.testing.assert_close(obj.detach(), want, atol=1e-12, rtol=0)
+    assert not cut.any()
+    v = T([[0.5, 0.25, 0.25]], dtype=torch.float64)
+    loss, m = policy_loss(logp, old, adv, v, h)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = T([[-0.5 * w[0] * 1, -0.25 * w[1] * -2, -0.25 * w[2] * 3]], dtype=torch.float64)
+    torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)
+    assert m["clip_frac"] == 0.0
+    clip_loss, _ = policy_loss(logp, old, adv, v, hp(clip_low=0.2, clip_high=4.0))
+    assert torch.autograd.grad(clip_loss, logp)[0][0, 2] == 0  # the clip loss cuts the token CISPO keeps
+
+
+def test_the_newer_losses_are_table_entries_with_their_references_defaults():
+    """Guards against a newer loss reachable only as a function (no flag), a preset that does not choose it, or a
+    preset whose hyperparameters drift from the reference defaults its docstring cites."""
+    import losses
+
+    entries = dict(sapo="sapo_objective", gmpo="gmpo_objective", kl_cov="kl_cov_objective", dppo="dppo_objective")
+    entries |= dict(gpg="gpg_objective", clip_cov="clip")
+    for name, fn in entries.items():
+        assert LOSSES[name] is getattr(losses, fn)
+        assert PRESETS[name]["loss"] == name
+    d = TrainConfig()
+    assert (d.sapo_tau_pos, d.sapo_tau_neg) == (1.0, 1.05)  # SAPO paper, TRL, verl
+    assert (d.clip_cov_ratio, d.clip_cov_lb, d.clip_cov_ub) == (2e-4, 1.0, 5.0)  # verl, 7b_clip_cov.sh
+    assert (d.kl_cov_ratio, d.kl_cov_coef) == (2e-3, 1.0)  # 7b_kl_cov.sh
+    assert (d.dppo_mask_low, d.dppo_mask_high, d.dppo_kl_tau) == (0.2, 0.2, 1e-3)  # prime-rl DefaultLossConfig
+    assert PRESETS["gmpo"] | {} == dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2)  # GMPO's script
+    assert PRESETS["clip_cov"] == dict(loss="clip_cov", clip_low=1.0, clip_high=1.0, aggregation="token_mean")
+    assert PRESETS["gpg"] == dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True)
+    assert PRESETS["dsv32"] == dict(opsm_delta=1e-4, kl_estimator="unbiased", beta=1e-3, mu=2)  # slime's delta
+
+
+def test_policy_loss_passes_kl_covs_selection_and_uses_the_unbiased_kl():
+    """Guards against the seam dropping KL-Cov's step selection (its penalty would never act) or --kl-estimator
+    unbiased computing k3 anyway: the loss is -sum(w * (obj - beta * kl)) with the table's obj and losses.unbiased_kl,
+    and a KL-Cov loss without its selection is refused."""
+    import losses
+
+    logp, old, adv, mask = padded_batch()
+    w = torch.where(mask, 0.2, 0.0).double()
+    sel = T([[True, False, True], [False, True, False]])
+    h = hp(loss="kl_cov", kl_cov_coef=0.5)
+    loss, _ = policy_loss(logp, old, adv, w, h, mask=mask, selected=sel)
+    obj, _ = losses.kl_cov_objective(logp, old, adv, mask, h, selected=sel)
+    torch.testing.assert_close(loss, -(w * torch.where(mask, obj, 0.0)).sum(), atol=1e-12, rtol=0)
+    unselected, _ = policy_loss(logp, old, adv, w, h, mask=mask, selected=torch.zeros_like(sel))
+    assert not torch.equal(loss, unselected)
+    with pytest.raises(TypeError):
+        policy_loss(logp, old, adv, w, h, mask=mask)
+    ref = T([[-0.4, -1.2, -2.2], [-0.1, -0.6, float("nan")]], dtype=torch.float64)
+    h = hp(beta=0.3, kl_estimator="unbiased")
+    loss, m = policy_loss(logp, old, adv, w, h, ref_logp=ref, mask=mask)
+    obj, _ = LOSSES["clip"](logp, old, adv, mask, h)
+    kl = losses.unbiased_kl(logp, ref, old, mask)
+    torch.testing.assert_close(loss, -(w * torch.where(mask, obj - 0.3 * kl, 0.0)).sum(), atol=1e-12, rtol=0)
+    k3, _ = policy_loss(logp, old, adv, w, hp(beta=0.3), ref_logp=ref, mask=mask)
+    assert not torch.equal(loss, k3) and math.isclose(
+        m["kl"], (kl * mask).sum().item() / 5, rel_tol=1e-6
+    )  # metrics are float32
+
+
+def test_rollout_is_default_mode_is_the_old_truncation_bit_for_bit():
+    """Guards against --rollout-is's default (token_truncate, floor 0) changing a run that used --tis-cap before the
+    modes existed: its weights equal truncated_is_weights exactly."""
+    import losses
+
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(4, 7, generator=g) * 3
+    sampler = old + 0.3 * torch.randn(4, 7, generator=g)
+    mask = torch.rand(4, 7, generator=g) > 0.2
+    for cap in (1.5, 2.0):
+        a = losses.mismatch_is_weights(old, sampler, mask, mode="token_truncate", low=0.0, high=cap)
+        assert torch.equal(a, losses.truncated_is_weights(old, sampler, mask, cap))

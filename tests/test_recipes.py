@@ -1,0 +1,63 @@
+"""The recipes' seams: every extension's flag checks are gathered by TrainConfig, and DAPO's dynamic sampling
+redraws exactly the flat groups from their own slot's top-ups and seeds (so the world size cannot change them)."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+import config
+from distributed import derive_seed
+from pack import Answer, Group, Thought
+from recipes import dapo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BAD = {  # one bad value of a flag each recipe owns
+    "hard_examples": dict(select_fraction=0.0),
+    "noise": dict(reward_noise="0.2"),
+    "dapo": dict(max_resample_rounds=0),
+    "dagrpo": dict(anchor_gamma=0.0),
+    "gtpo": dict(entropy_threshold=0.0),
+}
+
+
+def test_every_recipe_is_checked():
+    """Guards against a recipe file whose flag checks TrainConfig never runs (a bad value would then be accepted
+    until it fails mid-run, or never): every file in recipes/ is in config.RECIPES, and each one's bad value is
+    refused with its flag named."""
+    files = {f[:-3] for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".py") and f != "__init__.py"}
+    assert {r.__name__.split(".")[-1] for r in config.RECIPES} == files == set(BAD)
+    for bad in BAD.values():
+        flag = "--" + next(iter(bad)).replace("_", "-")
+        with pytest.raises(ValueError, match=flag):
+            config.TrainConfig(**bad)
+
+
+def group(example: dict, rewards: list[float]) -> Group:
+    """A group of one-token completions with these rewards (M = 1)."""
+    return Group(example, [1], [Thought([], [], False, [Answer([2], [0.0], "stop", reward=r)]) for r in rewards])
+
+
+def test_dynamic_sampling_redraws_flat_groups_from_their_slots():
+    """Guards against top-ups drawn by rank-local position instead of the global slot (the world size would change
+    the run), a round's seed reused by the next, redrawing groups with contrast, or miscounting: slot 5's flat group
+    is redrawn from top-ups (step * P + 5) * R + round - 1 with seed derive_seed(seed, step, 5, round, 1), twice
+    (the first redraw is flat again), and slot 6's mixed group is left alone."""
+    cfg = types.SimpleNamespace(max_resample_rounds=3, prompts_per_step=8, seed=7)
+    topups = [{"i": i} for i in range(2 * 8 * 3)]
+    calls = []
+
+    def redraw(examples, seeds):
+        calls.append((examples, seeds))
+        return [group(ex, [1.0, 1.0] if len(calls) == 1 else [1.0, 0.0]) for ex in examples]
+
+    groups = [group({"i": "a"}, [0.0, 0.0]), group({"i": "b"}, [0.0, 1.0])]
+    kept = groups[1]
+    groups, n = dapo.dynamic_sampling(groups, 1, [5, 6], topups, cfg, redraw)
+    assert n == 2 and groups[1] is kept and groups[0].example == {"i": (8 + 5) * 3 + 1}
+    assert calls == [
+        ([{"i": (8 + 5) * 3}], [derive_seed(7, 1, 5, 1, 1)]),
+        ([{"i": (8 + 5) * 3 + 1}], [derive_seed(7, 1, 5, 2, 1)]),
+    ]
