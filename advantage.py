@@ -1,6 +1,6 @@
 """Every RL formula of the project, as pure functions over tensors: no classes, no state, no I/O.
 
-Conventions (design.md, "Algorithms (exact)"):
+Conventions:
 - rewards are [P, G]: P prompts x G completions. Token tensors are [B, T] with B = P*G rows in
   prompt-major order (prompt p's completions are rows p*G .. p*G+G-1).
 - std is torch.std (unbiased, as TRL and verl); eps = 1e-6 is added to it.
@@ -128,8 +128,8 @@ def noise_corrected_rewards(rewards: Tensor, rho_plus: float | Tensor, rho_minus
     affine-invariant, so with one rate pair per group a std normalisation cancels the correction
     (exactly at eps = 0; with eps the two differ only by eps scaling as 1 - rho_plus - rho_minus).
     With global constant rates the centred correction is a constant rescale by 1 / (1 - rho_plus -
-    rho_minus), which Adam mostly ignores (reference bibliography §3.4, a derivation, not the paper's
-    claim). Equal rewards stay equal, so degenerate groups stay 0.
+    rho_minus), which Adam mostly ignores (a derivation, not the paper's claim). Equal rewards stay equal, so
+    degenerate groups stay 0.
     """
     _check_noise_rates("noise_corrected_rewards", rho_plus, rho_minus)
     return (rewards - rho_plus) / (1 - rho_plus - rho_minus)
@@ -195,8 +195,8 @@ def pairwise_distinct_advantages(
     """DaGRPO's distinctiveness mask (Xie et al., arXiv 2512.06337), as a RECONSTRUCTION: [P, G] x2 -> [P, G].
 
     No official code exists and the method text could not be read; the abstract states only that "a
-    fine-grained score dynamically masks sample pairs with low distinctiveness". Reconstruction
-    (reference bibliography §1.5): Dr. GRPO's advantage is a sum over pairs, r_i - mean_j r_j =
+    fine-grained score dynamically masks sample pairs with low distinctiveness". Reconstruction: Dr. GRPO's
+    advantage is a sum over pairs, r_i - mean_j r_j =
     (1/G) sum_j (r_i - r_j); DaGRPO drops the pairs whose fine-grained scores are too close:
         A_i = (1/G) sum_j m_ij (r_i - r_j),   m_ij = 1[|s_i - s_j| >= delta]   (j == i adds 0 anyway)
     so a close-call right/wrong pair (sloppy right vs. nearly-right wrong) pushes neither way.
@@ -293,7 +293,8 @@ def gtpo_conflict_weights(
     tokens of positive rows, w_neg on those of negative rows, 1 elsewhere, 0 off the mask.
 
     Follows the released code (gtpo_training.py build_conflict_mask: set membership per position,
-    cumulative run from each end). Departure: a token in both runs gets w_pos once (design.md);
+    cumulative run from each end). Departure: a token in both runs gets w_pos once (a choice:
+    a token is one token);
     the released code multiplies the two factors (w_pos**2 = 4), which only happens when the runs
     overlap. Positions are counted over masked tokens, so rows may also carry a prompt or left padding.
     """

@@ -21,7 +21,7 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
             input, plus one layer recomputed), the head's saved hidden states, and the larger of
             backward's transients: one layer's gradients (SwiGLU's four (tokens, I) tensors), or a
             chunk of float32 logits (model.head_logprobs) with a float32 (V, C) gradient made before
-            it is added into the existing one (README, bench_knobs.py);
+            it is added into the existing one (docs/memory.md, bench_knobs.py);
   score     (mu > 1, GTPO's entropy, --beta) one micro-batch's forward, nothing saved.
 Deliberately simple: one micro-batch of the largest shape (rows x the longest row, as pack.py pads
 them), every thought and answer at its length limit, the longest prompt of a sample of the data;

@@ -232,7 +232,7 @@ def combine_rewards(
 
 
 # ---------------------------------------------------------------- partial credit (DaGRPO's fine-grained score)
-# A RECONSTRUCTION (bibliography §1.7): the paper scores with an LLM; these are deterministic local stand-ins.
+# A RECONSTRUCTION: the paper scores with an LLM; these are deterministic local stand-ins.
 
 
 _CALC_RESULT = re.compile(r"<<[^<>]*=([^<>=]*)>>")  # GSM8K calculator annotation <<48/2=24>>: its result

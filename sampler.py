@@ -2,7 +2,7 @@
 sampling with per-prompt seeds, prefix-shared tree sampling (K thoughts x M answers) and the
 per-token log-probs of every returned token. Knows nothing about tasks or rewards.
 
-One mechanism handles padding, finished rows and forks (reference/model-compat.md §3.2):
+One mechanism handles padding, finished rows and forks :
 * every row writes its next token into the same cache slot ("lockstep"); RoPE positions are
   explicit per row and `key_valid` (B, S) says which slots hold real tokens. Prompts of different
   lengths are left-padded (pad slots invalid), and a finished row's slots are invalid from then

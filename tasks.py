@@ -271,7 +271,7 @@ def _lines_and_answer(text: str) -> tuple[list[str], str]:
 
 
 def synthetic_partial_credit(completion: str, example: dict) -> float:
-    """DaGRPO's fine-grained score (a RECONSTRUCTION, bibliography §1.7: the paper scores with an LLM; this is a
+    """DaGRPO's fine-grained score (a RECONSTRUCTION: the paper scores with an LLM; this is a
     deterministic local stand-in) in [0, 1] of an addition completion against `sft_completion(example)`:
     (scratchpad lines equal to the reference's line at the same position + answer characters equal to
     the reference answer's, right-aligned) / (max(#lines) + max(#answer characters)) of the two, so

@@ -1,5 +1,5 @@
-"""DaGRPO (arXiv 2512.06337), a RECONSTRUCTION (no official code, no readable method text; reference
-bibliography §1.5): the wiring of its two stated mechanisms (formulas: advantage.py).
+"""DaGRPO (arXiv 2512.06337), a RECONSTRUCTION (no official code, no readable method text; docs/algorithms.md
+says what is stated and what is inferred): the wiring of its two stated mechanisms (formulas: advantage.py).
 - advantages: the distinctiveness mask (--pair-delta) drops the pairs of completions whose fine-grained scores
   differ by less than delta (advantage.pairwise_distinct_advantages); the score is the task's partial credit;
 - transform rollouts: anchors (--anchors). In each group with no correct rollout the last rollout is replaced

@@ -425,7 +425,7 @@ def test_gtpo_conflict_weights_hand_example():
         ]
     )
     assert torch.equal(gtpo_conflict_weights(ids, mask, adv, 4), want)
-    # Both runs cover every token: w_pos once (design.md), not w_pos**2 as in the released code.
+    # Both runs cover every token: w_pos once (advantage.gtpo_conflict_weights), not w_pos**2 as in the released code.
     assert torch.equal(
         gtpo_conflict_weights(T([[3, 4], [3, 4]]), torch.ones(2, 2), T([1.0, -1]), 2), T([[2.0, 2], [0, 0]])
     )

@@ -279,7 +279,7 @@ def test_chat_templates_match_official_jinja(conv, gen, toks):
 
 
 def test_chat_templates_documented_strings(toks):
-    """Guards the exact prompts recorded in reference/model-compat.md section 2.2 (independent of the
+    """Guards the exact prompts of Qwen2.5's and Llama 3's official templates (independent of the
     Jinja fixtures above, in case a fixture was copied wrong)."""
     user = [{"role": "user", "content": "2+2?"}]
     assert toks["qwen2"].apply_chat_template(user) == (
