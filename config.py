@@ -100,9 +100,7 @@ class TrainConfig:
     dppo_kl_tau: float = 1e-3  # DPPO: coefficient of the squared log-ratio on every token
     gpg_alpha: bool = False  # GPG: token weights times groups / groups whose rewards differ
     top_entropy_fraction: float = 1.0  # 80/20 rule: train only on this top fraction of the step's tokens by entropy
-    opsm_delta: float = (
-        -1.0
-    )  # DeepSeek-V3.2: drop negative-advantage sequences whose KL(sampler||policy) > DELTA (-1 off)
+    opsm_delta: float = -1.0  # DeepSeek-V3.2: drop negative-advantage sequences with KL(sampler||pi) > DELTA (-1 off)
     beta: float = 0.0  # KL penalty to the starting model; > 0 loads a reference copy
     kl_estimator: str = "k3"  # the penalty's estimator: k3, or unbiased (DeepSeek-V3.2: k3 times pi / pi_old)
     mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
