@@ -100,9 +100,7 @@ class TrainConfig:
     dppo_kl_tau: float = 1e-3  # DPPO: coefficient of the squared log-ratio on every token
     gpg_alpha: bool = False  # GPG: token weights times groups / groups whose rewards differ
     top_entropy_fraction: float = 1.0  # 80/20 rule: train only on this top fraction of the step's tokens by entropy
-    opsm_delta: float = (
-        -1.0
-    )  # DeepSeek-V3.2: drop negative-advantage sequences whose KL(sampler||policy) > DELTA (-1 off)
+    opsm_delta: float = -1.0  # DeepSeek-V3.2: drop negative-advantage sequences with KL(sampler||pi) > DELTA (-1 off)
     beta: float = 0.0  # KL penalty to the starting model; > 0 loads a reference copy
     kl_estimator: str = "k3"  # the penalty's estimator: k3, or unbiased (DeepSeek-V3.2: k3 times pi / pi_old)
     mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
@@ -154,7 +152,7 @@ class TrainConfig:
         **dict.fromkeys(("tis_cap", "warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every"), ">= 0"),
         **dict.fromkeys(("eval_samples", "save_every", "samples_every"), ">= 0"),
         **dict.fromkeys(("temperature", "top_p", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
-        **dict(clip_low="[0, 1]"),  # 1: no lower clip (Clip-Cov's recipe)
+        **dict(clip_low="[0, 1)"),
         **dict.fromkeys(("sapo_tau_pos", "sapo_tau_neg"), "> 0"),
         **dict.fromkeys(("dppo_mask_low", "dppo_mask_high", "dppo_kl_tau", "tis_floor"), ">= 0"),
     }
@@ -257,7 +255,9 @@ PRESETS: dict[str, dict] = {
     # ratio is 1 and SAPO, KL-Cov and DPPO are the plain policy gradient: their presets take a second epoch.
     "sapo": dict(loss="sapo", mu=2),  # tau 1.0 / 1.05 (the flags' defaults)
     "gmpo": dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2),  # the clip in log space: (e^-0.4, e^0.4)
-    "clip_cov": dict(loss="clip_cov", clip_low=1.0, clip_high=1.0, aggregation="token_mean"),  # 7b_clip_cov.sh
+    # Clip-Cov's recipe (7b_clip_cov.sh) clips the ratio to [1 - 1, 1 + 1]: no lower clip. --clip-low stays in [0, 1),
+    # so 0.99: the two differ only for a ratio below 0.01
+    "clip_cov": dict(loss="clip_cov", clip_low=0.99, clip_high=1.0, aggregation="token_mean"),
     "kl_cov": dict(loss="kl_cov", aggregation="token_mean", mu=2),  # ratio 2e-3, coef 1 (7b_kl_cov.sh)
     "dppo": dict(loss="dppo", aggregation="token_mean", mu=2),  # prime-rl's defaults 0.2, 0.2, 1e-3
     "gpg": dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True),

@@ -338,7 +338,7 @@ def policy_loss(
     kl = None
     if ref_logp is not None:
         zero = torch.zeros_like(logp)
-        if hp.kl_estimator == "unbiased":
+        if getattr(hp, "kl_estimator", "k3") == "unbiased":  # k3 for an hp without the flag
             kl = unbiased_kl(logp, ref_logp, old_logp, mask)
         else:
             kl = kl3(torch.where(mask, logp, zero), torch.where(mask, ref_logp.detach(), zero))

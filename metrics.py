@@ -10,9 +10,9 @@ from distributed import all_sum
 from pack import Group, completions, per_completion
 
 
-def rollout_metrics(groups: list[Group], world: int, answers: int) -> dict:
+def rollout_metrics(groups: list[Group], world: int, m: int) -> dict:
     """What the policy sampled this step (global over ranks unless noted), read before a transform of the
-    rollouts puts other tokens in (DaGRPO's anchors). answers: M, the answers per thought."""
+    rollouts puts other tokens in (DaGRPO's anchors). m: M, the answers per thought."""
     reward, correct = per_completion(groups, "reward"), per_completion(groups, "correct")
     lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in completions(groups)]).view(reward.shape)
     thoughts = [t for g in groups for t in g.thoughts]
@@ -24,7 +24,7 @@ def rollout_metrics(groups: list[Group], world: int, answers: int) -> dict:
         "frac_zero_std_groups": (~dynamic_sampling_keep(reward.view(len(groups), -1))).float().mean().item(),
         "len/completion_mean": lengths.float().mean().item(),
         "truncated_frac": sum(a.finish == "length" for a in answers) / len(answers),
-        "thought_truncated_frac": sum(t.truncated for t in thoughts) / len(thoughts) if answers > 1 else 0.0,
+        "thought_truncated_frac": sum(t.truncated for t in thoughts) / len(thoughts) if m > 1 else 0.0,
         "tokens/generated": all_sum(sum(len(t.tokens) for t in thoughts + answers), world).item(),
     }
 

@@ -299,11 +299,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time")
     p.add_argument("--threads", type=int, default=0, help="threads per run (default: cores / jobs, at least 1)")
     p.add_argument("--out", default="", help="run directory (default runs/exp or runs/exp-quick)")
+    p.add_argument(
+        "--only", default="", help="comma-separated configurations to run (default: all); report in OUT/report"
+    )
+    p.add_argument("--seeds", default="", help="comma-separated seeds (default: 0,1,2; --quick: 0)")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.threads < 0:
         raise SystemExit(f"--jobs must be >= 1 and --threads >= 0, got {args.jobs} and {args.threads}")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
-    args.seeds = [0] if args.quick else [0, 1, 2]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s] or ([0] if args.quick else [0, 1, 2])
+    args.only = [n for n in args.only.split(",") if n]
+    unknown = [n for n in args.only if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--only: no configuration named {', '.join(unknown)}; see CONFIGS in experiments/run.py")
     args.eval_examples, args.variance_prompts, args.rated_examples = (50, 16, 200) if args.quick else (200, 64, 2000)
     args.out = os.path.abspath(args.out or os.path.join(ROOT, "runs", "exp-quick" if args.quick else "exp"))
     return args
@@ -315,6 +323,11 @@ def main() -> None:
         os.makedirs(os.path.join(args.out, sub), exist_ok=True)
     t0 = time.time()
     prep, train_jobs, eval_jobs = plan(args)
+    if args.only:  # those configurations' runs and evaluations (and the start model's), what they need first
+        picked = lambda name: name.split(".")[0].rsplit("-s", 1)[0] in args.only  # noqa: E731
+        train_jobs = [j for j in train_jobs if picked(j["name"])]
+        eval_jobs = [j for j in eval_jobs if picked(j["name"]) or j["name"].startswith("base.")]
+        prep = [j for j in prep if any(j["done"] in t["inputs"] for t in train_jobs)]
     failed = run_all(prep, args, "preparation")
     ready = lambda jobs: [j for j in jobs if all(os.path.exists(stamp_of(m)) for m in j["inputs"])]  # noqa: E731
     # a job whose input is missing belongs to a job that failed (already reported)
@@ -323,7 +336,8 @@ def main() -> None:
     print(f"suite: {time.time() - t0:.0f} s", flush=True)
     if failed:
         raise SystemExit(f"{len(failed)} job(s) failed: {', '.join(failed)}; logs in {args.out}/logs")
-    report = os.path.join(ROOT, "docs", "results") if not args.quick else os.path.join(args.out, "report")
+    partial = args.quick or args.only or args.seeds != [0, 1, 2]
+    report = os.path.join(args.out, "report") if partial else os.path.join(ROOT, "docs", "results")
     subprocess.run([sys.executable, "experiments/report.py", "--runs", args.out, "--out", report], cwd=ROOT, check=True)
 
 

@@ -147,7 +147,7 @@ def test_the_newer_losses_are_table_entries_with_their_references_defaults():
     assert (d.kl_cov_ratio, d.kl_cov_coef) == (2e-3, 1.0)  # 7b_kl_cov.sh
     assert (d.dppo_mask_low, d.dppo_mask_high, d.dppo_kl_tau) == (0.2, 0.2, 1e-3)  # prime-rl DefaultLossConfig
     assert PRESETS["gmpo"] | {} == dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2)  # GMPO's script
-    assert PRESETS["clip_cov"] == dict(loss="clip_cov", clip_low=1.0, clip_high=1.0, aggregation="token_mean")
+    assert PRESETS["clip_cov"] == dict(loss="clip_cov", clip_low=0.99, clip_high=1.0, aggregation="token_mean")
     assert PRESETS["gpg"] == dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True)
     assert PRESETS["dsv32"] == dict(opsm_delta=1e-4, kl_estimator="unbiased", beta=1e-3, mu=2)  # slime's delta
 

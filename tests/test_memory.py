@@ -44,11 +44,12 @@ def saved_bytes(c: ModelConfig, rows: int, T: int, Lp: int) -> int:
     x = torch.randn(rows, T, c.hidden_size, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(T).expand(rows, T), c, x.dtype)
     skip = {p.data_ptr() for p in block.parameters()} | {cos.data_ptr(), sin.data_ptr()}
-    seen = {}
+    seen, alive = {}, []  # alive: a freed storage's address could be reused by a later one and counted once
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() and t.data_ptr() not in skip:
             seen[t.data_ptr()] = t.untyped_storage().nbytes()
+            alive.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):

@@ -20,6 +20,7 @@ BAD = {  # one bad value of a flag each recipe owns
     "dapo": dict(max_resample_rounds=0),
     "dagrpo": dict(anchor_gamma=0.0),
     "gtpo": dict(entropy_threshold=0.0),
+    "token_select": dict(top_entropy_fraction=2.0),
 }
 
 

@@ -472,7 +472,7 @@ def test_gtpo_conflict_weights_use_the_raw_group_advantage():
         a.reward = a.correct = a.credit = reward
     batch = pack(groups, pad_id=0, device=torch.device("cpu"))
     batch.entropy = torch.full(batch.ids.shape, 0.6)  # under the ln 2 gate; shift 1.0 * 0.6 > 0.5
-    adv, weight, completion = train.advantages(run, groups, batch, batch_accuracy=0.5)
+    adv, weight, completion, _ = train.advantages(run, groups, batch, batch_accuracy=0.5)
     assert torch.allclose(adv[:, 0], torch.tensor([0.5 - 0.6, -0.5 - 0.6]))  # both negative after the shift
     base = train.advantage.token_weights(completion.float(), cfg.aggregation, max_len=8, num_seqs=2, num_tokens=6)
     # tokens 5, 6 are shared from the start; the last tokens (7 vs 8) differ, so only the first two conflict
