@@ -10,7 +10,7 @@ PY := .venv/bin/python
 endif
 STAMP := $(VENV)/.nanorl-installed
 
-.PHONY: install test lint format train eval gpu-check bench tiny-model experiments experiments-quick plot clean
+.PHONY: install test test-slow lint format train eval gpu-check bench tiny-model experiments experiments-quick plot clean
 
 install: $(STAMP)
 
@@ -20,8 +20,11 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	@touch $@
 
-test: $(STAMP)          ## the whole CPU test suite (a few minutes on 2 cores)
-	$(PY) -m pytest tests
+test: $(STAMP)          ## the fast tier of the CPU tests: everything but end-to-end and multi-process runs (under 3 min)
+	$(PY) -m pytest -m "not slow" tests
+
+test-slow: $(STAMP)     ## the slow tier: whole training runs, subprocesses, torchrun, golden runs (CI runs both tiers)
+	$(PY) -m pytest -m slow tests
 
 lint: $(STAMP)          ## ruff: lint rules and formatting, as configured in pyproject.toml (CI runs it)
 	$(PY) -m ruff check .

@@ -178,6 +178,7 @@ def test_groups_whose_reference_is_too_long_or_rejected_get_no_anchor(tmp_path):
 # ---------------------------------------------------------------- the update sees the reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share_prompt", [True, False])
 def test_anchor_logprobs_in_the_update_equal_a_plain_forward(tmp_path, monkeypatch, share_prompt):
     """Guards against anchor tokens that the update scores at the wrong positions or rows, against the wrong
@@ -231,6 +232,7 @@ def test_anchor_logprobs_in_the_update_equal_a_plain_forward(tmp_path, monkeypat
     assert 0 < metrics["anchors/p_mean"] < 1 and abs(metrics["logp_gap"]) < 1e-4  # anchors are not in the gap
 
 
+@pytest.mark.slow
 def test_metrics_describe_the_policys_own_rollouts(tmp_path):
     """Guards against anchors leaking into the policy's reward and accuracy curves (an anchored run would look
     better than it samples), and against --anchors changing the sampling: step 1's rollouts are the same."""
@@ -248,6 +250,7 @@ def test_metrics_describe_the_policys_own_rollouts(tmp_path):
 # ---------------------------------------------------------------- flags
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [

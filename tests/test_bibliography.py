@@ -157,6 +157,7 @@ def test_pass_rate_file_resumes_to_the_same_rows(tmp_path):
         resume_pass_rates(path, {**settings, "k": 4}, examples)
 
 
+@pytest.mark.slow
 def test_eval_pass_rates_command_writes_a_file_train_reads(tmp_path):
     """Guards against `eval.py --pass-rates` writing a file that `train.py --select` cannot read, or rating
     held-out instead of training examples."""
@@ -176,6 +177,7 @@ def test_eval_pass_rates_command_writes_a_file_train_reads(tmp_path):
 # ---------------------------------------------------------------- the trainer
 
 
+@pytest.mark.slow
 def test_zero_reward_noise_is_the_identity_in_a_train_step(tmp_path):
     """Guards against --reward-noise 0,0 changing anything (a flip drawn whatever the rates must never fire at 0),
     and against the noise being applied to the wrong tensor (correctness must stay the task's own)."""
@@ -186,6 +188,7 @@ def test_zero_reward_noise_is_the_identity_in_a_train_step(tmp_path):
     assert [[r.get(k) for k in keys] for r in clean] == [[r.get(k) for k in keys] for r in zero]
 
 
+@pytest.mark.slow
 def test_reward_noise_flips_rewards_but_not_correctness(tmp_path):
     """Guards against flips that leak into the task's correctness (accuracy must be unchanged) or are not
     seeded from the rollout seed (two identical runs must agree)."""
@@ -200,6 +203,7 @@ def test_reward_noise_flips_rewards_but_not_correctness(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_dagrpo_preset_runs(tmp_path):
     """Guards against the dagrpo preset losing Dr. GRPO's settings, its anchors, or crashing on the pair mask
     and the anchors (at SMALL's 18-token limit these steps' references do not fit: skipped and counted)."""
@@ -212,6 +216,7 @@ def test_dagrpo_preset_runs(tmp_path):
     assert [(r["anchors"], r["anchors/too_long"] > 0) for r in steps] == [(0, True), (0, True)]
 
 
+@pytest.mark.slow
 def test_noise_correct_auto_runs_and_logs_its_rates(tmp_path):
     """Guards against --noise-correct auto crashing on the calibration sample or not logging the fitted rates."""
     out = str(tmp_path / "run")
@@ -221,6 +226,7 @@ def test_noise_correct_auto_runs_and_logs_its_rates(tmp_path):
     assert steps[0]["noise/rho_plus"] == steps[1]["noise/rho_plus"]  # fit once
 
 
+@pytest.mark.slow
 def test_select_hardest_trains_only_on_selected_prompts(tmp_path):
     """Guards against --select drawing prompts from outside the selected fraction of the rated pool."""
     examples = get_task("synthetic").train(8, 0)
@@ -233,6 +239,7 @@ def test_select_hardest_trains_only_on_selected_prompts(tmp_path):
     assert len([r for r in rows_of(cfg.out) if "loss" in r]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -264,6 +271,7 @@ def test_bad_flags_are_one_sentence(tmp_path, argv, message):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_mismatched_rates_file_is_one_sentence(tmp_path):
     """Guards against a pass-rate file made for another task being used (or crashing) at train time."""
     rates = write_rates(tmp_path / "r.jsonl", [{"index": 0, "prompt": "not a prompt", "pass_rate": 0.0}])

@@ -44,6 +44,7 @@ def cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_resume_without_model_takes_the_runs_model_and_tokenizer(tmp_path):
     """Guards against --resume without --model silently using the default model's tokenizer,
     reference model and tokenizer files: the run's config is the source of truth."""
@@ -61,6 +62,7 @@ def test_resume_without_model_takes_the_runs_model_and_tokenizer(tmp_path):
     assert json.loads((a / "final" / "tokenizer_config.json").read_text()) == {"marker": "run-model"}
 
 
+@pytest.mark.slow
 def test_resume_with_flags_that_change_the_run_is_refused(tmp_path):
     """Guards against a resume silently mixing two configurations (another rollout shape, task or
     learning rate recorded in config.json without effect): each differing flag is named."""
@@ -76,6 +78,7 @@ def test_resume_with_flags_that_change_the_run_is_refused(tmp_path):
     assert json.loads(before)["thoughts"] == 4  # the refused resumes recorded nothing
 
 
+@pytest.mark.slow
 def test_resume_extends_a_run_and_logs_each_step_once(tmp_path):
     """Guards against a resume repeating metrics rows (the step-0 eval, and steps replayed after the
     checkpoint) and against a larger --max-steps being refused: the continued run's metrics.jsonl
@@ -99,6 +102,7 @@ def test_resume_extends_a_run_and_logs_each_step_once(tmp_path):
     assert steps_logged(b) == [1, 2, 3, 4, 5, 6] and json.loads((b / "config.json").read_text())["max_steps"] == 6
 
 
+@pytest.mark.slow
 def test_fresh_run_into_a_used_out_is_refused_unless_overwrite(tmp_path):
     """Guards against a second run into the same --out overwriting the first run's checkpoints and
     interleaving both runs' rows in metrics.jsonl."""
@@ -115,6 +119,7 @@ def test_fresh_run_into_a_used_out_is_refused_unless_overwrite(tmp_path):
     assert (tmp_path / "notes" / "thesis.tex").exists()
 
 
+@pytest.mark.slow
 def test_stale_temp_directories_are_removed_at_start(tmp_path):
     """Guards against the temporary directories of interrupted saves piling up in --out forever."""
     a = tmp_path / "a"
@@ -125,6 +130,7 @@ def test_stale_temp_directories_are_removed_at_start(tmp_path):
     assert not [d for d in os.listdir(a) if ".tmp" in d]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
     """Guards against a truncated, empty or garbage trainer_state.pt ending in a raw unpickling
@@ -143,6 +149,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
         checkpoint.find_checkpoint(str(a))
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_save_is_one_sentence(tmp_path, monkeypatch):
     """Guards against a full disk surfacing as torch's `enforce fail at inline_container.cc` with
     no path named, and against a half-written checkpoint replacing the previous one."""
@@ -158,6 +165,7 @@ def test_full_disk_during_a_save_is_one_sentence(tmp_path, monkeypatch):
     assert not (a / "final").exists() and not (a / "final.tmp").exists()
 
 
+@pytest.mark.slow
 def test_no_save_optimizer_checkpoints_are_smaller_and_not_resumable(tmp_path):
     """Guards against --no-save-optimizer checkpoints being resumed with a fresh optimizer (not the
     run they claim to continue), and checks that they drop the optimizer state's bytes."""
@@ -170,6 +178,7 @@ def test_no_save_optimizer_checkpoints_are_smaller_and_not_resumable(tmp_path):
         train.main(resume_config(TrainConfig(resume=str(b / "step-1")), typed={"resume"}))
 
 
+@pytest.mark.slow
 def test_bf16_checkpoints_resume_exactly_from_float32_masters(tmp_path):
     """Guards against --save-dtype bfloat16 making resume inexact: the step checkpoint keeps the
     float32 masters beside its bf16 weights, so the resumed run equals the uninterrupted one."""
@@ -185,6 +194,7 @@ def test_bf16_checkpoints_resume_exactly_from_float32_masters(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -207,6 +217,7 @@ def test_user_errors_are_one_line_before_any_model_loads(tmp_path, argv, message
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bad_data_file_names_file_and_line_before_the_model_loads(tmp_path):
     """Guards against a non-UTF-8 byte in a data file being a raw UnicodeDecodeError after the
     model has loaded."""
@@ -221,6 +232,7 @@ def test_bad_data_file_names_file_and_line_before_the_model_loads(tmp_path):
     assert r.returncode == 2 and "--prompts-per-step 16 needs 16 distinct training examples" in r.stderr
 
 
+@pytest.mark.slow
 def test_tracebacks_come_back_with_an_environment_variable(tmp_path):
     """Guards against the one-line errors hiding a traceback a developer needs."""
     r = cli("--resume", "/nonexistent-run", env={"NANORL_TRACEBACK": "1"})
@@ -472,6 +484,7 @@ def test_case7_a_damaged_newest_checkpoint_falls_back_whatever_file_is_damaged(f
     assert str(caught[0].message).endswith(f"; resuming from {out}/step-2")
 
 
+@pytest.mark.slow
 def test_case12_a_failed_start_leaves_no_directory_and_the_refusal_fits_what_is_there(tmp_path):
     """Guards against a run that fails at the start (a bad --model, --device cuda without a GPU) leaving an
     empty --out behind, and against the refusal of a used --out suggesting --resume where no checkpoint is."""

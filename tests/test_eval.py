@@ -97,6 +97,7 @@ def test_plot_groups_seeds_and_maps_steps_to_time_and_tokens(tmp_path):
         plot_runs(runs, str(tmp_path / "u.png"), x="wall")
 
 
+@pytest.mark.slow
 def test_cli_prints_a_table_and_writes_json(tmp_path):
     """Guards against the documented `eval.py --model ... --n --k --out` command breaking."""
     out = tmp_path / "r.json"
@@ -158,6 +159,7 @@ def test_evaluate_rejects_k_above_n_before_generating() -> None:
         evaluate(None, None, None, [], n=4)
 
 
+@pytest.mark.slow
 def test_cli_flag_error_comes_before_the_model_load() -> None:
     """Guards against a bad flag surfacing only after the (slow) model load, or as a traceback: the model
     path does not exist, yet the error is about --k, from argparse (exit status 2)."""
@@ -179,6 +181,7 @@ def write_rows(path, rows: list[dict]) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_data_is_checked_before_the_model_is_loaded(tmp_path) -> None:
     """Guards against a data error found only after the model loaded (here the model path does not even
     exist), and against 8 requested held-out examples silently becoming 1: the error is one sentence."""
@@ -197,6 +200,7 @@ def test_data_is_checked_before_the_model_is_loaded(tmp_path) -> None:
         main(EvalConfig(model=missing, task="jsonl", data=data, examples=1))
 
 
+@pytest.mark.slow
 def test_test_data_flag_evaluates_the_whole_test_file(tmp_path) -> None:
     """Guards against eval.py having no --test-data (a test file given as --data was cut to every 10th
     line) and against a prompt too long for the context failing inside the sampler as "prompt 0"."""
@@ -211,6 +215,7 @@ def test_test_data_flag_evaluates_the_whole_test_file(tmp_path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_system_prompt_and_thinking_flags_reach_the_prompts(tmp_path) -> None:
     """Guards eval.py --system-prompt and --no-enable-thinking being parsed but not used: the prompt
     that overflows the context with the task's system prompt (201 tokens, see above) fits without it
@@ -225,6 +230,7 @@ def test_system_prompt_and_thinking_flags_reach_the_prompts(tmp_path) -> None:
             main(EvalConfig(**cfg, **extra))
 
 
+@pytest.mark.slow
 def test_compile_flag_decodes_through_the_compiled_step(monkeypatch) -> None:
     """Guards eval.py --compile being parsed but not used: the sampler's static decode step is
     compiled once and decoding goes through it (torch.compile is replaced by a counting wrapper here:
@@ -237,6 +243,7 @@ def test_compile_flag_decodes_through_the_compiled_step(monkeypatch) -> None:
         assert res[key] == pytest.approx(value, abs=1e-12), key
 
 
+@pytest.mark.slow
 def test_case13_a_missing_model_directory_is_named_as_train_py_names_it(tmp_path) -> None:
     """Guards against eval.py --model /nonexistent saying `.../tokenizer.json: missing` (the tokenizer is read
     first) where train.py says the directory is not found: both name the directory."""
@@ -266,6 +273,7 @@ def test_case14_a_runs_colour_is_the_same_in_every_panel(tmp_path, monkeypatch) 
     assert colour(reward)["a"] != colour(reward)["b"] and colour(grad) == {"b": colour(reward)["b"]}
 
 
+@pytest.mark.slow
 def test_pass_rates_file_has_one_writer(tmp_path) -> None:
     """Guards against two `eval.py --pass-rates` writing the same --out file, interleaving their rows:
     the second is refused in one sentence naming the process that holds the file."""

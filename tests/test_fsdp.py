@@ -51,9 +51,10 @@ ARGS = [
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
-)
+pytestmark = [  # every test here runs torchrun: the slow tier
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed"),
+]
 
 
 def torchrun(out: str, port: int, *extra: str) -> None:

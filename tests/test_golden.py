@@ -26,6 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # whole training runs: the slow tier
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "golden_runs.json")
 COMMON = [

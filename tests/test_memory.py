@@ -87,6 +87,7 @@ def test_kv_cache_bytes_equal_the_sampler_cache():
     assert memory.kv_bytes(c, 6, 40, 2) == cache.k.nbytes + cache.v.nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, phase, advice",
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from test_train import BUNDLED, small, weights
 
@@ -35,6 +36,7 @@ def test_cast_copy_keeps_ties_and_follows_the_masters():
     assert all(torch.equal(copy.state_dict()[k], v.to(torch.bfloat16)) for k, v in policy.state_dict().items())
 
 
+@pytest.mark.slow
 def test_bf16_rollouts_measure_and_correct_the_gap(tmp_path):
     """Guards against bf16 rollouts that silently stay on-policy in the bookkeeping: a float32 run's
     sampler and trainer agree (gap ~1e-7, no correction), a bf16 copy's do not (gap logged, truncated
@@ -55,6 +57,7 @@ def test_bf16_rollouts_measure_and_correct_the_gap(tmp_path):
     assert any(not torch.equal(w_tis[k], w_plain[k]) for k in w_tis)  # ... but another update
 
 
+@pytest.mark.slow
 def test_optimizer_offload_gives_the_same_update_and_resumes(tmp_path):
     """Guards against the CPU copies drifting from the weights (a missed copy back, a stale gradient,
     state not restored on resume): offloaded runs equal the plain run bit for bit, also when a plain

@@ -82,6 +82,7 @@ def weights(path: str) -> dict[str, torch.Tensor]:
     return load_model(path).state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", list(PRESETS))
 def test_every_preset_runs(tiny, tmp_path, algo):
     """Guards against a preset whose flag combination crashes the loop or writes no metrics/checkpoint."""
@@ -250,6 +251,7 @@ def test_shared_prompt_packing_gives_the_same_update(tiny, tmp_path):
         torch.testing.assert_close(outs[0][k], outs[1][k], atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share_prompt", [False, True])
 def test_two_processes_equal_one(tiny, tmp_path, share_prompt):
     """Guards against DDP changing the update: 2 CPU ranks (gloo) after one step equal 1 process on
@@ -350,6 +352,7 @@ def test_non_finite_steps_are_skipped_then_stop(tiny, tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(out, "final"))  # nothing corrupted was saved
 
 
+@pytest.mark.slow
 def test_help_lists_every_flag():
     """Guards against `train.py --help` crashing (argparse %-formatting of help text), missing a field,
     losing a field's help text, or hiding the family a flag belongs to and the values a choice flag takes."""
@@ -372,6 +375,7 @@ def test_help_lists_every_flag():
             assert set(cli._field_docs(cls)[1].values()) <= {line[:-1] for line in out.stdout.splitlines()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -443,6 +447,7 @@ def test_presets_fill_only_unset_flags():
     assert (cfg.thoughts, cfg.prompts_per_step, cfg.lr) == (2, 8 * TrainConfig.prompts_per_step, 8 * TrainConfig.lr)
 
 
+@pytest.mark.slow
 def test_a_short_run_learns(tmp_path):
     """Guards against a loop that runs but does not learn (a sign error, misaligned advantages or
     log-probs): 40 seeded GRPO steps from the bundled model must raise held-out mean@4 by at least
