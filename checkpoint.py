@@ -41,7 +41,7 @@ LOCK = ".lock"  # in --out: locked by the process that writes the run
 
 def save_checkpoint(
     path: str, model, tokenizer_dir: str, state: dict, config: dict, weights: dict | None = None, dtype=None
-) -> None:  # fmt: skip
+) -> None:
     """Write a checkpoint at `path`. weights: the full state dict when the model's own parameters are
     sharded (FSDP); dtype: of the written weights (None = the dtype the model was loaded in)."""
     tmp = path.rstrip("/") + ".tmp"
@@ -202,8 +202,8 @@ def resume_flags(flags: dict, typed: set[str], defaults: dict) -> dict:
 def check_resume(flags: dict, ckpt: str, defaults: dict, resumable: tuple[str, ...]) -> None:
     """Refuse a resume whose flags differ from the run's in anything that changes what it computes."""
     run = run_flags(ckpt, defaults)
-    diff = [f"--{k.replace('_', '-')} {v!r} (the run has {run[k]!r})" for k, v in flags.items()
-            if k not in resumable and v != run[k]]  # fmt: skip
+    changed = [k for k, v in flags.items() if k not in resumable and v != run[k]]
+    diff = [f"--{k.replace('_', '-')} {flags[k]!r} (the run has {run[k]!r})" for k in changed]
     if diff:
         raise UserError(
             f"--resume {ckpt}: {'; '.join(diff)}: these flags would change what the run computes; "

@@ -316,10 +316,9 @@ def token_stats(
         # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward.
         # Its last hidden state predicts each row's token 0; that use also keeps every layer's output in
         # the backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
-        first = getattr(model, "module", model)(
-            batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), cache=prompts,
-            attn_mask=chunk_mask(valid, Lp), logits_to_keep=1, hidden=True,
-        )[:, 0].index_select(0, of)  # (B, C); index_select: see PromptRows.update  # fmt: skip
+        kw = dict(cache=prompts, attn_mask=chunk_mask(valid, Lp), logits_to_keep=1, hidden=True)
+        first = getattr(model, "module", model)(batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), **kw)
+        first = first[:, 0].index_select(0, of)  # (B, C); index_select: see PromptRows.update
         own = batch.packed_attn
         if own is None:
             own = torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from sampler import KVCache
 
 
 @dataclass
@@ -55,8 +51,8 @@ class TextWatch:
     checked: int = 0  # steps before this one have been matched against the text
 
 
-def watch_text(stop: StopText, vocab_size: int, cache: KVCache) -> TextWatch:
-    """A TextWatch for the cache's active rows, about to sample their first token."""
+def watch_text(stop: StopText, vocab_size: int, cache) -> TextWatch:
+    """A TextWatch for the active rows of `cache` (a sampler.KVCache), about to sample their first token."""
     can_end = torch.zeros(vocab_size, dtype=torch.bool)  # the model's vocab may be padded
     n = min(vocab_size, len(stop.candidates))
     can_end[:n] = stop.candidates[:n]
