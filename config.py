@@ -86,7 +86,7 @@ class TrainConfig:
     answer_weight: float = 1.0  # GRPO-MA: weight of the mean answer loss
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.2  # ratio clip above 1 + clip_high (DAPO clip-higher: 0.28)
-    loss: str = "clip"  # policy objective (losses.py): clip = GRPO's clipped ratio, gspo = GSPO's sequence ratio
+    loss: str = "clip"  # policy objective (losses.LOSSES; the preset of the same name sets its paper's defaults)
     sequence_ratio: bool = False  # GSPO's sequence ratio: the same as --loss gspo (kept for existing commands)
     sapo_tau_pos: float = 1.0  # SAPO: gate temperature for positive advantages
     sapo_tau_neg: float = 1.05  # SAPO: gate temperature for negative advantages (steeper)
