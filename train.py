@@ -119,6 +119,10 @@ def setup(cfg: TrainConfig) -> Run:
     """Distributed init; then data, output directory and checkpoint are checked before any model is
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
     rank, world, device = distributed.setup_distributed(cfg)
+    rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    if rollout == "float32" and (cfg.rollout_is != "token_truncate" or cfg.tis_floor > 0):  # no copy to correct
+        why = "this run samples with its float32 policy, so there is nothing to correct: pass --rollout-dtype bfloat16"
+        raise UserError(f"--rollout-is and --tis-floor correct a --rollout-dtype bfloat16 copy; {why}")
     distributed.fixed_mmap_threshold()  # CPU: freed activations go back to the OS (heap fragments cost GiBs at 0.5B)
     task = hard_examples.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
@@ -167,7 +171,6 @@ def setup(cfg: TrainConfig) -> Run:
         with torch.no_grad():
             for h, p in zip(host, policy.parameters(), strict=True):
                 h.copy_(p)
-    rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
     run = Run(cfg, rank, world, device, task, pool, topups, heldout, policy, model, sampler, reference, tokenizer)
     run.marker, run.optimizer, run.scheduler, run.state = marker, optimizer, scheduler, state

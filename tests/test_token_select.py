@@ -179,3 +179,14 @@ def test_impossible_combinations_of_the_newer_flags_are_one_sentence(argv, messa
     with pytest.raises(cli.UserExit) as e:
         cli.parse_config(TrainConfig, argv, presets=PRESETS, preset_field="algo")
     assert message in str(e.value)
+
+
+def test_a_mismatch_mode_without_a_sampler_copy_is_one_sentence(tmp_path):
+    """Guards against --rollout-is or --tis-floor accepted on a run that samples with the float32 policy itself
+    (no copy, so nothing to correct): the run is refused before any step, naming --rollout-dtype."""
+    for extra in (dict(rollout_is="sequence_mask"), dict(tis_floor=0.5)):
+        cfg = TrainConfig(model=BUNDLED, out=str(tmp_path / "run"), algo="grpo", rollout_dtype="float32", **extra)
+        with pytest.raises(
+            cli.UserError, match=r"^--rollout-is and --tis-floor correct a --rollout-dtype bfloat16 copy"
+        ):
+            train.setup(cfg)
