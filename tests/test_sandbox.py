@@ -489,7 +489,9 @@ def test_the_tests_interpreter_is_confined_too(isolation: dict) -> None:
         """)
     try:
         report = run(code, tests)
-        assert report["passed"] and report["output"] == "write refused 30\n", report
+        # EROFS: the repository is mounted read-only inside; ENOENT: it is not visible at all (a checkout under /tmp,
+        # which the sandbox replaces with its own)
+        assert report["passed"] and report["output"] in ("write refused 30\n", "write refused 2\n"), report
         assert not target.exists()
     finally:
         target.unlink(missing_ok=True)
