@@ -20,6 +20,7 @@ before its first step and after its last (`start_line`, `end_summary`) is format
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import inspect
@@ -249,11 +250,17 @@ def stop_signals(resume: str) -> Iterator[StopRequest]:
         print(f"\n{message}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
+    def ignore_at_exit() -> None:  # interpreter shutdown resets Python handlers to the default (death by SIGINT,
+        for s in old:  # status -2), but leaves an ignored signal ignored: the stopped run exits with its own status
+            signal.signal(s, signal.SIG_IGN)
+
     try:
         yield stop
     finally:
         for s, h in old.items():
             signal.signal(s, handle_late if stop.signum else h)
+        if stop.signum and old:
+            atexit.register(ignore_at_exit)
 
 
 class Stopped(SystemExit):

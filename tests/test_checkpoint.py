@@ -372,6 +372,23 @@ def test_case2_a_second_signal_while_a_stopped_run_winds_down_ends_it_at_once():
     assert r.stderr.strip().splitlines()[-1] == (
         "stopped at once by a second signal; the last complete checkpoint is intact: python train.py --resume RUN"
     )
+    # ... and during the interpreter's shutdown, which puts back the default handler: the signal is ignored there,
+    # and the stopped run exits with its own status (CI met this one too)
+    late = """if True:
+        import os, signal, sys, time
+        from cli import stop_signals
+        class Teardown:  # freed with the module's globals, after the interpreter has reset its signal handlers
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)
+        keep = Teardown()
+        with stop_signals("python train.py --resume RUN"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        sys.exit(130)  # what cli.Stopped does
+    """
+    r = subprocess.run([sys.executable, "-c", late], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
 
 
 DIE_AT = """
