@@ -190,3 +190,27 @@ def test_a_mismatch_mode_without_a_sampler_copy_is_one_sentence(tmp_path):
             cli.UserError, match=r"^--rollout-is and --tis-floor correct a --rollout-dtype bfloat16 copy"
         ):
             train.setup(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(algo="grpo_ma", answers=2, loss="cispo", mu=2),  # CISPO's objective on GRPO-MA's tree advantages
+        dict(algo="dapo", loss="sapo", opsm_delta=0.0, mu=2),  # DAPO's sampling, SAPO's gate, V3.2's mask
+        dict(algo="dr_grpo", loss="gmpo", top_entropy_fraction=0.5, mu=2),  # a sequence loss on the entropy mask
+        dict(algo="gtpo", loss="dppo", kl_estimator="unbiased", beta=0.01, mu=2),  # GTPO's weights, DPPO, V3.2's KL
+    ],
+)
+def test_the_newer_losses_compose_with_the_other_methods(tmp_path, flags):
+    """Guards against a newer loss or mask that only runs on its own preset: composed with another method's
+    advantages, sampling or weights, a step runs and moves the weights."""
+    algo = flags.pop("algo")
+    base = dict(model=BUNDLED, out=str(tmp_path / "run"), max_steps=1, prompts_per_step=4, thoughts=4, eval_every=0)
+    base |= dict(eval_examples=4, eval_samples=0, samples_every=0, max_thought_tokens=40, max_answer_tokens=8)
+    preset = {k: v for k, v in PRESETS[algo].items() if k not in ("prompts_per_step", "thoughts", "lr")}
+    train.main(TrainConfig(**{**base, **preset, "algo": algo, **flags}))
+    row = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in x][0]
+    moved = load_model(str(tmp_path / "run" / "final")).state_dict()
+    start = load_model(BUNDLED).state_dict()
+    assert row["grad_norm"] > 0 and any(not torch.equal(moved[k], start[k]) for k in start)
