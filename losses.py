@@ -61,27 +61,30 @@ def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, c
             f"truncated_is_weights: old_logp {tuple(old_logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
             f"and mask {tuple(mask.shape)} must have one shape."
         )
-    m = mask.bool()
-    zero = torch.zeros_like(old_logp)
-    w = torch.exp(torch.where(m, old_logp.detach() - sampler_logp.detach(), zero)).clamp(max=cap)
-    return torch.where(m, w, torch.ones_like(w))
+    return mismatch_is_weights(old_logp, sampler_logp, mask, mode="token_truncate", low=0.0, high=cap)
 
 
 # ----------------------------------------------------------------------------------------------
 # The table: importance ratios and the objectives built on them
 
 
+def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log(pi / pi_old) on the mask, 0 elsewhere: padded log-probs may be -inf or garbage, and exp of them times a
+    zero weight would still put nan into the loss and its gradient."""
+    return torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+
+
 def token_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """rho = exp(logp - old_logp) per token on the mask, 1 elsewhere (the difference is zeroed before exp:
     padded log-probs may be -inf or garbage, and exp(inf) * 0 would put nan into the loss and its gradient)."""
-    return torch.exp(torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp)))
+    return torch.exp(_log_ratio(logp, old_logp, mask))
 
 
 def sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """GSPO's (arXiv 2507.18071) s_i = exp(mean over row i's masked tokens of (logp - old_logp)), in the
     GSPO-token form sg[s_i] * exp(logp_t - sg[logp_t]): the value is s_i on every token of the row, the
     gradient s_i * grad logp_t, GSPO's gradient for uniform row weights, and right for per-token advantages."""
-    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+    log_ratio = _log_ratio(logp, old_logp, mask)
     n = mask.sum(-1, keepdim=True).clamp(min=1)
     log_s = log_ratio.detach().sum(-1, keepdim=True) / n  # (B, 1) log of the geometric mean ratio
     return torch.exp(log_s + log_ratio - log_ratio.detach())
@@ -123,12 +126,6 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp) -> tupl
 
 # ----------------------------------------------------------------------------------------------
 # The field's newer objectives (same contract)
-
-
-def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """log(pi / pi_old) on the mask, 0 elsewhere: padded log-probs may be -inf or garbage, and exp of them times a
-    zero weight would still put nan into the loss and its gradient."""
-    return torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
 
 
 def _on_mask(x: Tensor, mask: Tensor) -> Tensor:
