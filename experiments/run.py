@@ -108,6 +108,7 @@ CONFIGS = {
     "kl_cov_t8": (["--algo", "kl_cov", *T8], 300),
     "dppo_t8": (["--algo", "dppo", *T8], 300),
     "gpg_t8": (["--algo", "gpg", *T8], 300),
+    "cispo_t8": (["--algo", "cispo", *T8], 300),
     "dsv32_t8": (["--algo", "dsv32", *T8], 300),  # DeepSeek-V3.2: off-policy sequence mask + unbiased KL
     "top_entropy20_t8": (["--algo", "grpo", *T8, "--top-entropy-fraction", "0.2"], 300),
     "grpo_t8_mu2": (["--algo", "grpo", *T8, "--mu", "2"], 300),
@@ -144,7 +145,7 @@ CONFIGS = {
 # configurations added for the loss ranking (experiments/report.py ranks every configuration at grpo_t8's budget)
 LOSS_RANKING = (
     ("sapo_t8", "gmpo_t8", "clip_cov_t8", "kl_cov_t8", "dppo_t8", "gpg_t8", "dsv32_t8", "top_entropy20_t8")
-    + ("grpo_t8_mu2", "grpo_t8_bf16", "tis_t8_bf16", "is_token_mask_t8_bf16", "is_seq_truncate_t8_bf16")
+    + ("cispo_t8", "grpo_t8_mu2", "grpo_t8_bf16", "tis_t8_bf16", "is_token_mask_t8_bf16", "is_seq_truncate_t8_bf16")
     + ("is_seq_mask_t8_bf16", "icepop_t8_bf16", "dapo_t8", "gspo_t8", "gtpo_t8", "grpo_ma_t4a2", "two_grpo_p64")
 )
 # evaluations of the end models (eval.py on the same held-out prompts for every checkpoint): kind -> (configs, flags)
