@@ -17,10 +17,11 @@ to slow train.py's steps in the same process by about 30%.)
 
 Time per step is split into sample (prompt tokens -> completion tokens), score (rewards from
 text), update (log-probs, loss, backward, optimizer step) and other (the rest of the loop body:
-packing, advantages, bookkeeping). For train.py the first three are its own `time/*` metrics
-and the total is the wall time of its loop body (the start/end evaluation and the final save
-are outside it); for TRL the total runs from `on_step_begin` to `on_step_end` and the parts
-come from timing its `_generate`, `_calculate_rewards` and `_generate_and_score_completions`.
+packing, the score pass, advantages). For train.py all four are its own `time/*` metrics: the
+total is `time/step_s`, from the step's start to its metrics row (the held-out evaluations,
+the last step's included, and the saves are outside it); for TRL the total runs from
+`on_step_begin` to `on_step_end` and the parts come from timing its `_generate`,
+`_calculate_rewards` and `_generate_and_score_completions`.
 The policies stop at different points, so the mean completion length of each side is printed
 with the ratio per generated token. TRL is an optional dev dependency (`pip install trl`).
 This is a comparison to read, not a test: nothing asserts on a time.
@@ -106,7 +107,7 @@ def random_model(path: str) -> str:
 
 
 # -----------------------------------------------------------------------------
-# Ours: train.main, timed from its metrics and the loop's progress-bar iterator
+# Ours: train.main, timed from its metrics
 
 
 def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], list[dict]]:
@@ -115,26 +116,17 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
 
     import train
 
-    starts: list[float] = []
-    ends: list[float] = []
     examples: list[dict] = []
 
     def recording_render_prompt(tokenizer, example: dict, system_prompt):
         examples.append(example)  # the loop renders each step's prompts once (no dynamic sampling here)
         return render_prompt(tokenizer, example, system_prompt)
 
-    class ClockedTqdm(tqdm):
-        """The loop's progress bar, silent: times each pass of the loop body."""
+    class SilentTqdm(tqdm):
+        """The loop's progress bar, off."""
 
         def __init__(self, *args, **kwargs):
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-        def __iter__(self):
-            for x in super().__iter__():
-                starts.append(time.perf_counter())
-                yield x
-                ends.append(time.perf_counter())
+            super().__init__(*args, **{**kwargs, "disable": True})
 
     n = cfg.steps + 1
     answer_tokens = min(16, cfg.max_completion_tokens)  # with answers = 1 only the sum of the two limits matters
@@ -166,7 +158,7 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
         save_every=0,
     )
     render_prompt, saved_tqdm = train.render_prompt, train.tqdm
-    train.render_prompt, train.tqdm = recording_render_prompt, ClockedTqdm
+    train.render_prompt, train.tqdm = recording_render_prompt, SilentTqdm
     try:
         train.main(tc)
     finally:
@@ -174,9 +166,10 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
     with open(os.path.join(tc.out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "time/sample_s" in r]
     steps = []
-    for r, t0, t1 in zip(rows, starts, ends):
+    for r in rows:  # time/step_s: from the step's start to its metrics row (not the held-out eval that may end it)
         parts = dict(sample=r["time/sample_s"], score=r["time/score_s"], update=r["time/update_s"])
-        steps.append(dict(parts, other=t1 - t0 - sum(parts.values()), total=t1 - t0, length=r["len/completion_mean"]))
+        total = r["time/step_s"]
+        steps.append(dict(parts, other=total - sum(parts.values()), total=total, length=r["len/completion_mean"]))
         # memory: the update's peak, and what the process held when it began (the score pass's peak:
         # with mu = 1 and no reference model that phase runs no forward, only packing)
         steps[-1].update(mem_update=r["mem/update_gib"], mem_base=r["mem/score_pass_gib"])
@@ -402,7 +395,7 @@ def report(cfg: BenchConfig, ours: list[dict], trl: list[dict], model_note: str)
         f"logits, gradients): train.py {o_act:.2f}, TRL {t_act:.2f} GiB ({o_act / max(t_act, 1e-9):.2f}x)"
     )
     print(
-        "(train.py 'other' = pack + advantages + logging inside its loop; TRL 'other' = padding, advantages and "
+        "(train.py 'other' = pack, score pass and advantages; TRL 'other' = padding, advantages and "
         "metrics inside _generate_and_score_completions)"
     )
 
