@@ -270,4 +270,7 @@ if __name__ == "__main__":
         print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
     else:
         with user_errors():
-            main(parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0])
+            from hf import bundled
+
+            cfg = parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0]
+            main(replace(cfg, model=bundled(cfg.model)))

@@ -142,6 +142,17 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+BUNDLED = "assets/tiny-model"  # the default --model of train.py and eval.py, a directory of this project
+
+
+def bundled(path: str) -> str:
+    """The default --model names the bundled checkpoint wherever the command runs from: when `path` is that
+    relative name and the working directory has no such directory, the project's own copy is meant."""
+    if path == BUNDLED and not os.path.isdir(path):
+        return os.path.join(os.path.dirname(os.path.abspath(__file__)), BUNDLED)
+    return path
+
+
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:

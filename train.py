@@ -49,7 +49,7 @@ from cli import Stopped, UserError, end_summary, parse_config, start_line, stop_
 from config import PRESETS, RESUMABLE, TrainConfig, lr_factor, resume_config
 from distributed import all_sum, derive_seed, memory_peak
 from heldout import evaluate
-from hf import load_model
+from hf import bundled, load_model
 from losses import gpg_alpha, mismatch_is_weights, off_policy_sequence_mask, policy_loss
 from memory import check_memory
 from metrics import rollout_metrics, update_metrics
@@ -596,4 +596,5 @@ if __name__ == "__main__":
         config, typed = parse_config(
             TrainConfig, description=__doc__.split("\n\n")[0], presets=PRESETS, preset_field="algo"
         )
-        main(resume_config(config, typed))
+        config = resume_config(config, typed)
+        main(replace(config, model=bundled(config.model)))

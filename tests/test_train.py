@@ -688,3 +688,34 @@ def test_every_preset_is_valid_alone():
     """Guards against a preset whose own values contradict each other (every run of it would be refused)."""
     for name in PRESETS:
         cli.parse_config(TrainConfig, ["--algo", name], presets=PRESETS, preset_field="algo")
+
+
+def test_the_default_model_is_the_bundled_one_from_any_working_directory(tmp_path, monkeypatch):
+    """Guards against `python /path/to/train.py` failing outside the project directory with
+    'assets/tiny-model: model directory not found': the default names the project's own copy, while a
+    directory of that name in the working directory, or any other path, is taken as typed."""
+    from hf import BUNDLED, bundled
+
+    monkeypatch.chdir(tmp_path)
+    assert bundled(BUNDLED) == os.path.join(ROOT, "assets", "tiny-model")
+    assert bundled("elsewhere/model") == "elsewhere/model"
+    (tmp_path / "assets" / "tiny-model").mkdir(parents=True)
+    assert bundled(BUNDLED) == BUNDLED
+    assert TrainConfig().model == BUNDLED
+
+
+@pytest.mark.slow
+def test_train_and_eval_find_the_bundled_model_from_another_directory(tmp_path):
+    """The same through the command lines: eval.py evaluates the bundled model from a foreign working
+    directory, and train.py gets as far as its memory estimate, which reads the model's config."""
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "eval.py"), "--examples", "2", "--n", "1", "--k", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and "accuracy" in r.stdout, r.stderr[-2000:]
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--prompts-per-step", "100000", "--out", "run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stderr.startswith("error: a training step needs about "), r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
