@@ -54,13 +54,7 @@ def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, c
     training", truncated IS; verl's tis_imp_ratio_cap, default 2): the gradient of the clipped surrogate
     becomes an importance-weighted estimate under pi_old instead of pi_sampler, with its variance
     bounded by the cap. The tokens the sampler overrated (w < 1) are not clipped from below."""
-    if not cap > 0:
-        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap}.")
-    if old_logp.shape != sampler_logp.shape or old_logp.shape != mask.shape:
-        raise ValueError(
-            f"truncated_is_weights: old_logp {tuple(old_logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
-            f"and mask {tuple(mask.shape)} must have one shape."
-        )
+    _need(cap > 0, f"truncated_is_weights: cap must be > 0, got {cap}.")
     return mismatch_is_weights(old_logp, sampler_logp, mask, mode="token_truncate", low=0.0, high=cap)
 
 
@@ -533,6 +527,8 @@ def mismatch_is_weights(
     _need(mode in ROLLOUT_IS_MODES, f"mismatch_is_weights: unknown mode {mode!r}; choose one of {modes}")
     _need(0 <= low < high, f"mismatch_is_weights: need 0 <= --tis-floor < --tis-cap, got {low} and {high}")
     _need(mode.endswith("mask") or high < math.inf, "mismatch_is_weights: a truncation needs a finite --tis-cap")
+    shapes = f"old_logp {tuple(old_logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} and mask {tuple(mask.shape)}"
+    _need(old_logp.shape == sampler_logp.shape == mask.shape, f"mismatch_is_weights: {shapes} must have one shape.")
     mask = mask.bool()
     log_rho = torch.where(mask, old_logp.detach() - sampler_logp.detach(), torch.zeros_like(old_logp))
     if mode.startswith("sequence"):
