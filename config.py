@@ -15,6 +15,7 @@ from typing import ClassVar
 from advantage import AGGREGATIONS
 from checkpoint import resume_flags
 from cli import FlagError, first_error, out_of_range
+from hf import BUNDLED
 from losses import KL_ESTIMATORS, LOSSES, ROLLOUT_IS_MODES, loss_name
 from recipes import dagrpo, dapo, gtpo, hard_examples, noise, token_select
 from tasks import TASK_NAMES
@@ -30,7 +31,7 @@ ALGOS += ("sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "gpg", "dsv32")
 class TrainConfig:
     # -- run
     algo: str = "grpo_ma"  # preset of the flags below (the flags you type win)
-    model: str = "assets/tiny-model"  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
+    model: str = BUNDLED  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
     task: str = "synthetic"  # built-in generator or file format (file tasks read --data)
     data: str = ""  # JSONL file for file-based tasks
     test_data: str = ""  # JSONL file of held-out examples (file tasks; default: every 10th example of --data)

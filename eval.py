@@ -27,6 +27,7 @@ import torch
 from checkpoint import hold_lock
 from cli import user_errors
 from heldout import evaluate
+from hf import BUNDLED, bundled
 from recipes.hard_examples import pass_rate_examples, resume_pass_rates, write_pass_rates
 from sampler import decode_step_static
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task
@@ -125,7 +126,7 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
 @dataclass
 class EvalConfig:
     # -- run
-    model: str = "assets/tiny-model"  # HF checkpoint directory to evaluate
+    model: str = BUNDLED  # HF checkpoint directory to evaluate
     task: str = "synthetic"  # task name (see tasks.py)
     data: str = ""  # JSONL file for file-based tasks (held out: every 10th example, unless --test-data)
     test_data: str = ""  # JSONL file of held-out examples for file-based tasks (all of it; --data then unneeded)
@@ -270,7 +271,5 @@ if __name__ == "__main__":
         print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
     else:
         with user_errors():
-            from hf import bundled
-
             cfg = parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0]
             main(replace(cfg, model=bundled(cfg.model)))

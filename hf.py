@@ -142,15 +142,14 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-BUNDLED = "assets/tiny-model"  # the default --model of train.py and eval.py, a directory of this project
+BUNDLED = "assets/tiny-model"  # the default --model of train.py and eval.py (sft.py's --out), relative
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), BUNDLED)  # the project's own copy
 
 
 def bundled(path: str) -> str:
     """The default --model names the bundled checkpoint wherever the command runs from: when `path` is that
     relative name and the working directory has no such directory, the project's own copy is meant."""
-    if path == BUNDLED and not os.path.isdir(path):
-        return os.path.join(os.path.dirname(os.path.abspath(__file__)), BUNDLED)
-    return path
+    return BUNDLED_DIR if path == BUNDLED and not os.path.isdir(path) else path
 
 
 def load_model(

@@ -23,12 +23,11 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from cli import parse_config, user_errors
-from hf import save_model
+from hf import BUNDLED, BUNDLED_DIR, save_model
 from model import ModelConfig, Transformer, token_logprobs
 from tasks import SYNTHETIC_CHARS, get_task, render_prompt, sft_completion
 from tokenizer import load_tokenizer
 
-BUNDLED = "assets/tiny-model"  # the bundled model, relative to this file
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as Qwen
 THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode keeps them)
 
@@ -36,7 +35,7 @@ THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode ke
 @dataclass
 class SFTConfig:
     # -- run
-    out: str = "assets/tiny-model"  # where the checkpoint (HF layout + tokenizer) is written
+    out: str = BUNDLED  # where the checkpoint (HF layout + tokenizer) is written
     task: str = "synthetic"  # task whose reference completions are the training data
     # -- optimisation
     steps: int = 200  # optimizer steps (fixed, not time-based, so the result is reproducible)
@@ -60,13 +59,12 @@ class SFTConfig:
             raise ValueError(
                 f"--task must be one of {', '.join(self.CHOICES['task'])} (tasks with reference completions)"
             )
-        bundled = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), BUNDLED))
         changed = [
             f"--{f.name.replace('_', '-')}"
             for f in fields(self)
             if f.name != "out" and getattr(self, f.name) != f.default
         ]
-        if os.path.realpath(self.out) == bundled and changed:
+        if os.path.realpath(self.out) == os.path.realpath(BUNDLED_DIR) and changed:
             raise ValueError(
                 f"--out {self.out} is the bundled model, which only the default recipe rebuilds (make tiny-model); "
                 f"with {', '.join(changed)} pass --out DIR for a model of your own"
