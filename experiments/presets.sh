@@ -22,9 +22,9 @@ print("|---|---|---|---|---|---|")
 for algo in sys.argv[1:]:
     rows = [json.loads(line) for line in open(f"runs/{algo}/metrics.jsonl")]
     evals, steps = [r for r in rows if "eval/greedy_accuracy" in r], [r for r in rows if "loss" in r]
-    g, m = [f"{e['eval/greedy_accuracy']:.1%} -> " for e in evals[:1]], [f"{e['eval/mean@4']:.1%} -> " for e in evals[:1]]
+    first, last = evals[0], evals[-1]
+    greedy, mean4 = (f"{first[k]:.1%} -> {last[k]:.1%}" for k in ("eval/greedy_accuracy", "eval/mean@4"))
     tokens = sum(r["tokens/generated"] for r in steps) / 1e6
     s_step = sum(r["time/step_s"] for r in steps) / len(steps)
-    print(f"| `{algo}` | {g[0]}{evals[-1]['eval/greedy_accuracy']:.1%} | {m[0]}{evals[-1]['eval/mean@4']:.1%} "
-          f"| {tokens:.2f} M | {s_step:.2f} | {max(r['gss'] for r in steps):.1f} |")
+    print(f"| `{algo}` | {greedy} | {mean4} | {tokens:.2f} M | {s_step:.2f} | {max(r['gss'] for r in steps):.1f} |")
 PY
