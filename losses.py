@@ -12,7 +12,8 @@ Off the mask an objective may see -inf or nan (padding): it must keep them out o
 
 The newer objectives (SAPO, GMPO, KL-Cov, DPPO, GPG) follow the same contract; the per-token masks and weights that
 come with them (Clip-Cov, KL-Cov's selection, the high-entropy mask, DeepSeek-V3.2's off-policy mask, the rollout
-mismatch weights) return a [B, T] bool or float that the caller multiplies into the token weight. Those needing
+mismatch weights) return a [B, T] bool or float that the caller multiplies into the token weight of the surrogate;
+the KL penalty keeps the plain weight (policy_loss's kl_weight), as in the references. Those needing
 statistics of the whole step take the whole step's tensors, from the scoring pass, so the micro-batch split cannot
 change them.
 
@@ -291,10 +292,11 @@ def policy_loss(
     mask: Tensor | None = None,
     off_policy: Tensor | None = None,
     selected: Tensor | None = None,
+    kl_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """loss = -sum(weight * (obj - hp.beta * KL)), obj = LOSSES[loss_name(hp)] (the clip loss:
+    """loss = -sum(weight * obj) + hp.beta * sum(kl_weight * KL), obj = LOSSES[loss_name(hp)] (the clip loss:
     min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)), KL per token by hp.kl_estimator: k3 (kl3), or
-    "unbiased" (DeepSeek-V3.2's unbiased_kl: k3 times pi / pi_old; it needs old_logp on every masked token).
+    "unbiased" (DeepSeek-V3.2's unbiased_kl: k3 times pi / pi_old; it needs old_logp on every KL token).
 
     logp, old_logp, adv, weight (and ref_logp, mask): [B, T]. The weight carries the aggregation normaliser
     (advantage.token_weights), so the loss is a plain sum and micro-batch losses add up. mask: tokens that
@@ -309,6 +311,11 @@ def policy_loss(
     is the plain loss, bit for bit.
     selected: [B, T] bool, KL-Cov's tokens (kl_cov_select over the whole step, this call's rows); passed to the
     objective, which must take it (only kl_cov does).
+    kl_weight: [B, T], the KL penalty's own token weights (default: weight). The trainer passes the aggregation
+    normaliser without the surrogate's masks and importance weights (the entropy mask, Clip-Cov's drops, V3.2's
+    sequence mask, the rollout-mismatch weights): the references apply those to the policy-gradient term only and
+    add the KL after (TRL _compute_loss; verl's dp_actor and slime compute the KL loss apart), so a dropped token
+    keeps its KL term. The KL covers the tokens with kl_weight != 0.
     Metrics (floats, no grad) are means over this call's masked tokens, i.e. partial for one micro-batch: the
     trainer averages them weighted by metrics["num_tokens"]. clip_frac_low / clip_frac_high split clip_frac by
     the sign of the advantage. Off-policy tokens are never clipped; with off_policy given, "off_policy_frac"
@@ -326,15 +333,16 @@ def policy_loss(
     if off is not None:
         p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
         obj = torch.where(off, p / (p + hp.anchor_gamma) * adv, obj)
-    kl = None
+    zero = torch.zeros_like(logp)
+    loss = -(weight * torch.where(mask, obj, zero)).sum()
+    kl, kl_mask = None, mask if kl_weight is None else kl_weight != 0
     if ref_logp is not None:
-        zero = torch.zeros_like(logp)
         if getattr(hp, "kl_estimator", "k3") == "unbiased":  # k3 for an hp without the flag
-            kl = unbiased_kl(logp, ref_logp, old_logp, mask)
+            kl = unbiased_kl(logp, ref_logp, old_logp, kl_mask)
         else:
-            kl = kl3(torch.where(mask, logp, zero), torch.where(mask, ref_logp.detach(), zero))
-        obj = obj - hp.beta * kl
-    loss = -(weight * torch.where(mask, obj, torch.zeros_like(obj))).sum()
+            kl = kl3(torch.where(kl_mask, logp, zero), torch.where(kl_mask, ref_logp.detach(), zero))
+        kl_weight = weight if kl_weight is None else kl_weight
+        loss = loss + hp.beta * (kl_weight * torch.where(kl_mask, kl, zero)).sum()
 
     with torch.no_grad():
         n_tok = mask.sum().clamp(min=1)
@@ -344,7 +352,7 @@ def policy_loss(
         vals += [(r * mask).sum() / n_tok, mask.sum().float()]
         if kl is not None:
             names.append("kl")
-            vals.append((kl.detach() * mask).sum() / n_tok)
+            vals.append((kl.detach() * kl_mask).sum() / kl_mask.sum().clamp(min=1))
         if off is not None:
             names += ["off_policy_frac", "off_policy_p_mean"]
             vals += [off.sum() / n_tok, (p.detach() * off).sum() / off.sum().clamp(min=1)]
@@ -486,7 +494,7 @@ def off_policy_sequence_mask(logp: Tensor, sampler_logp: Tensor, adv: Tensor, ma
 def unbiased_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556): k3 times the importance ratio pi_theta / pi_old.
 
-    [B, T] each -> per-token KL [B, T] (0 off the mask), the term the caller multiplies by beta and subtracts:
+    [B, T] each -> per-token KL [B, T] (0 off the mask), the term the caller multiplies by beta and adds to the loss:
     kl = r * (exp(d) - d - 1), r = exp(logp - old_logp), d = ref_logp - logp. The samples come from pi_old, so k3
     alone estimates KL at pi_old; the ratio makes it unbiased for KL(pi_theta || pi_ref). The gradient flows through
     both factors and is r * (logp - ref_logp) * grad logp, the true KL's gradient (plain k3 gives (1 - e^d) grad logp).

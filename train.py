@@ -305,7 +305,7 @@ def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) ->
 
 def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple:
     """5. Per-token advantage and weight (B, T) for the whole global step, the trained-token mask (B, T), and the
-    step's selection metrics (KL-Cov's tokens go to batch.selected).
+    step's selection metrics (KL-Cov's tokens go to batch.selected, the KL penalty's weights to batch.kl_weight).
 
     The weight carries the loss normaliser of the WHOLE step (summed over ranks), so neither the
     micro-batch split nor the world size can change the gradient."""
@@ -334,17 +334,18 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     if cfg.gtpo_conflict:  # GTPO's conflict tokens, by the sign of the raw group advantage
         weight = weight * gtpo.conflict_weights(batch.ids, mask.float(), raw.to(dev), cfg)
     metrics = {}
+    batch.kl_weight = weight  # the KL penalty's: the surrogate's token masks and importance weights leave it out
     if token_select.needs_scores(cfg):  # Clip-Cov, KL-Cov, the 80/20 entropy mask: over the whole step's tokens
         step = run.state["step"]
         keep, batch.selected, metrics = token_select.select(
             batch.score_logp, adv, batch.entropy, mask, cfg, step, run.rank, world
         )
         weight = weight * keep
-    if cfg.gpg_alpha:  # GPG: the gradient becomes the mean over the groups whose rewards differ
+    if cfg.gpg_alpha:  # GPG: the gradient becomes the mean over the groups whose rewards differ (the KL's too)
         rewards = per_completion(groups, "reward").view(len(groups), -1).to(dev)
         rewards = distributed.gather_rows(rewards, run.rank, world)[0]
         metrics["gpg/alpha"] = gpg_alpha(rewards)
-        weight = weight * metrics["gpg/alpha"]
+        weight, batch.kl_weight = weight * metrics["gpg/alpha"], batch.kl_weight * metrics["gpg/alpha"]
     return adv, weight, mask, metrics
 
 
@@ -381,7 +382,10 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                     sums["opsm_masked"] += (~opsm & sampled).sum().item() / cfg.mu  # the mean over epochs
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows]
                 selected = None if batch.selected is None else batch.selected[rows]
-                loss, metrics = policy_loss(logp, old, adv, w, cfg, ref_logp=ref, off_policy=off, selected=selected)
+                kl_w = batch.kl_weight[rows]  # the KL's: without the surrogate's masks and importance weights
+                loss, metrics = policy_loss(
+                    logp, old, adv, w, cfg, ref_logp=ref, off_policy=off, selected=selected, kl_weight=kl_w
+                )
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 n = mask.float().sum().item()

@@ -194,3 +194,43 @@ def test_rollout_is_default_mode_is_the_old_truncation_bit_for_bit():
         a = losses.mismatch_is_weights(old, sampler, mask, mode="token_truncate", low=0.0, high=cap)
         before = torch.where(mask, torch.exp(torch.where(mask, old - sampler, 0.0)).clamp(max=cap), 1.0)  # its code
         assert torch.equal(a, before) and torch.equal(losses.truncated_is_weights(old, sampler, mask, cap), before)
+
+
+@pytest.mark.parametrize("estimator", ["k3", "unbiased"])
+def test_the_kl_penalty_keeps_the_tokens_the_surrogates_masks_drop(estimator):
+    """Guards against the KL term taking the surrogate's masks and importance weights (a token dropped by the
+    entropy mask or V3.2's sequence mask losing its KL pull too). Reference: a transcription of TRL f2cd577
+    GRPOTrainer._compute_loss (loss_type "dapo", token mean): per_token_loss = -min(r A, clip(r) A), times the
+    entropy mask, the off-policy mask and the importance-sampling ratio, THEN + beta * per_token_kl (times coef_1 with
+    use_bias_correction_kl), summed over the mask and divided by its count."""
+    g = torch.Generator().manual_seed(3)
+    B, L, beta = 3, 5, 0.2
+    logp = (-torch.rand(B, L, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    old = logp.detach() + 0.2 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    ref = logp.detach() + 0.3 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    adv = T([[1.5], [-0.5], [-1.0]], dtype=torch.float64).expand(B, L)
+    mask = T([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]).bool()
+    entropy_mask = T([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 0, 1, 0]], dtype=torch.float64)
+    off_policy_mask = T([[1.0], [1.0], [0.0]], dtype=torch.float64)  # the third sequence dropped whole
+    is_ratio = 0.5 + torch.rand(B, L, generator=g, dtype=torch.float64)
+    m = mask.double()
+
+    coef_1 = torch.exp(logp - old)
+    per_token_loss = -torch.min(coef_1 * adv, torch.clamp(coef_1, 0.8, 1.2) * adv)
+    per_token_loss = per_token_loss * entropy_mask * off_policy_mask * is_ratio
+    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if estimator == "unbiased":
+        per_token_kl = per_token_kl * coef_1
+    expected = ((per_token_loss + beta * per_token_kl) * m).sum() / m.sum()
+    (want,) = torch.autograd.grad(expected, logp)
+
+    normaliser = m / m.sum()  # advantage.token_weights(m, "token_mean")
+    w = normaliser * entropy_mask * off_policy_mask * is_ratio
+    h = hp(clip_low=0.2, clip_high=0.2, beta=beta, kl_estimator=estimator)
+    loss, metrics = policy_loss(logp, old, adv, w, h, ref_logp=ref, mask=mask, kl_weight=normaliser)
+    (got,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert math.isclose(metrics["kl"], (per_token_kl * m).sum().item() / m.sum().item(), rel_tol=1e-6)
+    masked_kl, _ = policy_loss(logp, old, adv, w, h, ref_logp=ref, mask=mask)  # default: the KL takes `weight`
+    assert not torch.allclose(masked_kl, expected)

@@ -140,6 +140,26 @@ def test_gpg_alpha_and_the_sequence_mask_reach_the_update(tmp_path, monkeypatch)
     assert seen == [1e-4] * 2 and 0 <= row["opsm/masked_frac"] <= 1 and row["kl"] is not None
 
 
+def test_the_kl_penalty_takes_the_step_weight_without_the_surrogates_masks(tmp_path, monkeypatch):
+    """Guards against the update handing the KL term the surrogate's token weights: with V3.2's sequence mask
+    dropping every sequence and the 80/20 entropy mask on, the surrogate's weights are all 0 while the KL penalty
+    keeps the step's aggregation weight on every trained token (TRL adds beta * KL after its masks; verl and slime
+    compute the KL loss apart)."""
+    calls = []
+    real = train.policy_loss
+    drop_all = lambda logp, behaviour, adv, mask, **k: torch.zeros_like(mask, dtype=torch.bool)  # noqa: E731
+    monkeypatch.setattr(train, "off_policy_sequence_mask", drop_all)
+    monkeypatch.setattr(train, "policy_loss", lambda *a, **k: calls.append((a[3], k["kl_weight"])) or real(*a, **k))
+    cfg = TrainConfig(model=BUNDLED, out=str(tmp_path / "run"), max_steps=1, prompts_per_step=4, thoughts=4)
+    cfg = dataclasses.replace(cfg, eval_every=0, eval_examples=4, eval_samples=0, max_thought_tokens=40)
+    train.main(dataclasses.replace(cfg, **PRESETS["dsv32"], algo="dsv32", top_entropy_fraction=0.5))
+    assert len(calls) >= 2  # mu = 2 epochs
+    for w, kl_w in calls:
+        assert torch.count_nonzero(w) == 0 and torch.count_nonzero(kl_w) > 0 and (kl_w >= 0).all()
+    row = [json.loads(x) for x in open(os.path.join(cfg.out, "metrics.jsonl")) if '"loss"' in x][0]
+    assert row["opsm/masked_frac"] > 0 and row["kl"] >= 0
+
+
 def test_rollout_is_modes_run_on_a_bf16_sampler(tmp_path):
     """Guards against a --rollout-is mode parsed but not applied: on a bf16 sampler copy the sequence mask at a cap
     below every sequence ratio would mask most tokens (tis/capped_frac near 1), the default truncation few."""
