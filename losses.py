@@ -173,6 +173,10 @@ def gmpo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     token advantages is verl's compute_policy_loss_geo_mean (the same as TRL's for sequence-level advantages). The
     mean divides by max(n_i, 1) (verl adds 1e-8 instead; identical for non-empty rows). A packed row of a thought and
     several answers would share one ratio: use it with --answers 1.
+    In the trainer, tokens whose weight is 0 (the entropy mask, Clip-Cov's drops, V3.2's sequence mask) are off the
+    mask here, so the geometric mean runs over the kept tokens, as TRL's GMPO does with its entropy mask. With
+    --rollout-is weights each token's weight multiplies the sequence value it carries, so a row's factor is the
+    arithmetic mean of its token weights; verl's geo_mean takes their geometric mean (exp of the mean log weight).
     """
     mask = mask.bool()
     low, high = float(hp.clip_low), float(hp.clip_high)
@@ -499,7 +503,8 @@ def unbiased_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) 
     alone estimates KL at pi_old; the ratio makes it unbiased for KL(pi_theta || pi_ref). The gradient flows through
     both factors and is r * (logp - ref_logp) * grad logp, the true KL's gradient (plain k3 gives (1 - e^d) grad logp).
     It differs from k3 even at r = 1. Follows TRL (use_bias_correction_kl: per_token_kl * coef_1, ratio not
-    detached) and slime (use_unbiased_kl: importance_ratio * kl, the same).
+    detached) and slime (use_unbiased_kl: importance_ratio * kl, the same). The ratio is the token's under every
+    --loss, as slime's; TRL's coef_1 is the sequence ratio under GSPO.
     """
     mask = mask.bool()
     zero = torch.zeros_like(logp)
