@@ -339,8 +339,9 @@ def policy_loss(
         obj = torch.where(off, p / (p + hp.anchor_gamma) * adv, obj)
     zero = torch.zeros_like(logp)
     loss = -(weight * torch.where(mask, obj, zero)).sum()
-    kl, kl_mask = None, mask if kl_weight is None else kl_weight != 0
+    kl = None
     if ref_logp is not None:
+        kl_mask = mask if kl_weight is None else kl_weight != 0
         if getattr(hp, "kl_estimator", "k3") == "unbiased":  # k3 for an hp without the flag
             kl = unbiased_kl(logp, ref_logp, old_logp, kl_mask)
         else:

@@ -382,7 +382,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                     sums["opsm_masked"] += (~opsm & sampled).sum().item() / cfg.mu  # the mean over epochs
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows]
                 selected = None if batch.selected is None else batch.selected[rows]
-                kl_w = batch.kl_weight[rows]  # the KL's: without the surrogate's masks and importance weights
+                kl_w = None if ref is None else batch.kl_weight[rows]  # without the surrogate's masks and weights
                 loss, metrics = policy_loss(
                     logp, old, adv, w, cfg, ref_logp=ref, off_policy=off, selected=selected, kl_weight=kl_w
                 )
