@@ -277,6 +277,14 @@ RESUMABLE = (
 )
 
 
+def score_pass_needs(cfg: TrainConfig) -> tuple[bool, bool]:
+    """What the no-grad score pass before the update runs: (the policy, for old log-probs when mu > 1 and the token
+    entropies and log-probs of GTPO's controls and the step's token selections; the reference, when beta > 0).
+    The trainer's score pass and the memory estimate both ask here."""
+    policy = cfg.mu > 1 or gtpo.needs_entropy(cfg) or token_select.needs_scores(cfg)
+    return policy, cfg.beta > 0
+
+
 def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then constant or a cosine decay to 10% at the last optimizer step."""
     warm = min(1.0, (opt_step + 1) / max(1, cfg.warmup_steps))

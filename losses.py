@@ -12,8 +12,8 @@ Off the mask an objective may see -inf or nan (padding): it must keep them out o
 
 The newer objectives (SAPO, GMPO, KL-Cov, DPPO, GPG) follow the same contract; the per-token masks and weights that
 come with them (Clip-Cov, KL-Cov's selection, the high-entropy mask, DeepSeek-V3.2's off-policy mask, the rollout
-mismatch weights) return a [B, T] bool or float that the caller multiplies into the token weight of the surrogate;
-the KL penalty keeps the plain weight (policy_loss's kl_weight), as in the references. Those needing
+mismatch weights) return a [B, T] bool or float that goes into policy_loss's record (Tokens.keep, .is_weight,
+.selected) and acts on the surrogate only: the KL penalty keeps the plain weight, as in the references. Those needing
 statistics of the whole step take the whole step's tensors, from the scoring pass, so the micro-batch split cannot
 change them.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,7 +102,10 @@ def clip(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp) -> tuple
 
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp) -> tuple[Tensor, Tensor]:
     """GSPO: the clipped surrogate on the sequence ratio (its small ranges: clip_low 3e-4, clip_high 4e-4).
-    With mu = 1 every ratio is 1 and it is the clip loss's gradient."""
+    With mu = 1 every ratio is 1 and it is the clip loss's gradient. The ratio averages every trained token (mask);
+    a selection (the 80/20 mask) acts on the weights only, as TRL's and verl's: the value is TRL's sequence-level
+    loss times the selection, and in the token form the gradient reaches only the kept tokens (TRL's sequence form
+    spreads each row's, of equal total, over every token, the dropped ones too)."""
     return clipped(sequence_ratio(logp, old_logp, mask), adv, mask, hp)
 
 
@@ -156,7 +160,9 @@ def sapo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     return _on_mask(gate * adv, mask), torch.zeros_like(mask)
 
 
-def gmpo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp: Any) -> tuple[Tensor, Tensor]:
+def gmpo_objective(
+    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp: Any, *, keep: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """GMPO (arXiv 2507.20673): the geometric mean of the token ratios, each clipped in log space on its sign's side.
 
     For row i with n_i tokens: l_t = logp_t - old_logp_t, c_t = clamp(l_t, -hp.clip_low, hp.clip_high), where the
@@ -173,8 +179,11 @@ def gmpo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     token advantages is verl's compute_policy_loss_geo_mean (the same as TRL's for sequence-level advantages). The
     mean divides by max(n_i, 1) (verl adds 1e-8 instead; identical for non-empty rows). A packed row of a thought and
     several answers would share one ratio: use it with --answers 1.
-    In the trainer, tokens whose weight is 0 (the entropy mask, Clip-Cov's drops, V3.2's sequence mask) are off the
-    mask here, so the geometric mean runs over the kept tokens, as TRL's GMPO does with its entropy mask. With
+    keep: [B, T] bool, the step's token selections (the entropy mask, V3.2's sequence mask; None = every token).
+    They choose which tokens enter each row's geometric mean and nothing else: the row keeps its whole weight (its
+    value sits on every token of the mask), as TRL's GMPO takes mask * entropy_mask into the mean and averages the
+    sequences' values (TRL f2cd577 trl/experimental/gmpo/gmpo_trainer.py). policy_loss therefore hands this entry the
+    selections instead of multiplying them into its weights (TAKES). A row with no kept token has value 0. With
     --rollout-is weights each token's weight multiplies the sequence value it carries, so a row's factor is the
     arithmetic mean of its token weights; verl's geo_mean takes their geometric mean (exp of the mean log weight).
     """
@@ -185,10 +194,10 @@ def gmpo_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp
     adv, log_ratio = _on_mask(adv, mask), _log_ratio(logp, old_logp, mask)
     clamped = log_ratio.clamp(-low, high)
     pessimistic = torch.where(adv > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
-    m = mask.to(logp.dtype)
+    m = (mask if keep is None else mask & keep.bool()).to(logp.dtype)  # the tokens of the geometric mean
     n = m.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
     seq_ratio = torch.exp((pessimistic * m).sum(-1, keepdim=True) / n)  # (B, 1) geometric mean of clipped ratios
-    seq_adv = adv.sum(-1, keepdim=True) / n  # (B, 1)
+    seq_adv = (adv * m).sum(-1, keepdim=True) / n  # (B, 1)
     obj = (seq_ratio * seq_adv).expand_as(logp)
     lr = log_ratio.detach()
     cut = mask & torch.where(adv > 0, lr > high, lr < -low)
@@ -285,82 +294,90 @@ def loss_name(hp) -> str:
 # The wrapper the trainer calls
 
 
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv: Tensor,
-    weight: Tensor,
-    hp,
-    *,
-    ref_logp: Tensor | None = None,
-    mask: Tensor | None = None,
-    off_policy: Tensor | None = None,
-    selected: Tensor | None = None,
-    kl_weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """loss = -sum(weight * obj) + hp.beta * sum(kl_weight * KL), obj = LOSSES[loss_name(hp)] (the clip loss:
-    min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)), KL per token by hp.kl_estimator: k3 (kl3), or
+@dataclass
+class Tokens:
+    """One micro-batch's per-token record for policy_loss: every tensor [B, T], rows are sequences (or packed
+    GRPO-MA rows, where a sequence-level objective spans the whole row)."""
+
+    logp: Tensor  # the policy's log-probs of the sampled tokens, with gradient
+    old_logp: Tensor  # at the sampling-time parameters (the ratio's denominator)
+    adv: Tensor  # per-token advantage
+    weight: Tensor  # the aggregation weight of the WHOLE step (advantage.token_weights): the loss is a plain sum
+    mask: Tensor | None = None  # bool, the trained tokens (default weight != 0); must cover every non-zero weight
+    keep: Tensor | None = None  # bool, the tokens the step's selections keep (entropy mask, Clip-Cov, V3.2); None = all
+    is_weight: Tensor | None = None  # importance weights of the policy-gradient term (rollout mismatch); None = 1
+    ref_logp: Tensor | None = None  # the reference model's log-probs (beta > 0)
+    off_policy: Tensor | None = None  # bool, tokens not sampled from pi_old (an injected reference solution)
+    selected: Tensor | None = None  # bool, KL-Cov's tokens (its objective takes them)
+
+
+TAKES: dict[str, tuple[str, ...]] = {  # record fields an objective takes as keywords, beyond the contract
+    "kl_cov": ("selected",),
+    "gmpo": ("keep",),  # it applies the selections inside its geometric mean, not to its weights
+}
+
+
+def policy_loss(tok: Tokens, hp) -> tuple[Tensor, dict[str, float]]:
+    """loss = -sum(weight * keep * is_weight * obj) + hp.beta * sum(weight * KL), obj = LOSSES[loss_name(hp)] (the
+    clip loss: min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A)), KL per token by hp.kl_estimator: k3 (kl3), or
     "unbiased" (DeepSeek-V3.2's unbiased_kl: k3 times pi / pi_old; it needs old_logp on every KL token).
 
-    logp, old_logp, adv, weight (and ref_logp, mask): [B, T]. The weight carries the aggregation normaliser
-    (advantage.token_weights), so the loss is a plain sum and micro-batch losses add up. mask: tokens that
-    exist (default weight != 0); it must cover every token with non-zero weight. For packed GRPO-MA rows a
-    sequence-level objective spans the whole row.
-    off_policy: [B, T] bool, tokens not sampled from pi_old (e.g. an injected reference solution, see
-    advantage.splice_anchor_rewards). There LUFFY's policy shaping (arXiv 2504.14945; its code's
-    off_policy_reshape="p_div_p_0.1") replaces the objective: obj = f(p) * A with f(p) = p / (p + hp.anchor_gamma),
-    p = exp(logp), gradient through p (d f / d logp = gamma p / (p + gamma)^2, so low-probability expert tokens
-    still learn), no clip and no old_logp (unused there, may be garbage). The objective sees only the other
-    tokens (they are left out of GSPO's sequence mean); the KL term, if any, still covers them. None (default)
-    is the plain loss, bit for bit.
-    selected: [B, T] bool, KL-Cov's tokens (kl_cov_select over the whole step, this call's rows); passed to the
-    objective, which must take it (only kl_cov does).
-    kl_weight: [B, T], the KL penalty's own token weights (default: weight). The trainer passes the aggregation
-    normaliser without the surrogate's masks and importance weights (the entropy mask, Clip-Cov's drops, V3.2's
-    sequence mask, the rollout-mismatch weights): the references apply those to the policy-gradient term only and
-    add the KL after (TRL _compute_loss; verl's dp_actor and slime compute the KL loss apart), so a dropped token
-    keeps its KL term. The KL covers the tokens with kl_weight != 0.
-    Metrics (floats, no grad) are means over this call's masked tokens, i.e. partial for one micro-batch: the
-    trainer averages them weighted by metrics["num_tokens"]. clip_frac_low / clip_frac_high split clip_frac by
-    the sign of the advantage. Off-policy tokens are never clipped; with off_policy given, "off_policy_frac"
-    (of the masked tokens) and "off_policy_p_mean" (mean p over this call's off-policy tokens) are added.
+    The weight carries the aggregation normaliser, so the loss is a plain sum and micro-batch losses add up. The
+    objective sees every trained token (mask): the selections (keep) and importance weights act on the surrogate's
+    weights only, so a sequence ratio (GSPO) runs over the whole completion, as TRL's and verl's do; an objective
+    listed in TAKES receives the selections instead (GMPO chooses the tokens of its geometric mean with them).
+    The KL penalty takes the plain weight: the references apply the selections and importance weights to the
+    policy-gradient term only and add the KL after (TRL _compute_loss; verl's dp_actor and slime compute the KL loss
+    apart), so a dropped token keeps its KL pull.
+    off_policy: there LUFFY's policy shaping (arXiv 2504.14945; its code's off_policy_reshape="p_div_p_0.1")
+    replaces the objective: obj = f(p) * A with f(p) = p / (p + hp.anchor_gamma), p = exp(logp), gradient through p
+    (d f / d logp = gamma p / (p + gamma)^2, so low-probability expert tokens still learn), no clip and no old_logp
+    (unused there, may be garbage). The objective sees only the other tokens (they are left out of GSPO's sequence
+    mean); the KL term, if any, still covers them. None (default) is the plain loss, bit for bit.
+    Metrics (floats, no grad) are means over this call's tokens with a non-zero surrogate weight, i.e. partial for
+    one micro-batch: the trainer averages them weighted by metrics["num_tokens"]. clip_frac_low / clip_frac_high
+    split clip_frac by the sign of the advantage. Off-policy tokens are never clipped; with off_policy given,
+    "off_policy_frac" (of those tokens) and "off_policy_p_mean" (mean p over this call's off-policy tokens) are added.
     """
-    name = loss_name(hp)
-    if hp.beta != 0.0 and ref_logp is None:
+    name, logp, old_logp, adv = loss_name(hp), tok.logp, tok.old_logp, tok.adv
+    if hp.beta != 0.0 and tok.ref_logp is None:
         raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
-    if off_policy is not None and not hp.anchor_gamma > 0:
+    if tok.off_policy is not None and not hp.anchor_gamma > 0:
         raise ValueError(f"policy_loss: anchor_gamma (off-policy shaping) must be > 0, got {hp.anchor_gamma}.")
-    mask = weight != 0 if mask is None else mask.bool()
-    off = None if off_policy is None else off_policy.bool() & mask
+    mask = tok.weight != 0 if tok.mask is None else tok.mask.bool()
+    off = None if tok.off_policy is None else tok.off_policy.bool() & mask
     on = mask if off is None else mask & ~off  # tokens sampled from pi_old: the objective's ratio applies
-    obj, cut = LOSSES[name](logp, old_logp, adv, on, hp, **({} if selected is None else dict(selected=selected)))
+    extra = {f: getattr(tok, f) for f in TAKES.get(name, ()) if getattr(tok, f) is not None}
+    obj, cut = LOSSES[name](logp, old_logp, adv, on, hp, **extra)
     if off is not None:
         p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
         obj = torch.where(off, p / (p + hp.anchor_gamma) * adv, obj)
     zero = torch.zeros_like(logp)
+    weight = tok.weight if tok.keep is None or "keep" in extra else tok.weight * tok.keep.to(tok.weight.dtype)
+    weight = weight if tok.is_weight is None else weight * tok.is_weight
     loss = -(weight * torch.where(mask, obj, zero)).sum()
+    counted = mask & (weight != 0)  # the tokens the surrogate trains: its metrics' denominator
     kl = None
-    if ref_logp is not None:
-        kl_mask = mask if kl_weight is None else kl_weight != 0
+    if tok.ref_logp is not None:
         if getattr(hp, "kl_estimator", "k3") == "unbiased":  # k3 for an hp without the flag
-            kl = unbiased_kl(logp, ref_logp, old_logp, kl_mask)
+            kl = unbiased_kl(logp, tok.ref_logp, old_logp, mask)
         else:
-            kl = kl3(torch.where(kl_mask, logp, zero), torch.where(kl_mask, ref_logp.detach(), zero))
-        kl_weight = weight if kl_weight is None else kl_weight
-        loss = loss + hp.beta * (kl_weight * torch.where(kl_mask, kl, zero)).sum()
+            kl = kl3(torch.where(mask, logp, zero), torch.where(mask, tok.ref_logp.detach(), zero))
+        loss = loss + hp.beta * (tok.weight * torch.where(mask, kl, zero)).sum()
 
     with torch.no_grad():
-        n_tok = mask.sum().clamp(min=1)
+        cut = cut & counted
+        n_tok = counted.sum().clamp(min=1)
         r = (sequence_ratio if name in SEQUENCE_LEVEL else token_ratio)(logp, old_logp, on)
         names = ["clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "num_tokens"]
         vals = [(cut & (adv < 0)).sum() / n_tok, (cut & (adv > 0)).sum() / n_tok, cut.sum() / n_tok]
-        vals += [(r * mask).sum() / n_tok, mask.sum().float()]
+        vals += [(r * counted).sum() / n_tok, counted.sum().float()]
         if kl is not None:
             names.append("kl")
-            vals.append((kl.detach() * kl_mask).sum() / kl_mask.sum().clamp(min=1))
+            vals.append((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
         if off is not None:
             names += ["off_policy_frac", "off_policy_p_mean"]
-            vals += [off.sum() / n_tok, (p.detach() * off).sum() / off.sum().clamp(min=1)]
+            vals += [(off & counted).sum() / n_tok, (p.detach() * off).sum() / off.sum().clamp(min=1)]
         metrics = dict(zip(names, torch.stack([v.float() for v in vals]).tolist()))  # one device sync
     return loss, metrics
 

@@ -22,7 +22,8 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
             backward's transients: one layer's gradients (SwiGLU's four (tokens, I) tensors), or a
             chunk of float32 logits (model.head_logprobs) with a float32 (V, C) gradient made before
             it is added into the existing one (docs/memory.md, bench_knobs.py);
-  score     (mu > 1, GTPO's entropy, --beta) one micro-batch's forward, nothing saved.
+  score     (config.score_pass_needs: mu > 1, GTPO's entropy, the token selections, --beta) one micro-batch's
+            forward, nothing saved.
 Deliberately simple: one micro-batch of the largest shape (rows x the longest row, as pack.py pads
 them), every thought and answer at its length limit, the longest prompt of a sample of the data;
 the allocator's own slack (heap fragmentation, CUDA's block rounding) is not modelled.
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from cli import UserError
+from config import score_pass_needs
 from hf import config_from_hf
 from model import ModelConfig, Transformer
 from tasks import Task, render_prompt
@@ -67,7 +69,7 @@ class Shape:
     eval_samples: int
     rollout_bytes: int  # bytes per element of the sampler's weights and KV cache
     act_bytes: int  # bytes per element of the matmul outputs in training (2 under bf16 autocast)
-    score_pass: bool  # mu > 1, GTPO's entropy controls or a KL reference
+    score_pass: bool  # config.score_pass_needs: the policy or the reference runs a no-grad pass
 
 
 def n_params(config: ModelConfig) -> int:
@@ -278,7 +280,7 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
         eval_samples=cfg.eval_samples,
         rollout_bytes=2 if rollout == "bfloat16" else 4,
         act_bytes=2 if bf16 else 4,
-        score_pass=cfg.mu > 1 or cfg.entropy_gate or cfg.entropy_gamma > 0 or cfg.beta > 0,
+        score_pass=any(score_pass_needs(cfg)),
     )
     shard = world if fsdp else 1
     weights = 4 * N // shard + (4 * N if fsdp else 0)  # FSDP: its shard, and the whole weights while sampling

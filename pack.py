@@ -116,7 +116,7 @@ class Batch:
     entropy: torch.Tensor | None = None  # token entropy before the update (None: measured in the first epoch)
     adv: torch.Tensor | None = None
     weight: torch.Tensor | None = None  # the loss weight of each token: the step's aggregation, whole
-    kl_weight: torch.Tensor | None = None  # the KL penalty's: weight without the surrogate's masks (Clip-Cov, 80/20)
+    keep: torch.Tensor | None = None  # bool: the tokens the step's selections keep (Clip-Cov, 80/20), else None
     mask: torch.Tensor | None = None  # bool: the tokens the update trains
     selected: torch.Tensor | None = None  # bool: KL-Cov's tokens for its objective (--loss kl_cov), else None
 

@@ -46,11 +46,11 @@ import advantage
 import checkpoint
 import distributed
 from cli import Stopped, UserError, end_summary, parse_config, start_line, stop_signals, user_errors
-from config import PRESETS, RESUMABLE, TrainConfig, lr_factor, resume_config
+from config import PRESETS, RESUMABLE, TrainConfig, lr_factor, resume_config, score_pass_needs
 from distributed import all_sum, derive_seed, memory_peak
 from heldout import evaluate
 from hf import bundled, load_model
-from losses import gpg_alpha, mismatch_is_weights, off_policy_sequence_mask, policy_loss
+from losses import Tokens, gpg_alpha, mismatch_is_weights, off_policy_sequence_mask, policy_loss
 from memory import check_memory
 from metrics import rollout_metrics, update_metrics
 from model import Transformer, cast_copy, copy_weights_
@@ -269,7 +269,7 @@ def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.S
     policy's log-probs and token entropy (mu > 1: the old log-probs; GTPO; the step's token selections), the
     reference's log-probs (beta > 0)."""
     cfg = run.cfg
-    need_policy = cfg.mu > 1 or gtpo.needs_entropy(cfg) or token_select.needs_scores(cfg)
+    need_policy = score_pass_needs(cfg)[0]
     old_logp, entropy = torch.zeros(shape, device=run.device), torch.zeros(shape, device=run.device)
     ref_logp = torch.zeros(shape, device=run.device) if run.reference is not None else None
     with torch.no_grad(), precision(run):
@@ -305,7 +305,7 @@ def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) ->
 
 def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple:
     """5. Per-token advantage and weight (B, T) for the whole global step, the trained-token mask (B, T), and the
-    step's selection metrics (KL-Cov's tokens go to batch.selected, the KL penalty's weights to batch.kl_weight).
+    step's selection metrics (the selections' surviving tokens go to batch.keep, KL-Cov's tokens to batch.selected).
 
     The weight carries the loss normaliser of the WHOLE step (summed over ranks), so neither the
     micro-batch split nor the world size can change the gradient."""
@@ -334,18 +334,16 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     if cfg.gtpo_conflict:  # GTPO's conflict tokens, by the sign of the raw group advantage
         weight = weight * gtpo.conflict_weights(batch.ids, mask.float(), raw.to(dev), cfg)
     metrics = {}
-    batch.kl_weight = weight  # the KL penalty's: the surrogate's token masks and importance weights leave it out
     if token_select.needs_scores(cfg):  # Clip-Cov, KL-Cov, the 80/20 entropy mask: over the whole step's tokens
         step = run.state["step"]
-        keep, batch.selected, metrics = token_select.select(
+        batch.keep, batch.selected, metrics = token_select.select(
             batch.score_logp, adv, batch.entropy, mask, cfg, step, run.rank, world
         )
-        weight = weight * keep
     if cfg.gpg_alpha:  # GPG: the gradient becomes the mean over the groups whose rewards differ (the KL's too)
         rewards = per_completion(groups, "reward").view(len(groups), -1).to(dev)
         rewards = distributed.gather_rows(rewards, run.rank, world)[0]
         metrics["gpg/alpha"] = gpg_alpha(rewards)
-        weight, batch.kl_weight = weight * metrics["gpg/alpha"], batch.kl_weight * metrics["gpg/alpha"]
+        weight = weight * metrics["gpg/alpha"]
     return adv, weight, mask, metrics
 
 
@@ -369,23 +367,20 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 mask = batch.mask[rows]
                 off = None if batch.off_policy is None else batch.off_policy[rows] & mask
                 sampled = mask if off is None else mask & ~off  # the tokens with sampler log-probs
-                old, w = logp.detach() if batch.old_logp is None else batch.old_logp[rows], batch.weight[rows]
+                old = logp.detach() if batch.old_logp is None else batch.old_logp[rows]
+                tok = Tokens(logp, old, batch.adv[rows], batch.weight[rows], off_policy=off)
+                tok.keep = None if batch.keep is None else batch.keep[rows]
                 if tis:  # rollouts from a cast copy: tokens reweighted by pi_old / pi_sampler, truncated or masked
                     kw = dict(mode=cfg.rollout_is, low=cfg.tis_floor, high=cfg.tis_cap)
-                    w_is = mismatch_is_weights(old, mb.sampler_logp, sampled, **kw)
-                    w = w * w_is
-                adv = batch.adv[rows]
+                    tok.is_weight = w_is = mismatch_is_weights(old, mb.sampler_logp, sampled, **kw)
                 if cfg.opsm_delta >= 0:  # DeepSeek-V3.2: negative-advantage sequences the policy drifted from
                     behaviour = mb.sampler_logp if run.sampler is not run.policy else old
-                    opsm = off_policy_sequence_mask(logp, behaviour, adv, sampled, delta=cfg.opsm_delta)
-                    w = w * opsm
+                    opsm = off_policy_sequence_mask(logp, behaviour, tok.adv, sampled, delta=cfg.opsm_delta)
+                    tok.keep = opsm if tok.keep is None else tok.keep & opsm
                     sums["opsm_masked"] += (~opsm & sampled).sum().item() / cfg.mu  # the mean over epochs
-                ref = None if batch.ref_logp is None else batch.ref_logp[rows]
-                selected = None if batch.selected is None else batch.selected[rows]
-                kl_w = None if ref is None else batch.kl_weight[rows]  # without the surrogate's masks and weights
-                loss, metrics = policy_loss(
-                    logp, old, adv, w, cfg, ref_logp=ref, off_policy=off, selected=selected, kl_weight=kl_w
-                )
+                tok.ref_logp = None if batch.ref_logp is None else batch.ref_logp[rows]
+                tok.selected = None if batch.selected is None else batch.selected[rows]
+                loss, metrics = policy_loss(tok, cfg)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 n = mask.float().sum().item()

@@ -3,7 +3,8 @@
 - Each is decided once per step, after the advantages, from the score pass's log-probs and entropies (score_pass
   runs the policy when needs_scores), over every rank's tokens (distributed.gather_rows): neither the micro-batch
   split nor the world size can change it.
-- Clip-Cov and the entropy mask multiply the token weights (a dropped token still counts in the normaliser, as in
+- Clip-Cov and the entropy mask are a keep mask that policy_loss multiplies into the surrogate's token weights (GMPO:
+  into its geometric mean) while the KL keeps every token (a dropped token still counts in the normaliser, as in
   the references); KL-Cov's selection goes to its objective, through policy_loss's `selected`.
 - Clip-Cov's random draw comes from a generator seeded by the run's seed and the step: a resumed run draws alike."""
 
@@ -33,7 +34,7 @@ def needs_scores(cfg) -> bool:
 def select(
     logp: torch.Tensor, adv: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg, step: int, rank: int, world
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-    """logp, adv, entropy, mask (B, T): this rank's rows -> (keep (B, T) float, the factor of the token weights;
+    """logp, adv, entropy, mask (B, T): this rank's rows -> (keep (B, T) bool, the selections' surviving tokens;
     KL-Cov's selected (B, T) bool or None; the step's metrics). The statistics are the whole step's."""
     parts = [gather_rows(x.float(), rank, world) for x in (logp, adv, entropy, mask)]
     (logp_all, mine), (adv_all, _), (ent_all, _), (mask_all, _) = parts
@@ -52,4 +53,4 @@ def select(
         metrics["kl_cov/selected_frac"] = (selected_all.sum() / mask_all.sum().clamp(min=1)).item()
     metrics["token_select/kept_frac"] = (keep.sum() / mask_all.sum().clamp(min=1)).item()
     keep = keep | ~mask_all  # outside the trained tokens the weight is already 0: leave it
-    return keep[mine, : mask.shape[1]].to(adv.dtype), selected, metrics
+    return keep[mine, : mask.shape[1]], selected, metrics

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cli import parse_config
-from losses import LOSSES, loss_name, policy_loss
+from losses import LOSSES, Tokens, loss_name, policy_loss
 from train import PRESETS, TrainConfig
 
 T = torch.tensor
@@ -76,7 +76,7 @@ def test_policy_loss_hands_the_objective_its_tokens_and_hyperparameters(monkeypa
     logp = T([[math.log(0.5), -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
     adv, w = T([[1.0, 1.0, -1.0]], dtype=torch.float64), T([[0.5, 0.25, 0.25]], dtype=torch.float64)
     h = hp(loss="probe", anchor_gamma=0.5)
-    loss, m = policy_loss(logp, logp.detach(), adv, w, h, off_policy=T([[True, False, False]]))
+    loss, m = policy_loss(Tokens(logp, logp.detach(), adv, w, off_policy=T([[True, False, False]])), h)
     assert seen["mask"].tolist() == [[False, True, True]] and seen["h"] is h
     # the anchor token: f(.5) = .5 / (.5 + .5) = .5 times A = 1; the others: 3 * A
     assert math.isclose(loss.item(), -(0.5 * 0.5 + 0.25 * 3.0 - 0.25 * 3.0), abs_tol=1e-12)
@@ -92,9 +92,9 @@ def test_sequence_ratio_flag_is_the_gspo_entry():
     old = logp + 0.1 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     adv, w = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 5), torch.full((3, 5), 1 / 15)
     assert loss_name(hp(sequence_ratio=True)) == "gspo" and loss_name(hp()) == "clip"
-    a, ma = policy_loss(logp, old, adv, w, hp(sequence_ratio=True, clip_low=3e-4, clip_high=4e-4))
-    b, mb = policy_loss(logp, old, adv, w, hp(loss="gspo", clip_low=3e-4, clip_high=4e-4))
-    c, _ = policy_loss(logp, old, adv, w, hp(clip_low=3e-4, clip_high=4e-4))
+    a, ma = policy_loss(Tokens(logp, old, adv, w), hp(sequence_ratio=True, clip_low=0.0003, clip_high=0.0004))
+    b, mb = policy_loss(Tokens(logp, old, adv, w), hp(loss="gspo", clip_low=0.0003, clip_high=0.0004))
+    c, _ = policy_loss(Tokens(logp, old, adv, w), hp(clip_low=0.0003, clip_high=0.0004))
     assert torch.equal(a, b) and ma == mb and not torch.equal(a, c)
     cfg, _ = parse_config(TrainConfig, ["--algo", "gspo"], presets=PRESETS, preset_field="algo")
     assert loss_name(cfg) == "gspo" and loss_name(TrainConfig(sequence_ratio=True)) == "gspo"
@@ -122,12 +122,12 @@ def test_cispo_weights_are_clipped_detached_and_keep_every_gradient():
     torch.testing.assert_close(obj.detach(), want, atol=1e-12, rtol=0)
     assert not cut.any()
     v = T([[0.5, 0.25, 0.25]], dtype=torch.float64)
-    loss, m = policy_loss(logp, old, adv, v, h)
+    loss, m = policy_loss(Tokens(logp, old, adv, v), h)
     (grad,) = torch.autograd.grad(loss, logp)
     want = T([[-0.5 * w[0] * 1, -0.25 * w[1] * -2, -0.25 * w[2] * 3]], dtype=torch.float64)
     torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)
     assert m["clip_frac"] == 0.0
-    clip_loss, _ = policy_loss(logp, old, adv, v, hp(clip_low=0.2, clip_high=4.0))
+    clip_loss, _ = policy_loss(Tokens(logp, old, adv, v), hp(clip_low=0.2, clip_high=4.0))
     assert torch.autograd.grad(clip_loss, logp)[0][0, 2] == 0  # the clip loss cuts the token CISPO keeps
 
 
@@ -162,20 +162,20 @@ def test_policy_loss_passes_kl_covs_selection_and_uses_the_unbiased_kl():
     w = torch.where(mask, 0.2, 0.0).double()
     sel = T([[True, False, True], [False, True, False]])
     h = hp(loss="kl_cov", kl_cov_coef=0.5)
-    loss, _ = policy_loss(logp, old, adv, w, h, mask=mask, selected=sel)
+    loss, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, selected=sel), h)
     obj, _ = losses.kl_cov_objective(logp, old, adv, mask, h, selected=sel)
     torch.testing.assert_close(loss, -(w * torch.where(mask, obj, 0.0)).sum(), atol=1e-12, rtol=0)
-    unselected, _ = policy_loss(logp, old, adv, w, h, mask=mask, selected=torch.zeros_like(sel))
+    unselected, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, selected=torch.zeros_like(sel)), h)
     assert not torch.equal(loss, unselected)
     with pytest.raises(TypeError):
-        policy_loss(logp, old, adv, w, h, mask=mask)
+        policy_loss(Tokens(logp, old, adv, w, mask=mask), h)
     ref = T([[-0.4, -1.2, -2.2], [-0.1, -0.6, float("nan")]], dtype=torch.float64)
     h = hp(beta=0.3, kl_estimator="unbiased")
-    loss, m = policy_loss(logp, old, adv, w, h, ref_logp=ref, mask=mask)
+    loss, m = policy_loss(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), h)
     obj, _ = LOSSES["clip"](logp, old, adv, mask, h)
     kl = losses.unbiased_kl(logp, ref, old, mask)
     torch.testing.assert_close(loss, -(w * torch.where(mask, obj - 0.3 * kl, 0.0)).sum(), atol=1e-12, rtol=0)
-    k3, _ = policy_loss(logp, old, adv, w, hp(beta=0.3), ref_logp=ref, mask=mask)
+    k3, _ = policy_loss(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), hp(beta=0.3))
     assert not torch.equal(loss, k3) and math.isclose(
         m["kl"], (kl * mask).sum().item() / 5, rel_tol=1e-6
     )  # metrics are float32
@@ -227,10 +227,83 @@ def test_the_kl_penalty_keeps_the_tokens_the_surrogates_masks_drop(estimator):
     normaliser = m / m.sum()  # advantage.token_weights(m, "token_mean")
     w = normaliser * entropy_mask * off_policy_mask * is_ratio
     h = hp(clip_low=0.2, clip_high=0.2, beta=beta, kl_estimator=estimator)
-    loss, metrics = policy_loss(logp, old, adv, w, h, ref_logp=ref, mask=mask, kl_weight=normaliser)
+    keep = (entropy_mask * off_policy_mask).bool()  # the selections; the KL takes the plain normaliser
+    tok = Tokens(logp, old, adv, normaliser, mask=mask, keep=keep, is_weight=is_ratio, ref_logp=ref)
+    loss, metrics = policy_loss(tok, h)
     (got,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     assert math.isclose(metrics["kl"], (per_token_kl * m).sum().item() / m.sum().item(), rel_tol=1e-6)
-    masked_kl, _ = policy_loss(logp, old, adv, w, h, ref_logp=ref, mask=mask)  # default: the KL takes `weight`
+    masked_kl, _ = policy_loss(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), h)  # masks folded into the weight
     assert not torch.allclose(masked_kl, expected)
+
+
+def entropy_masked_rows() -> tuple[torch.Tensor, ...]:
+    """Two rows of four tokens (the second one shorter), drifted from pi_old, and an 80/20-style selection that
+    keeps 2 of the first row's 4 tokens and 2 of the second row's 3: float64, with padding garbage."""
+    logp = T([[-0.5, -1.0, -2.0, -0.2], [-0.3, -0.7, -1.1, float("-inf")]], dtype=torch.float64, requires_grad=True)
+    old = T([[-0.6, -0.8, -2.3, -0.25], [-0.2, -0.9, -1.0, float("nan")]], dtype=torch.float64)
+    adv = T([[1.5], [-0.5]], dtype=torch.float64).expand(2, 4)
+    mask = T([[1, 1, 1, 1], [1, 1, 1, 0]]).bool()
+    keep = T([[1, 0, 1, 0], [0, 1, 1, 0]]).bool()
+    return logp, old, adv, mask, keep
+
+
+def test_gmpo_selection_chooses_the_geometric_mean_and_each_row_keeps_its_weight():
+    """Guards against the entropy mask folded into GMPO's token weights: each row was also scaled by its kept
+    fraction (2 of 4 tokens: half the loss, and at fraction 0.2 about a fifth of the gradient). Reference: a
+    transcription of TRL f2cd577 trl/experimental/gmpo/gmpo_trainer.py GMPOTrainer._compute_loss: log-space clip on
+    the advantage's side, seq_mask = mask * entropy_mask inside the geometric mean, per_sequence_loss = -coef * A,
+    mean over sequences."""
+    logp, old, adv, mask, keep = entropy_masked_rows()
+    eps = 0.4
+    log_ratio = torch.where(mask, logp - old, 0.0)
+    clamped = log_ratio.clamp(-eps, eps)
+    a = adv[:, :1]
+    clipped = torch.where(a > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+    seq_mask = (mask & keep).double()
+    coef = torch.exp((clipped * seq_mask).sum(-1) / seq_mask.sum(-1).clamp(min=1.0))
+    expected = (-coef * adv[:, 0]).mean()
+    (want,) = torch.autograd.grad(expected, logp)
+
+    m = mask.double()
+    w = m / (m.sum(-1, keepdim=True) * 2)  # advantage.token_weights(m, "seq_mean_token_mean")
+    h = hp(loss="gmpo", clip_low=eps, clip_high=eps)
+    loss, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, keep=keep), h)
+    (got,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(torch.where(mask, got, 0.0), torch.where(mask, want, 0.0), atol=1e-12, rtol=0)
+    folded, _ = policy_loss(Tokens(logp, old, adv, w * keep), h)  # the selection folded into the weights
+    assert not torch.allclose(folded, expected)
+
+
+def test_gspo_sequence_ratio_runs_over_every_completion_token_under_a_selection():
+    """Guards against GSPO's sequence ratio taken over the tokens a selection keeps: TRL f2cd577 grpo_trainer.py
+    (importance_sampling_level "sequence": (log_ratio * mask).sum(-1) / mask.sum(-1) over the completion mask, then
+    per_token_loss * entropy_mask, loss_type "grpo") and verl b178a3c core_algos.py compute_policy_loss_gspo (the
+    ratio over response_mask) average every completion token. The value equals TRL's; the gradient follows verl's
+    token form (sg[s] * pi / sg[pi]), so it reaches the kept tokens only, each row's total equal to TRL's."""
+    logp, old, adv, mask, keep = entropy_masked_rows()
+    lo, hi = 0.2, 0.28  # wide enough that no row is clipped: the gradients are compared
+    m = mask.double()
+    log_ratio = torch.where(mask, logp - old, 0.0)
+    log_s = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)  # (B, 1): every completion token
+    s = torch.exp(log_s)
+    per_token = -torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv) * keep.double()
+    expected = ((per_token * m).sum(-1) / m.sum(-1)).mean()
+    (trl_grad,) = torch.autograd.grad(expected, logp, retain_graph=True)
+    s_token = torch.exp(log_ratio - log_ratio.detach() + log_s.detach())  # verl's GSPO-token ratio
+    per_token = -torch.minimum(s_token * adv, s_token.clamp(1 - lo, 1 + hi) * adv) * keep.double()
+    (want,) = torch.autograd.grad(((per_token * m).sum(-1) / m.sum(-1)).mean(), logp)
+
+    w = m / (m.sum(-1, keepdim=True) * 2)
+    h = hp(loss="gspo", clip_low=lo, clip_high=hi)
+    loss, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, keep=keep), h)
+    (got,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
+    got, want, trl_grad = (torch.where(mask, g, 0.0) for g in (got, want, trl_grad))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got.sum(-1), trl_grad.sum(-1), atol=1e-12, rtol=0)
+    assert (got[~keep & mask] == 0).all() and (got[keep] != 0).all()
+    kept_only, _ = policy_loss(Tokens(logp, old, adv, w * keep), h)  # the ratio over the kept tokens only
+    assert not torch.allclose(kept_only, expected)

@@ -125,3 +125,25 @@ def test_case6_a_step_that_cannot_fit_is_refused_before_the_data_pool(tmp_path, 
     assert lines[0].startswith("error: a training step needs about ") and f" at its peak ({phase}: " in lines[0]
     assert f"GiB are available on cpu: {advice}" in lines[0], lines[0]
     assert not out.exists() and time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [dict(), dict(mu=2), dict(loss="clip_cov"), dict(loss="kl_cov"), dict(top_entropy_fraction=0.2)]
+    + [dict(entropy_gamma=0.1), dict(beta=0.01)],
+)
+def test_the_estimate_counts_the_score_pass_the_trainer_runs(monkeypatch, flags):
+    """Guards against a second copy of the trainer's score-pass predicate in the estimate, which drifted: it left out
+    Clip-Cov, KL-Cov and the 80/20 mask, whose selections need the policy's no-grad pass. Both ask
+    config.score_pass_needs, and the estimate's phases include the pass exactly when the trainer runs it."""
+    from config import TrainConfig, score_pass_needs
+    from hf import BUNDLED
+    from tasks import get_task
+
+    seen = {}
+    real = memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda c, shape, **kw: seen.update(shape=shape) or real(c, shape, **kw))
+    cfg = TrainConfig(model=BUNDLED, answers=1, **flags)
+    memory.check_memory(cfg, get_task("synthetic"), torch.device("cpu"), 1)
+    runs = any(score_pass_needs(cfg))
+    assert seen["shape"].score_pass == runs and runs == (flags != {})

@@ -149,7 +149,12 @@ def test_the_kl_penalty_takes_the_step_weight_without_the_surrogates_masks(tmp_p
     real = train.policy_loss
     drop_all = lambda logp, behaviour, adv, mask, **k: torch.zeros_like(mask, dtype=torch.bool)  # noqa: E731
     monkeypatch.setattr(train, "off_policy_sequence_mask", drop_all)
-    monkeypatch.setattr(train, "policy_loss", lambda *a, **k: calls.append((a[3], k["kl_weight"])) or real(*a, **k))
+
+    def spy(tok, hp):  # (the surrogate's weights: the step's times the selections, the KL's)
+        calls.append((tok.weight * tok.keep, tok.weight))
+        return real(tok, hp)
+
+    monkeypatch.setattr(train, "policy_loss", spy)
     cfg = TrainConfig(model=BUNDLED, out=str(tmp_path / "run"), max_steps=1, prompts_per_step=4, thoughts=4)
     cfg = dataclasses.replace(cfg, eval_every=0, eval_examples=4, eval_samples=0, max_thought_tokens=40)
     train.main(dataclasses.replace(cfg, **PRESETS["dsv32"], algo="dsv32", top_entropy_fraction=0.5))
