@@ -1,6 +1,6 @@
 """config.py: train.py's flags. TrainConfig holds every flag with its default, help text (the trailing
 comment) and range; the presets (--algo) fill the flags the user did not type; check lists the combinations
-the trainer refuses (the core's here, each extension's in its recipe); RESUMABLE, the flags a resumed run may
+the trainer refuses (the core's here, each method's in its file in methods/); RESUMABLE, the flags a resumed run may
 change. Nothing here runs a model.
 """
 
@@ -17,7 +17,7 @@ from checkpoint import resume_flags
 from cli import FlagError, first_error, out_of_range
 from hf import BUNDLED
 from losses import KL_ESTIMATORS, LOSSES, ROLLOUT_IS_MODES, loss_name
-from recipes import dagrpo, dapo, gtpo, hard_examples, noise, token_select
+from methods import dagrpo, dapo, gtpo, hard_examples, noise, token_select
 from tasks import TASK_NAMES
 
 # -----------------------------------------------------------------------------
@@ -172,7 +172,7 @@ class TrainConfig:
 
 
 def check(cfg: TrainConfig) -> Iterator[FlagError]:
-    """The combinations of flags the trainer refuses: the core's, then each extension's (its recipe's check)."""
+    """The combinations of flags the trainer refuses: the core's, then each method's (its check in methods/)."""
     for name, allowed in cfg.CHOICES.items():
         value = getattr(cfg, name)
         if value not in allowed and not (name == "device" and value.startswith("cuda:")):
@@ -224,11 +224,11 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
             yield FlagError(fields, "needs --answers 1", ("answers",), subject)
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
-    for recipe in RECIPES:
-        yield from recipe.check(cfg)
+    for method in METHODS:
+        yield from method.check(cfg)
 
 
-RECIPES = (hard_examples, noise, dapo, dagrpo, gtpo, token_select)  # each extension's flag checks
+METHODS = (hard_examples, noise, dapo, dagrpo, gtpo, token_select)  # each method's flag checks
 
 
 PRESETS: dict[str, dict] = {

@@ -1,5 +1,5 @@
 """eval.py: the evaluation command line (heldout.evaluate: greedy accuracy, mean@n, unbiased pass@k), the
-pass-rate pass for train.py --select (recipes/hard_examples.py) and plots of runs.
+pass-rate pass for train.py --select (methods/hard_examples.py) and plots of runs.
 
     python eval.py --model assets/tiny-model --task synthetic --n 16 --k 1,4,16
     python eval.py --model runs/default/final --task gsm8k --test-data test.jsonl --out eval.json
@@ -28,7 +28,7 @@ from checkpoint import hold_lock
 from cli import user_errors
 from heldout import evaluate
 from hf import BUNDLED, bundled
-from recipes.hard_examples import pass_rate_examples, resume_pass_rates, write_pass_rates
+from methods.hard_examples import pass_rate_examples, resume_pass_rates, write_pass_rates
 from sampler import decode_step_static
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task
 

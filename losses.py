@@ -275,8 +275,8 @@ LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "cispo": cispo,
     "sapo": sapo_objective,
     "gmpo": gmpo_objective,
-    "clip_cov": clip,  # the clipped surrogate; Clip-Cov's token mask is in the weights (recipes/token_select.py)
-    "kl_cov": kl_cov_objective,  # takes the step's selection (recipes/token_select.py) as `selected`
+    "clip_cov": clip,  # the clipped surrogate; Clip-Cov's token mask is in the weights (methods/token_select.py)
+    "kl_cov": kl_cov_objective,  # takes the step's selection (methods/token_select.py) as `selected`
     "dppo": dppo_objective,
     "gpg": gpg_objective,
 }

@@ -15,7 +15,7 @@ One step is the README's numbered algorithm, one function each, called in this o
   6. update      mu epochs over micro-batches of losses.policy_loss (--loss picks the objective), AdamW step
   7. log, evaluate, save
 
-Each paper's extension enters at one seam, one call into its file in recipes/ (skip the file, skip the paper):
+Each paper's extension enters at one seam, one call into its file in methods/ (skip the file, skip the paper):
 choose the data (hard_examples), transform rewards (noise, dapo), transform rollouts (dapo's dynamic sampling,
 dagrpo's anchors), advantages and weights (noise, dagrpo, gtpo), the policy loss (losses.LOSSES). The flags,
 presets and their checks live in config.py.
@@ -52,6 +52,7 @@ from heldout import evaluate
 from hf import bundled, load_model
 from losses import Tokens, gpg_alpha, mismatch_is_weights, off_policy_sequence_mask, policy_loss
 from memory import check_memory
+from methods import dagrpo, dapo, gtpo, hard_examples, noise, token_select
 from metrics import rollout_metrics, update_metrics
 from model import Transformer, cast_copy, copy_weights_
 from pack import (
@@ -66,7 +67,6 @@ from pack import (
     split_rows,
     token_stats,
 )
-from recipes import dagrpo, dapo, gtpo, hard_examples, noise, token_select
 from rewards import score_batch
 from sampler import StopText, Tree, decode_step_static, sample_tree
 from tasks import Task, check_prompt_lengths, check_sizes, get_task, render_prompt

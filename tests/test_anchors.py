@@ -18,9 +18,9 @@ import torch
 import train
 from helpers import BUNDLED, SMALL_RUN
 from hf import load_model
+from methods import dagrpo
 from model import token_logprobs
 from pack import Answer, Group, completions, rollouts
-from recipes import dagrpo
 from sampler import Tree
 from tasks import get_task, no_reference, render_prompt, sft_completion, solution_completion
 from tokenizer import load_tokenizer

@@ -17,7 +17,7 @@ import pytest
 import train
 from helpers import SMALL_RUN
 from hf import load_model
-from recipes.hard_examples import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
+from methods.hard_examples import read_pass_rates, resume_pass_rates, select_examples, write_pass_rates
 from rewards import calculator_partial_credit
 from tasks import get_task, sft_completion, synthetic_partial_credit
 from tokenizer import load_tokenizer

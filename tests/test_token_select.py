@@ -1,4 +1,4 @@
-"""The newer losses' wiring in the trainer: the step's token selections (recipes/token_select.py: Clip-Cov, KL-Cov,
+"""The newer losses' wiring in the trainer: the step's token selections (methods/token_select.py: Clip-Cov, KL-Cov,
 the 80/20 entropy mask) are the whole step's, whatever the micro-batch split or the world size; GPG's alpha,
 DeepSeek-V3.2's sequence mask and the rollout-mismatch modes reach the update; impossible combinations are refused
 in one sentence."""
@@ -21,7 +21,7 @@ from distributed import gather_rows
 from helpers import BUNDLED
 from hf import load_model
 from losses import clip_cov_mask, high_entropy_mask, kl_cov_select
-from recipes import token_select
+from methods import token_select
 from train import PRESETS, TrainConfig
 
 
@@ -41,7 +41,7 @@ def hp(**kw) -> types.SimpleNamespace:
 
 
 def test_select_is_the_losses_functions_on_the_whole_step():
-    """Guards against the recipe computing another selection than losses.py's functions: keep is the entropy mask
+    """Guards against the method computing another selection than losses.py's functions: keep is the entropy mask
     and Clip-Cov's draw (seeded by seed and step), selected is KL-Cov's, and tokens off the mask keep factor 1."""
     logp, adv, ent, mask = step_tensors()
     cfg = hp(loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-5.0, clip_cov_ub=5.0, top_entropy_fraction=0.5, seed=3)

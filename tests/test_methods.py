@@ -1,4 +1,4 @@
-"""The recipes' seams: every extension's flag checks are gathered by TrainConfig, and DAPO's dynamic sampling
+"""The methods' seams: every extension's flag checks are gathered by TrainConfig, and DAPO's dynamic sampling
 redraws exactly the flat groups from their own slot's top-ups and seeds (so the world size cannot change them)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 
 import config
 from distributed import derive_seed
+from methods import dapo
 from pack import Answer, Group, Thought
-from recipes import dapo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BAD = {  # one bad value of a flag each recipe owns
+BAD = {  # one bad value of a flag each method owns
     "hard_examples": dict(select_fraction=0.0),
     "noise": dict(reward_noise="0.2"),
     "dapo": dict(max_resample_rounds=0),
@@ -24,12 +24,12 @@ BAD = {  # one bad value of a flag each recipe owns
 }
 
 
-def test_every_recipe_is_checked():
-    """Guards against a recipe file whose flag checks TrainConfig never runs (a bad value would then be accepted
-    until it fails mid-run, or never): every file in recipes/ is in config.RECIPES, and each one's bad value is
+def test_every_method_is_checked():
+    """Guards against a method file whose flag checks TrainConfig never runs (a bad value would then be accepted
+    until it fails mid-run, or never): every file in methods/ is in config.METHODS, and each one's bad value is
     refused with its flag named."""
-    files = {f[:-3] for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".py") and f != "__init__.py"}
-    assert {r.__name__.split(".")[-1] for r in config.RECIPES} == files == set(BAD)
+    files = {f[:-3] for f in os.listdir(os.path.join(ROOT, "methods")) if f.endswith(".py") and f != "__init__.py"}
+    assert {r.__name__.split(".")[-1] for r in config.METHODS} == files == set(BAD)
     for bad in BAD.values():
         flag = "--" + next(iter(bad)).replace("_", "-")
         with pytest.raises(ValueError, match=flag):

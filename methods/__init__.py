@@ -1,5 +1,5 @@
-"""recipes: one file per paper's extension of the plain loop, each the wiring only (its flag checks, state, extra
-step and metrics); the formulas stay in advantage.py and losses.py. train.py calls each at one seam, and
+"""methods: one file per paper or method family that extends the plain loop: its flag checks, state, extra step
+and metrics (the older files' formulas are still in advantage.py and losses.py). train.py calls each at one seam, and
 TrainConfig gathers every file's check(cfg). A reader of the plain algorithm skips a paper by skipping its file.
 
   hard_examples  choose the data              Hard Examples (arXiv 2508.14094): the hardest rated prompts only
