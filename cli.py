@@ -34,16 +34,21 @@ from typing import Any
 
 
 def _field_docs(cls: type) -> tuple[dict[str, str], dict[str, str]]:
-    """From the class source: each field's trailing `# comment` (its help) and the `# -- family`
-    header above it (its group in --help; fields before the first header go under "options")."""
-    helps, groups, group = {}, {}, "options"
-    for line in inspect.getsource(cls).splitlines():
-        header = re.match(r"\s+# -- (.*)$", line)
-        if header:
-            group = header.group(1).strip()
-        m = re.match(r"\s+(\w+)\s*:[^=]*=.*?#\s*(.*)$", line)
-        if m:
-            helps[m.group(1)], groups[m.group(1)] = m.group(2).strip(), group
+    """From the source of the class and of each dataclass it inherits fields from (train.py's config gathers each
+    method's): each field's trailing `# comment` (its help) and the `# -- family` header above it in its class (its
+    group in --help; fields before the first header go under "options")."""
+    helps, groups = {}, {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        group = "options"
+        for line in inspect.getsource(klass).splitlines():
+            header = re.match(r"\s+# -- (.*)$", line)
+            if header:
+                group = header.group(1).strip()
+            m = re.match(r"\s+(\w+)\s*:[^=]*=.*?#\s*(.*)$", line)
+            if m:
+                helps[m.group(1)], groups[m.group(1)] = m.group(2).strip(), group
     return helps, groups
 
 

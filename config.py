@@ -28,7 +28,9 @@ ALGOS += ("sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "gpg", "dsv32")
 
 
 @dataclass
-class TrainConfig:
+class CoreFlags:
+    """The core loop's flags: plain GRPO with GRPO-MA's tree, the run, the optimiser and the checkpoints."""
+
     # -- run
     algo: str = "grpo_ma"  # preset of the flags below (the flags you type win)
     model: str = BUNDLED  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
@@ -56,31 +58,12 @@ class TrainConfig:
     enable_thinking: bool = True  # Qwen3 chat template's thinking switch (off: an empty thought is pre-filled)
     compile: bool = False  # decode through torch.compile (CUDA graphs on a GPU; on CPU it takes minutes to compile)
     rollout_dtype: str = "auto"  # sampler and eval weights: a cast copy of the masters; auto = bf16 on CUDA, else fp32
-    select: str = ""  # Hard Examples: draw prompts only from the hardest|medium|easiest|random --pass-rates ("" = off)
-    select_fraction: float = 0.1  # fraction of the rated examples that --select keeps, in (0, 1] (the paper: 0.1)
-    pass_rates: str = ""  # JSONL of the starting model's per-example pass rates (eval.py --pass-rates --out FILE)
     # -- rewards
-    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the limit (0 = off)
-    dynamic_sampling: bool = False  # DAPO: replace prompts whose rewards are all equal
-    max_resample_rounds: int = 3  # dynamic sampling: top-up rounds before keeping a flat group
     reward_workers: int = 1  # threads scoring rewards in parallel (raise for --task code: sandboxed runs)
-    reward_noise: str = ""  # RHO_PLUS,RHO_MINUS: flip 0/1 rewards (wrong->1, right->0) at these rates ("" = off)
-    noise_correct: str = ""  # RHO+,RHO-|auto: unbias rewards (with --no-std-normalize: adv. x 1/(1-RHO+-RHO-))
     # -- advantages
     advantage: str = "grpo"  # grpo = group normalisation (GRPO-MA when answers > 1)
     std_normalize: bool = True  # divide by the group std (off = Dr. GRPO / GTPO centring)
     agrae_alpha: float = 1.0  # A-GRAE: positive advantages times min(1, batch accuracy / alpha)
-    gtpo_conflict: bool = False  # GTPO: reweight tokens shared by positive and negative completions
-    gtpo_w_pos: float = 2.0  # GTPO weight on conflict tokens of positive completions
-    gtpo_w_neg: float = 0.0  # GTPO weight on conflict tokens of negative completions
-    entropy_gate: bool = False  # GTPO: drop completions whose mean entropy (at --temperature) exceeds the threshold
-    entropy_threshold: float = 0.6931471805599453  # GTPO gate threshold in nats (ln 2)
-    entropy_gamma: float = 0.0  # GTPO: advantage minus gamma * mean token entropy (0 = off)
-    pair_delta: float = -1.0  # DaGRPO pair mask, a RECONSTRUCTION: drop pairs with |credit gap| < DELTA (-1 = off)
-    # DaGRPO anchors: the last rollout of a group with no correct one is replaced by the example's reference solution
-    # (task.reference; reward 1, top credit), trained off-policy: f(p) * A with f(p) = p / (p + GAMMA), no ratio clip
-    anchors: bool = False  # DaGRPO anchors, a RECONSTRUCTION: all-wrong groups train on the reference solution
-    anchor_gamma: float = 0.1  # anchor tokens' objective f(p) * A, f(p) = p / (p + GAMMA), unclipped (LUFFY's 0.1)
     # -- loss
     aggregation: str = "seq_mean_token_mean"  # token weights: GRPO | DAPO token mean | Dr. GRPO sum / max length
     thought_weight: float = 1.0  # GRPO-MA: weight of the mean thought loss
@@ -91,16 +74,10 @@ class TrainConfig:
     sequence_ratio: bool = False  # GSPO's sequence ratio: the same as --loss gspo (kept for existing commands)
     sapo_tau_pos: float = 1.0  # SAPO: gate temperature for positive advantages
     sapo_tau_neg: float = 1.05  # SAPO: gate temperature for negative advantages (steeper)
-    clip_cov_ratio: float = 2e-4  # Clip-Cov: fraction of the step's tokens dropped from the high-covariance band
-    clip_cov_lb: float = 1.0  # Clip-Cov: the band's lower covariance bound
-    clip_cov_ub: float = 5.0  # Clip-Cov: the band's upper covariance bound
-    kl_cov_ratio: float = 2e-3  # KL-Cov: fraction of the step's tokens, top by covariance, given the |log-ratio| term
-    kl_cov_coef: float = 1.0  # KL-Cov: coefficient of the |log-ratio| penalty on the selected tokens
     dppo_mask_low: float = 0.2  # DPPO: mask a negative-advantage token whose probability fell by more than this
     dppo_mask_high: float = 0.2  # DPPO: mask a positive-advantage token whose probability rose by more than this
     dppo_kl_tau: float = 1e-3  # DPPO: coefficient of the squared log-ratio on every token
     gpg_alpha: bool = False  # GPG: token weights times groups / groups whose rewards differ
-    top_entropy_fraction: float = 1.0  # 80/20 rule: train only on this top fraction of the step's tokens by entropy
     opsm_delta: float = -1.0  # DeepSeek-V3.2: drop negative-advantage sequences with KL(sampler||pi) > DELTA (-1 off)
     beta: float = 0.0  # KL penalty to the starting model; > 0 loads a reference copy
     kl_estimator: str = "k3"  # the penalty's estimator: k3, or unbiased (DeepSeek-V3.2: k3 times pi / pi_old)
@@ -130,6 +107,44 @@ class TrainConfig:
     save_dtype: str = "auto"  # dtype of saved weights; auto = the dtype the model was loaded in
     samples_every: int = 10  # append decoded rollouts to OUT/samples.jsonl every N steps
     wandb: str = ""  # wandb project name (empty = off; needs the wandb package)
+
+
+METHODS = (hard_examples, noise, dapo, dagrpo, gtpo, token_select)  # each method's flags, presets and checks
+
+CORE_PRESETS: dict[str, dict] = {  # each method file adds its own (its PRESETS)
+    "grpo": {},
+    "dr_grpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm"),
+    "gspo": dict(loss="gspo", clip_low=3e-4, clip_high=4e-4, mu=2),
+    "grpo_ma": dict(thoughts=4, answers=4),
+    # 2-GRPO's recipe against 16-GRPO: same rollouts per step (prompts x8) and learning rate x8.
+    "two_grpo": dict(
+        thoughts=2,
+        advantage="two_grpo",
+        prompts_per_step=8 * CoreFlags.prompts_per_step,
+        lr=8 * CoreFlags.lr,
+        clip_high=0.28,
+    ),
+    "agrae": dict(advantage="agrae"),
+    # CISPO: TRL's recommended cap of 5 on the importance weight, its token mean; mu = 2, or every weight is 1
+    "cispo": dict(loss="cispo", clip_high=4.0, aggregation="token_mean", mu=2),
+    # The field's newer losses at their papers' or reference code's defaults (losses.py says which). With mu = 1 the
+    # ratio is 1 and SAPO, KL-Cov and DPPO are the plain policy gradient: their presets take a second epoch.
+    "sapo": dict(loss="sapo", mu=2),  # tau 1.0 / 1.05 (the flags' defaults)
+    "gmpo": dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2),  # the clip in log space: (e^-0.4, e^0.4)
+    "dppo": dict(loss="dppo", aggregation="token_mean", mu=2),  # prime-rl's defaults 0.2, 0.2, 1e-3
+    "gpg": dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True),
+    # DeepSeek-V3.2: the off-policy sequence mask at slime's delta and the unbiased KL
+    "dsv32": dict(opsm_delta=1e-4, kl_estimator="unbiased", beta=1e-3, mu=2),
+}
+METHOD_PRESETS = {name: flags for m in METHODS for name, flags in getattr(m, "PRESETS", {}).items()}
+PRESETS = {name: (CORE_PRESETS | METHOD_PRESETS)[name] for name in ALGOS}  # in ALGOS' order (--help's)
+assert set(PRESETS) == set(CORE_PRESETS) | set(METHOD_PRESETS)
+
+
+@dataclass
+class TrainConfig(*(m.Flags for m in reversed(METHODS)), CoreFlags):  # fields: the core's first, then METHODS'.
+    """train.py's flags: the core's (CoreFlags) and each method's (its Flags in methods/), one dataclass; the
+    presets (--algo) fill the flags the user did not type, and __post_init__ refuses impossible combinations."""
 
     # The values of every choice flag (shown by --help) and the range of every numeric one (cli.in_range).
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(
@@ -226,46 +241,6 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
     for method in METHODS:
         yield from method.check(cfg)
-
-
-METHODS = (hard_examples, noise, dapo, dagrpo, gtpo, token_select)  # each method's flag checks
-
-
-PRESETS: dict[str, dict] = {
-    "grpo": {},
-    "dr_grpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm"),
-    "dapo": dict(clip_high=0.28, aggregation="token_mean", dynamic_sampling=True, overlong_buffer=16),
-    "gspo": dict(loss="gspo", clip_low=3e-4, clip_high=4e-4, mu=2),
-    "grpo_ma": dict(thoughts=4, answers=4),
-    # 2-GRPO's recipe against 16-GRPO: same rollouts per step (prompts x8) and learning rate x8.
-    "two_grpo": dict(
-        thoughts=2,
-        advantage="two_grpo",
-        prompts_per_step=8 * TrainConfig.prompts_per_step,
-        lr=8 * TrainConfig.lr,
-        clip_high=0.28,
-    ),
-    "agrae": dict(advantage="agrae"),
-    "gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1),
-    # DaGRPO, a RECONSTRUCTION: Dr. GRPO + the pair mask at the third-party delta 0.1 + reference-solution anchors
-    # on groups with no correct rollout, trained with LUFFY's off-policy shaping (gamma 0.1)
-    "dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1, anchors=True),
-    # CISPO: TRL's recommended cap of 5 on the importance weight, its token mean; mu = 2, or every weight is 1
-    "cispo": dict(loss="cispo", clip_high=4.0, aggregation="token_mean", mu=2),
-    # The field's newer losses at their papers' or reference code's defaults (losses.py says which). With mu = 1 the
-    # ratio is 1 and SAPO, KL-Cov and DPPO are the plain policy gradient: their presets take a second epoch.
-    "sapo": dict(loss="sapo", mu=2),  # tau 1.0 / 1.05 (the flags' defaults)
-    "gmpo": dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2),  # the clip in log space: (e^-0.4, e^0.4)
-    # Clip-Cov's recipe (7b_clip_cov.sh) clips the ratio to [1 - 1, 1 + 1]: no lower clip. --clip-low stays in [0, 1),
-    # so 0.99: the two differ only for a ratio below 0.01
-    "clip_cov": dict(loss="clip_cov", clip_low=0.99, clip_high=1.0, aggregation="token_mean"),
-    "kl_cov": dict(loss="kl_cov", aggregation="token_mean", mu=2),  # ratio 2e-3, coef 1 (7b_kl_cov.sh)
-    "dppo": dict(loss="dppo", aggregation="token_mean", mu=2),  # prime-rl's defaults 0.2, 0.2, 1e-3
-    "gpg": dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True),
-    # DeepSeek-V3.2: the off-policy sequence mask at slime's delta and the unbiased KL
-    "dsv32": dict(opsm_delta=1e-4, kl_estimator="unbiased", beta=1e-3, mu=2),
-}
-assert tuple(PRESETS) == ALGOS
 
 
 # Flags a resumed run may change: how long it runs, what it reports and where. Every other flag

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,24 @@ from distributed import all_sum
 from pack import Answer, Group, per_group
 from rewards import score_batch
 from tokenizer import decode_completion
+
+
+@dataclass
+class Flags:
+    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
+
+    # -- advantages
+    pair_delta: float = -1.0  # DaGRPO pair mask, a RECONSTRUCTION: drop pairs with |credit gap| < DELTA (-1 = off)
+    # DaGRPO anchors: the last rollout of a group with no correct one is replaced by the example's reference solution
+    # (task.reference; reward 1, top credit), trained off-policy: f(p) * A with f(p) = p / (p + GAMMA), no ratio clip
+    anchors: bool = False  # DaGRPO anchors, a RECONSTRUCTION: all-wrong groups train on the reference solution
+    anchor_gamma: float = 0.1  # anchor tokens' objective f(p) * A, f(p) = p / (p + GAMMA), unclipped (LUFFY's 0.1)
+
+
+# Dr. GRPO + the pair mask at the third-party delta 0.1 + reference-solution anchors on groups with no correct rollout,
+# trained with LUFFY's off-policy shaping (gamma 0.1)
+PRESETS = {"dagrpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm", pair_delta=0.1, anchors=True)}
+
 
 ANCHOR = "--anchors (an anchor is a whole reference completion, not a thought and its answers)"
 

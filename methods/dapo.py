@@ -7,6 +7,7 @@ flags (--clip-high 0.28, --aggregation token_mean).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,19 @@ from advantage import dynamic_sampling_keep, overlong_penalty
 from cli import FlagError, out_of_range
 from distributed import derive_seed
 from pack import Group, per_group
+
+
+@dataclass
+class Flags:
+    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
+
+    # -- rewards
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens of the limit (0 = off)
+    dynamic_sampling: bool = False  # DAPO: replace prompts whose rewards are all equal
+    max_resample_rounds: int = 3  # dynamic sampling: top-up rounds before keeping a flat group
+
+
+PRESETS = {"dapo": dict(clip_high=0.28, aggregation="token_mean", dynamic_sampling=True, overlong_buffer=16)}
 
 
 def check(cfg) -> Iterator[FlagError]:

@@ -7,12 +7,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from advantage import gtpo_conflict_weights, gtpo_entropy_gate, gtpo_entropy_shift
 from cli import FlagError, out_of_range
 from distributed import all_sum
+
+
+@dataclass
+class Flags:
+    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
+
+    # -- advantages
+    gtpo_conflict: bool = False  # GTPO: reweight tokens shared by positive and negative completions
+    gtpo_w_pos: float = 2.0  # GTPO weight on conflict tokens of positive completions
+    gtpo_w_neg: float = 0.0  # GTPO weight on conflict tokens of negative completions
+    entropy_gate: bool = False  # GTPO: drop completions whose mean entropy (at --temperature) exceeds the threshold
+    entropy_threshold: float = 0.6931471805599453  # GTPO gate threshold in nats (ln 2)
+    entropy_gamma: float = 0.0  # GTPO: advantage minus gamma * mean token entropy (0 = off)
+
+
+PRESETS = {"gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=True, entropy_gamma=0.1)}
+
 
 FLAGS = ("gtpo_conflict", "entropy_gate", "entropy_gamma")
 

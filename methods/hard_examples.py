@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -19,6 +20,16 @@ from cli import FlagError, out_of_range
 from sampler import generate
 from tasks import Task, render_prompt, restrict_train
 from tokenizer import decode_completion
+
+
+@dataclass
+class Flags:
+    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
+
+    # -- rollouts
+    select: str = ""  # Hard Examples: draw prompts only from the hardest|medium|easiest|random --pass-rates ("" = off)
+    select_fraction: float = 0.1  # fraction of the rated examples that --select keeps, in (0, 1] (the paper: 0.1)
+    pass_rates: str = ""  # JSONL of the starting model's per-example pass rates (eval.py --pass-rates --out FILE)
 
 
 def check(cfg) -> Iterator[FlagError]:

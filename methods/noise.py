@@ -10,6 +10,7 @@ estimate_noise_rates). The wiring:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,15 @@ from distributed import derive_seed
 from sampler import generate
 from tasks import render_prompt
 from tokenizer import decode_completion
+
+
+@dataclass
+class Flags:
+    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
+
+    # -- rewards
+    reward_noise: str = ""  # RHO_PLUS,RHO_MINUS: flip 0/1 rewards (wrong->1, right->0) at these rates ("" = off)
+    noise_correct: str = ""  # RHO+,RHO-|auto: unbias rewards (with --no-std-normalize: adv. x 1/(1-RHO+-RHO-))
 
 
 def parse_rates(text: str, field: str, *, auto: bool = False) -> tuple[float, float] | None:

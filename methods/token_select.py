@@ -11,12 +11,34 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from cli import FlagError, out_of_range
 from distributed import derive_seed, gather_rows
 from losses import clip_cov_mask, high_entropy_mask, kl_cov_select
+
+
+@dataclass
+class Flags:
+    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
+
+    # -- loss
+    clip_cov_ratio: float = 2e-4  # Clip-Cov: fraction of the step's tokens dropped from the high-covariance band
+    clip_cov_lb: float = 1.0  # Clip-Cov: the band's lower covariance bound
+    clip_cov_ub: float = 5.0  # Clip-Cov: the band's upper covariance bound
+    kl_cov_ratio: float = 2e-3  # KL-Cov: fraction of the step's tokens, top by covariance, given the |log-ratio| term
+    kl_cov_coef: float = 1.0  # KL-Cov: coefficient of the |log-ratio| penalty on the selected tokens
+    top_entropy_fraction: float = 1.0  # 80/20 rule: train only on this top fraction of the step's tokens by entropy
+
+
+PRESETS = {
+    # Clip-Cov's recipe (7b_clip_cov.sh) clips the ratio to [1 - 1, 1 + 1]: no lower clip. --clip-low stays in [0, 1),
+    # so 0.99: the two differ only for a ratio below 0.01
+    "clip_cov": dict(loss="clip_cov", clip_low=0.99, clip_high=1.0, aggregation="token_mean"),
+    "kl_cov": dict(loss="kl_cov", aggregation="token_mean", mu=2),  # ratio 2e-3, coef 1 (7b_kl_cov.sh)
+}
 
 
 def check(cfg) -> Iterator[FlagError]:
