@@ -62,10 +62,10 @@ def entropy_bonus(entropy: Tensor, weight: Tensor, coef: float, mask: Tensor | N
 
 
 def entropy_logit_grad(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """d H / d logits for H = entropy of softmax(logits / temperature): [N, V] -> [N, V] float32.
+    """d H / d logits for H = entropy of softmax(logits / temperature): [N, V] -> [N, V], at least float32.
     With x = logits / temperature, p = softmax(x): dH/dx_v = -p_v (log p_v + H), and dH/dlogits = dH/dx / temperature.
     The term a chunked backward adds (times the entropy's incoming gradient) to make the entropy differentiable."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     p = logp.exp()
     H = -(p * logp).sum(-1, keepdim=True)
     return -p * (logp + H) / temperature
