@@ -41,7 +41,23 @@ from types import ModuleType
 MAX_NUMBER_CHARS = 64  # longer numeric strings are compared as text, never parsed
 MAX_VERIFY_CHARS = 1000  # longer final answers (or references) are not compared: 0
 MATH_VERIFY_SECONDS = 5.0  # wall-clock bound of one math-verify comparison (both parses and the verify)
+MAX_RIVALS = 200  # more restatements than this to check against the final answer: unsure, 0
 
+# One spelling per character: every dash and minus sign is `-` (never dropped), full-width forms are ASCII, odd
+# spaces are spaces, invisible characters go. Superscripts stay: `5²` is not 52.
+_PLAIN = str.maketrans(
+    {
+        **dict.fromkeys("\u2010\u2011\u2012\u2013\u2014\u2015\u2212\u2796\u02d7\ufe58\ufe63\uff0d", "-"),
+        **dict.fromkeys("\uff0b\ufe62\u2795", "+"),
+        **dict.fromkeys("\uff05\ufe6a\u066a", "%"),
+        **dict.fromkeys("\u2044\u2215", "/"),
+        **dict.fromkeys("\u00a0\u2007\u2008\u2009\u200a\u202f\u205f\u3000", " "),
+        **dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff\u00ad", None),
+        **{chr(0xFF10 + d): str(d) for d in range(10)},
+        **{"，": ", ", "、": ", ", "；": "; ", "：": ": ", "。": ". ", "！": "! ", "？": "? ", "（": "(", "）": ")"},
+    }
+)
+_EMPHASIS = re.compile(r"(?<![A-Za-z0-9)\]}])(\*\*|__)([^*_\n]{1,200}?)\1(?![A-Za-z0-9(\[{])")  # **7**, not 2**3
 _EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*-?(\d+)")  # the integer an exponent starts with
 _NESTED_POWER = re.compile(r"\^\s*\{[^{}]*\^|(?:\^|\*\*)\s*\w+\s*(?:\^|\*\*)")  # 9^{9^9}, 9^9^9, 9**9**9
 _BOX = re.compile(r"(?:\\boxed|\\fbox)\s*")
@@ -53,19 +69,58 @@ _MATH_SPAN = re.compile(
     r"\$\$([^$]{1,500}?)\$\$|\\\[(.{1,500}?)\\\]|\\\(([^\n]{1,500}?)\\\)|(?<![\\$])\$([^$\n]{1,500}?)(?<!\\)\$",
     re.DOTALL,
 )
-_NUMBER_TOKEN = re.compile(  # a number or fraction as prose writes it: -1,234.5  3/4  \frac{10}{9}  \dfrac34
-    r"-?(?:\\[dtc]?frac(?:\{\d+(?:\.\d+)?\}\{\d+(?:\.\d+)?\}|\d\d)"  # a LaTeX fraction of two numbers
+_NUMBER_TOKEN = re.compile(  # a number or fraction as prose writes it: -1,234.5  +7  3/4  \frac{10}{9}  \dfrac34
+    r"[-+]?(?:\\[dtc]?frac(?:\{\d+(?:\.\d+)?\}\{\d+(?:\.\d+)?\}|\d\d)"  # a LaTeX fraction of two numbers
     r"|(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"  # 1,234 or 1 234 or 1234, .5, /4
     r"|\.\d+)"
 )
 _CONNECTIVE = r"(?:,|\b(?:or|and|plus|minus|times|over)\b)"  # `18 or 20`, `1, 2`: neither number is the answer
 _LISTED_BEFORE = re.compile(rf"\d[^\s\d]{{0,3}}\s*{_CONNECTIVE}\s*\$?$", re.IGNORECASE)
-_LISTED_AFTER = re.compile(rf"[^\s\d]{{0,3}}\s*{_CONNECTIVE}\s*\$?-?\.?\d", re.IGNORECASE)
+_LISTED_AFTER = re.compile(rf"[^\s\d]{{0,3}}\s*{_CONNECTIVE}\s*\$?[-+]?\.?\d", re.IGNORECASE)
 _SPAN_LISTED_BEFORE = re.compile(rf"(?:\$|\\\)|\\\]|\d)\s*{_CONNECTIVE}\s*$", re.IGNORECASE)
-_SPAN_LISTED_AFTER = re.compile(rf"\s*{_CONNECTIVE}\s*(?:\$|\\\(|\\\[|-?\d)", re.IGNORECASE)
-_JOINS_BEFORE = set("+-*/^_<>([{|$\\×÷·")  # a number after one of these belongs to an expression (`x+5`, `(0`)
-_JOINS_AFTER = set("^_!\\([{/")  # ... and so does one glued to one of these (`2^4`, `6!`, `12\sqrt{2}`)
-_OPERATORS = set("+-*/^=<>×÷·")  # ... or followed by an operator (`5 + 3`)
+_SPAN_LISTED_AFTER = re.compile(rf"\s*{_CONNECTIVE}\s*(?:\$|\\\(|\\\[|[-+]?\d)", re.IGNORECASE)
+_JOINS_BEFORE = set("+-*/^_<>([{|$\\×÷·√∛∜±∓≈~∼≠≤≥⁺⁻₊₋")  # a number after one of these is in an expression: `x+5`
+_JOINS_AFTER = set("^_!\\([{/'⁺⁻₊₋")  # ... and so is one glued to one of these (`2^4`, `6!`, `12\sqrt{2}`)
+_OPERATORS = set("+-*/^=<>×÷·±∓≈≠≤≥")  # ... or followed by an operator (`5 + 3`)
+# LaTeX commands that may stand next to an answer; any other (`\pm 1`, `x \neq`, `7 \cdot 2`) makes it a part.
+_COMMANDS_BEFORE = {"quad", "qquad", "displaystyle", "textstyle", "Rightarrow", "Longrightarrow", "implies"}
+_COMMANDS_BEFORE |= {"therefore", "hfill", "newline", "in", "equiv"}  # `x \in \boxed{..}`, `\equiv \boxed{9}`
+_COMMANDS_AFTER = {"quad", "qquad", "text", "textrm", "mathrm", "mbox", "right", "end", "hfill", "newline", "pmod"}
+_COMMAND_END = re.compile(r"\\([A-Za-z]+)\s*$")
+_COMMAND_START = re.compile(r"\s*\\([A-Za-z]+)")
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af]")
+_CJK_NUMERALS = "〇一二三四五六七八九十百千万萬亿億兆两兩零廿卅십백천만억조"  # 7万 is 70000, 三分之7 is 7/3
+_CJK_AFTER = re.compile(rf"[{_CJK_NUMERALS}倍成折点點多余餘来來几幾或]|分之|次方|左右|上下|以上|以下|以内|之多|弧度")
+_CJK_BEFORE = re.compile(
+    rf"(?:[{_CJK_NUMERALS}约約近负負减減加乘除点點或的약]|分之|大概|可能|也许|也許|超过|超過|不到|至少|至多|最多|最少"
+    r"|多于|少于|大于|小于)$"
+)
+_BOUNDARY = re.compile(r"[.!?](?=[\s$)\]]|$)|\n")  # the end of a sentence
+_HEDGE = re.compile(  # anywhere in the final answer's sentence: the answer is one of several, or a guess
+    r"(?<![\\A-Za-z])(?:or|maybe|perhaps|possibly|probably|likely|either|guess(?:ed|ing)?|approx(?:imately)?|roughly"
+    r"|nearly|almost|circa|unsure|uncertain|alternatively|might)(?![A-Za-z])"
+    r"|或|也许|也許|可能|大概|大约|大約|约|約|左右|差不多|还是|還是|아마|또는",
+    re.IGNORECASE,
+)
+_QUALIFIED_BEFORE = re.compile(  # the word just before the final answer qualifies it: `at least 7`, `about $7$`
+    r"(?<![A-Za-z\\])(?:least|most|more|less|fewer|greater|smaller|larger|than|not|no|minus|negative|half|twice"
+    r"|double|triple|about|around|over|under|above|below|up\s+to|exceeds?|except|from|between)[^A-Za-z0-9]{0,12}$",
+    re.IGNORECASE,
+)
+_TAIL = re.compile(r"[ \t$]*((?:\\%|%|‰|\\(?:text|textrm|mathrm|mbox)\s*\{|\}|[A-Za-z]+|[ \t]+){1,12})")
+_TAIL_TOKEN = re.compile(r"\\%|%|‰|\\(?:text|textrm|mathrm|mbox)\s*\{|\}|[A-Za-z]+")
+_LABEL = re.compile(r"(?:\b(?:final\s+)?answer\b\s*(?:is\b|was\b|[:=])|答案\s*(?:是|为|為|:|=))\s*:?\s*", re.IGNORECASE)
+_CANDIDATE_LINE = re.compile(  # a line that is one number: `20`, `- 20`, `3) 20`, `#### 20`, `Answer: $20$.`
+    r"^[ \t]*(?:[>*#•+-]+[ \t]+)*(?:\(?[0-9A-Za-z]{1,2}[.)][ \t]+)?(?:(?:final\s+)?(?:answer|result|ans)[ \t]*:[ \t]*)?"
+    r"(\$[^$\n]{1,200}\$|\\\([^\n]{1,200}?\\\)|[-+]?[0-9][0-9,. /]{0,40})[ \t]*[.,;!]?[ \t]*$",
+    re.MULTILINE | re.IGNORECASE,
+)
+
+
+def plain_text(text: str) -> str:
+    """`text` with one spelling per character (`_PLAIN`: `−5` and `–5` are `-5`) and without markdown emphasis
+    around a phrase (`**Answer:** 12` is `Answer: 12`; `2**3` stays)."""
+    return _EMPHASIS.sub(r"\2", text.translate(_PLAIN))
 
 
 def boxed_answers(text: str) -> list[tuple[str, int, int]] | None:
@@ -100,55 +155,228 @@ def extract_tag(text: str, tag: str) -> str | None:
 
 
 def final_answer(text: str) -> str | None:
-    """The final answer in `text` as written (brackets, LaTeX, spacing untouched), or None when unsure:
-    1. its `\\boxed{}`s: the content, when every box holds the same; boxes that differ are ONE answer, the list
-       `a, b` of their contents (right only against a reference that is that list, never one of them alone);
-    2. else the last `<answer>...</answer>`; 3. else the rest of the line after the last `####`;
-    4. else the last candidate: a math span's content (`$..$`, `$$..$$`, `\\(..\\)`, `\\[..\\]`) or a number
-       outside spans, whichever ends last; a number only if it stands alone (`_stands_alone`)."""
+    """The one final answer in `text` (after `plain_text`), as written, or None when there is not exactly one:
+    1. its statements: every `\\boxed{}` and `<answer>` (same content: one answer; contents that differ are ONE
+       answer, their list `a, b`, right only against a reference that is that list); else the rest of the last
+       `####` line; else the last math span or stand-alone number (`_last_candidate`);
+    2. with its tail: a percent sign, scale word, angle unit or qualifier just after it is part of it (`7 thousand`,
+       `\\boxed{20} or more`: `_with_tail`), to be judged against the reference;
+    3. None when a box is cut off, empty, nested in an expression (`x \\neq \\boxed{4}`, `-\\boxed{5}`) or holds
+       another box besides its content; when its sentence hedges (`_hedged`: `20 or maybe 21`, `about $7$`); or when
+       anything restates a different answer (`_contradicted`: a number or span after it, a line that is a bare
+       number, an `Answer: N` before it)."""
+    text = plain_text(text)
+    found = _statements(text)
+    if found is None:
+        return None
+    if found:
+        distinct = list(dict.fromkeys(content for content, _, _ in found))
+        if not all(distinct):
+            return None
+        answer, start, end = ", ".join(distinct), found[-1][1], found[-1][2]
+    elif (i := text.rfind("####")) >= 0:
+        end = text.find("\n", i) if "\n" in text[i:] else len(text)
+        answer, start = text[i + 4 : end].strip(), i
+        found = [(answer, start, end)]
+    elif (candidate := _last_candidate(text)) is not None:
+        answer, start, end = candidate
+        found = [candidate]
+    else:
+        return None
+    answer, end = _with_tail(text, answer, end)
+    first = start  # the first statement of the final sentence: `\boxed{1} or \boxed{2}` is one list
+    for _, s, e in reversed(found[:-1]):
+        if first - e > 300 or _BOUNDARY.search(text, e, first):
+            break
+        first = s
+    if not answer or _hedged(text, first, end) or _contradicted(text, [c for c, _, _ in found], answer, start, end):
+        return None
+    return answer
+
+
+def _statements(text: str) -> list[tuple[str, int, int]] | None:
+    """(content, start, end) of every box and `<answer>` tag (one that holds a box counts as that box), in order;
+    None when a box never closes, holds a box besides its content (`\\boxed{x \\neq \\boxed{4}}`; one wrapped in
+    another is its content) or is part of an expression (`_part_of_expression`)."""
     boxes = boxed_answers(text)
-    if boxes:
-        distinct = list(dict.fromkeys(content.strip() for content, _, _ in boxes))
-        return ", ".join(distinct) if all(distinct) else None
     if boxes is None:
         return None
-    if (tagged := extract_tag(text, "answer")) is not None:
-        return tagged.strip() or None
-    if (i := text.rfind("####")) >= 0:
-        return text[i + 4 :].split("\n", 1)[0].strip() or None
-    return _last_candidate(text)
+    found = []
+    for content, start, end in boxes:
+        content = content.strip()
+        for _ in range(3):  # \boxed{\boxed{3}} is 3
+            inner = boxed_answers(content)
+            if not inner or inner[0][1:] != (0, len(content)):
+                break
+            content = inner[0][0].strip()
+        if inner != [] or _part_of_expression(text, start, end, box=True):
+            return None
+        found.append((content, start, end))
+    pos = 0
+    while (end := text.find("</answer>", pos)) >= 0:  # linear, however many tags are open
+        if (start := text.rfind("<answer>", pos, end)) >= 0 and _BOX.search(text, start, end) is None:
+            found.append((text[start + 8 : end].strip(), start, end + 9))
+        pos = end + 9
+    return sorted(found, key=lambda statement: statement[1])
 
 
-def _last_candidate(text: str) -> str | None:
-    """Rule 4 of `final_answer`: the last math span or the last number outside spans, whichever ends last; None
-    when that one is not alone (`_stands_alone`; a span next to another span or number: `$18$ or $20$`)."""
+def _last_candidate(text: str) -> tuple[str, int, int] | None:
+    """The last math span's content or the last number outside spans, whichever ends last, with its place; None
+    when that one is not alone (`_stands_alone`; a span next to another span or number: `$18$ or $20$`). A number
+    alone in brackets is that number (`[90]`)."""
     spans = list(_MATH_SPAN.finditer(text))
     numbers = list(_NUMBER_TOKEN.finditer(text, spans[-1].end() if spans else 0))
     if numbers:
-        return numbers[-1][0] if _stands_alone(text, numbers[-1].start(), numbers[-1].end()) else None
+        m = numbers[-1]
+        return (m[0], m.start(), m.end()) if _stands_alone(text, m.start(), m.end()) else None
     if not spans:
         return None
     start, end = spans[-1].span()
     if _SPAN_LISTED_BEFORE.search(text, max(0, start - 40), start) or _SPAN_LISTED_AFTER.match(text, end):
         return None
-    return next(group for group in spans[-1].groups() if group is not None).strip() or None
+    content = next(group for group in spans[-1].groups() if group is not None).strip()
+    return (content, start, end) if content else None
 
 
 def _stands_alone(text: str, start: int, end: int) -> bool:
-    """Whether the number at text[start:end] is a whole answer rather than part of an expression or a list: not
-    glued to a letter, digit or dot (`AZYUK2A`, `2x`), not after an operator or opening bracket (`x+5`, `(0,9)`),
-    not glued to a power, factorial or LaTeX command (`2^4`, `6!`, `12\\sqrt{2}`), not before an operator, not in
-    a list or beside a connective (`1, 2`, `18 or 20`). Allowed: `x = 18`, `Answer: 18`, currency glued before
-    it (`$18`), units, `%` or punctuation after it (`18 dollars.`)."""
+    """Whether the number at text[start:end] is a whole answer rather than part of an expression, a word or a list:
+    not glued to a letter, digit or dot (`AZYUK2A`, `2x`; CJK text is fine, `答案是7`, but not a CJK numeral or
+    qualifier, `7万`, `约7`), not a sign used as an operator (`5 +7`), not in an expression (`_part_of_expression`:
+    `x+5`, `2^4`, `6!`, `√5`, `5 ± 1`, `5 \\pm 1`), not in a list or beside a connective (`1, 2`, `18 or 20`).
+    Allowed: `x = 18`, `Answer: 18`, `[18]`, currency glued before it (`$18`), units, `%` or punctuation after it."""
+    for _ in range(2):  # [90], ((90))
+        if (text[start - 1 : start], text[end : end + 1]) not in (("(", ")"), ("[", "]")):
+            break
+        start, end = start - 1, end + 1
     glued_before, glued_after = text[start - 1 : start], text[end : end + 1]
-    if glued_before.isalnum() or glued_before == "." or glued_after.isalnum() or glued_after in _JOINS_AFTER:
+    if (
+        _letter(glued_before)
+        or glued_before == "."
+        or _letter(glued_after)
+        or _letter(text[end + 1 : end + 2])
+        and (glued_after == ".")
+    ):
         return False
-    if glued_after == "." and text[end + 1 : end + 2].isalnum():
+    if _CJK_BEFORE.search(text, max(0, start - 4), start) or _CJK_AFTER.match(text, end):
         return False
-    before, after = text[:start].rstrip()[-1:], text[end:].lstrip()[:1]
-    if (before in _JOINS_BEFORE and glued_before != "$") or after in _OPERATORS:
+    window = text[max(0, start - 40) : start].rstrip()
+    if text[start] in "+-" and (
+        window[-1:].isdigit() or window[-1:] in (")", "]", "}", "!") or re.search(r"\b[A-Za-z]$", window)
+    ):
+        return False  # `5 +7`, `x -5`: an operator, not a sign
+    if _part_of_expression(text, start, end, box=False):
         return False
     return _LISTED_BEFORE.search(text, max(0, start - 40), start) is None and _LISTED_AFTER.match(text, end) is None
+
+
+def _letter(ch: str) -> bool:
+    return ch.isalnum() and _CJK.match(ch) is None
+
+
+def _part_of_expression(text: str, start: int, end: int, box: bool) -> bool:
+    """Whether text[start:end] (a number, or a box when `box`) is an operand: after an operator, an opening
+    bracket or a LaTeX command other than spacing and `\\Rightarrow` (`x+5`, `(0`, `\\pm 1`, `x \\neq \\boxed{4}`,
+    `-\\boxed{5}`, `\\sqrt{\\boxed{5}}`); glued to a power, subscript, factorial or command (`2^4`, `6!`,
+    `\\boxed{12}_3`); before an operator (`5 + 3`, `5-year`; after a box, `- seven` is prose). Math
+    delimiters around a box do not count (`$\\boxed{7}$`); currency glued before a number does not (`$18`)."""
+    before = text[max(0, start - 40) : start]
+    after = text[end : end + 40]
+    if box:
+        before = re.sub(r"(?:\s|\$|\\[(\[]|\\)+$", "", before)  # `$`, `\(`, `\[`, a line break `\\`
+        after = re.sub(r"^(?:\s|\$|\\[)\]])+", "", after)
+    elif text[start - 1 : start] == "$":
+        before = ""  # `$18`: currency
+    if (m := _COMMAND_END.search(before)) is not None and m[1] not in _COMMANDS_BEFORE:
+        return True
+    if before.rstrip()[-1:] in _JOINS_BEFORE:
+        return True
+    glued = after[:1]
+    if glued in _JOINS_AFTER and not after.startswith("\\%") and not (glued == "\\" and box):
+        return True
+    if (m := _COMMAND_START.match(after)) is not None and m[1] not in _COMMANDS_AFTER:
+        return True
+    operator, rest = after.lstrip()[:1], after.lstrip()[1:].lstrip()
+    return operator in _OPERATORS and not (box and re.match(r"[A-Za-z]{2}", rest))  # `\boxed{7} - seven`: prose
+
+
+def _with_tail(text: str, answer: str, end: int) -> tuple[str, int]:
+    """The answer with what qualifies it just after it (`_TAIL`: up to three words, `%`), when that holds a mark
+    (`_marks`: `%`, a scale word, an angle unit, a qualifier, `or`): `7 thousand`, `\\boxed{0.25}\\%`, `20 or more`.
+    Other words after it are prose (`18 dollars left`)."""
+    m = _TAIL.match(text, end, end + 80)
+    if m is None:
+        return answer, end
+    words, cut = 0, None
+    for token in _TAIL_TOKEN.finditer(m[1]):
+        if token[0][0].isalpha():
+            words += 1
+            if words > 3:
+                break
+        if token[0] in ("%", "\\%", "‰") or token[0].lower() in _MARK_WORDS or token[0].lower() in ("or", "nor"):
+            cut = token.end()
+    if cut is None:
+        return answer, end
+    tail = m[1][:cut]
+    tail += "}" * (tail.count("{") - tail.count("}"))
+    return f"{answer} {tail.strip()}", m.start(1) + cut
+
+
+def _hedged(text: str, start: int, end: int) -> bool:
+    """Whether the sentence around text[start:end] (up to 300 characters each side) hedges (`_HEDGE`: `or`,
+    `maybe`, `approximately`, `±`, `或`, ...), outside the answer itself, or the word just before it qualifies it
+    (`_QUALIFIED_BEFORE`: `at least`, `about`, `not`, `minus`, ...)."""
+    head = max(0, start - 300)
+    for boundary in _BOUNDARY.finditer(text, head, start):
+        head = boundary.end()
+    stop = _BOUNDARY.search(text, end, end + 300)
+    sentence_end = stop.start() if stop is not None else min(len(text), end + 300)
+    before, after = text[head:start], text[end:sentence_end]
+    return bool(_HEDGE.search(before) or _HEDGE.search(after) or _QUALIFIED_BEFORE.search(before))
+
+
+def _contradicted(text: str, statements: list[str], answer: str, start: int, end: int) -> bool:
+    """Whether the text states another answer: any stand-alone number or math span after the final answer, any
+    `Answer: N` / `the answer is N` and any line that is a bare number (`_CANDIDATE_LINE`) before it, that is not
+    the same answer (`_restates`). Statements (boxes, tags) are the answer itself. More than MAX_RIVALS: unsure."""
+    spans = list(_MATH_SPAN.finditer(text))
+    rivals = [content for m in spans if m.start() >= end and _is_number(content := _span_content(m))]
+    outside, pos = [], end  # the stretches after the answer outside spans
+    for m in spans:
+        if m.end() > pos:
+            outside.append((pos, max(pos, m.start())))
+            pos = m.end()
+    outside.append((pos, len(text)))
+    for lo, hi in outside:
+        rivals += [n[0] for n in _NUMBER_TOKEN.finditer(text, lo, hi) if _stands_alone(text, n.start(), n.end())]
+    starts = {m.start(): m for m in spans}
+    for label in _LABEL.finditer(text, 0, start):
+        if (span := starts.get(label.end())) is not None:
+            rivals.append(_span_content(span))
+        elif (number := _NUMBER_TOKEN.match(text, label.end())) is not None:
+            rivals.append(number[0])
+    rivals += [line[1] for line in _CANDIDATE_LINE.finditer(text, 0, start) if _is_number(line[1])]
+    if len(rivals) > MAX_RIVALS:
+        return True
+    return not all(_restates(rival.strip(), answer, statements) for rival in rivals)
+
+
+def _span_content(span: re.Match) -> str:
+    return next(group for group in span.groups() if group is not None)
+
+
+def _is_number(s: str) -> bool:
+    """Whether s states a number: `20`, `$\\frac{1}{2}$`, `x = 20` (a span that states anything else, `$13_5$`,
+    `$B$`, is work, not a rival answer)."""
+    s = normalize_answer(s.strip().removeprefix("\\(").removesuffix("\\)"))
+    return parse_number(_right_side(s) if _is_relation(s) else s) is not None
+
+
+def _restates(rival: str, answer: str, statements: list[str]) -> bool:
+    """Whether `rival` says the same as the final answer or one of its statements (the built-in check, sure)."""
+    if not rival or _BOX.search(rival):
+        return True  # a box is a statement, part of the answer already
+    rival = rival.removeprefix("$").removesuffix("$").strip()
+    return any(builtin_verdict(rival, said) is True for said in (answer, *statements))
 
 
 # ---------------------------------------------------------------- math answers: equivalence
@@ -179,6 +407,40 @@ _QUALIFIERS = {  # words after a number that make it something else than that nu
     *("greater", "smaller", "larger", "bigger", "higher", "lower", "above", "below", "over", "under", "maybe"),
     *("perhaps", "possibly", "plus", "minus", "times", "divided", "by", "approximately", "about", "roughly"),
 }
+_MARK_WORDS = {  # words that change what a number means: a final answer with one its reference lacks is wrong
+    **dict.fromkeys(("percent", "percents", "percentage", "pct", "percentile"), "percent"),
+    **dict.fromkeys(("radian", "radians", "rad", "rads", "gradian", "gradians", "grad", "grads"), "angle"),
+    **dict.fromkeys(("base",), "base"),
+    **dict.fromkeys(
+        ("thousand", "thousands", "hundred", "hundreds", "dozen", "dozens", "million", "millions", "billion")
+        + ("billions", "trillion", "trillions", "lakh", "lakhs", "crore", "crores", "grand", "score", "gross")
+        + ("thousandth", "thousandths", "hundredth", "hundredths", "tenth", "tenths", "millionth", "millionths")
+        + ("half", "halves", "third", "thirds", "quarter", "quarters", "twice", "double", "triple", "squared")
+        + ("cubed", "factorial", "fold"),
+        "scale",
+    ),
+    **dict.fromkeys(
+        ("not", "nor", "either", "least", "most", "more", "less", "fewer", "greater", "smaller", "larger", "bigger")
+        + ("higher", "lower", "above", "below", "over", "under", "than", "maybe", "perhaps", "possibly", "probably")
+        + ("likely", "approximately", "approx", "about", "around", "roughly", "nearly", "almost", "circa", "exceeds")
+        + ("exceed", "exceeding", "except", "unless", "guess"),
+        "qualifier",
+    ),
+}
+_MARK_SIGNS = (  # ... and signs that do
+    ("percent", re.compile(r"%|‰|‱")),
+    ("pm", re.compile(r"[±∓]|\\(?:pm|mp)(?![A-Za-z])")),
+    ("approx", re.compile(r"[≈∼≃≅]|\\(?:approx|sim|simeq|thicksim|thickapprox|cong)(?![A-Za-z])")),
+    ("base", re.compile(r"[\d)}]\s*_|[₀-₉]")),  # 12_3, 12_{3}, 12₃
+    ("power", re.compile(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻]")),
+    ("root", re.compile(r"[√∛∜]")),
+    ("scale", re.compile(rf"[{_CJK_NUMERALS}]|illions?(?![A-Za-z])")),
+)
+_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+(?![A-Za-z])")  # a word, not a LaTeX command's name
+_NAME = r"(?:[A-Za-z]+(?: [A-Za-z]+)*|\\[A-Za-z]+)(?:_\{?[A-Za-z0-9]+\}?)?'*(?:\([A-Za-z0-9, ]*\))?"  # x, x_1, f(x)
+_NAMED = re.compile(rf"(?:{_NAME}|\(\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\))\s*(?:=|\\in(?![a-zA-Z]))\s*[^=<>]+")
+_SEVERAL = re.compile(r",|;|or|and|\\pm|±")  # a reference with one of these may hold several answers
+_BRACKETED = re.compile(r"\((.*)\)|\[(.*)\]")
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
 _LATEX_FRAC = re.compile(r"(-?)\\frac\{([^{}]*)\}\{([^{}]*)\}")
 _ASSIGNMENT = re.compile(r"([A-Za-z|(\\][^=<>!+\-*/]*?)\s*(?:=|\\approx|\\in(?![a-zA-Z]))\s*([^=<>]+)")  # x = 5
@@ -193,8 +455,9 @@ def normalize_answer(s: str) -> str:
     """A final answer in one canonical spelling for comparison: `\\dfrac` -> `\\frac`, `\\frac34` -> `\\frac{3}{4}`,
     `\\sqrt3` -> `\\sqrt{3}`, `\\text{E}` -> `E`, `\\geq` -> `>=`, LaTeX thousands separators (`14{,}916`) -> `,`;
     dropped: `\\left`/`\\right`, math delimiters and `$`, degrees, `%`, LaTeX spacing, a trailing period; runs of
-    whitespace become one space (a space can still separate thousands, `1 000`, and a comma-space a list)."""
-    s = _FRAC_COMMANDS.sub(r"\\frac", s)
+    whitespace become one space (a space can still separate thousands, `1 000`, and a comma-space a list). Every
+    dash and minus sign is `-` (`_PLAIN`)."""
+    s = _FRAC_COMMANDS.sub(r"\\frac", s.translate(_PLAIN))
     s = _THOUSANDS_LATEX.sub(",", s)
     s = _TEXT_WRAPPER.sub(r" \1 ", s)
     s = _DROPPED.sub("", _SPACING.sub(" ", s))
@@ -205,12 +468,14 @@ def normalize_answer(s: str) -> str:
 
 def parse_number(s: str) -> Fraction | None:
     """Exact value of a normalized answer that is one number: `1,234`, `1 000`, `2.50`, `-3`, `3/4`, `\\frac{3}{4}`,
-    `-\\frac{1}{2}`, optionally followed by unit words of two letters or more (`18 dollars`, not `20 or more`);
-    None for anything else, and for strings longer than MAX_NUMBER_CHARS. `32, 349` is a list, not a number."""
+    `-\\frac{1}{2}`, optionally followed by unit words of two letters or more (`18 dollars`, `28 percent`; not
+    `20 or more`, `7 thousand`, `90 radians`, `7 m`); None for anything else, and for strings longer than
+    MAX_NUMBER_CHARS. `32, 349` is a list, not a number."""
     if len(s) > 4 * MAX_NUMBER_CHARS:
         return None
     if (m := _TRAILING_WORDS.fullmatch(s)) is not None:
-        if any(len(word) < 2 or word.lower() in _QUALIFIERS for word in m[2].split()):
+        words = [word.lower() for word in m[2].split()]
+        if any(len(w) < 2 or w in _QUALIFIERS or _MARK_WORDS.get(w, "percent") != "percent" for w in words):
             return None
         s = m[1]
     if len(s) > MAX_NUMBER_CHARS:
@@ -241,9 +506,15 @@ def numbers_equal(a: Fraction, b: Fraction, decimal: bool) -> bool:
 
 def builtin_verdict(pred: str, ref: str) -> bool | None:
     """The built-in checker on a final answer and a reference: True when surely equal, False when surely not,
-    None when it cannot tell. Both are normalized (`normalize_answer`); when only one is an equation whose left
-    side is a name (`x = 5`, `(p,q) = (3,2)`, `x \\in [0,1]`), its right side stands for it. Two numbers compare
-    by value (`numbers_equal`): the only False it gives. Anything else is equal when `_same` says so."""
+    None when it cannot tell. Surely not: the answer carries a mark the reference lacks (`_marks`: `%`, a scale
+    word, an angle unit, `\\pm`, `\\approx`, a qualifier, a base subscript), is a qualified number (`20 or more`),
+    a relation whose left side is not a name (`x + 1 = 7`, `8 = 7`), or a number with more than units after it, a
+    list or a set where the reference is a number. Both are normalized (`normalize_answer`); a number alone in
+    brackets is that number (`[90]`); when only one is an equation whose left side is a name (`x = 5`,
+    `(p,q) = (3,2)`, `x \\in [0,1]`), its right side stands for it. Two numbers compare by value
+    (`numbers_equal`). Anything else is equal when `_same` says so."""
+    if _marks(pred) - _marks(ref):
+        return False
     a, b = normalize_answer(pred), normalize_answer(ref)
     if not a or not b:
         return False
@@ -251,12 +522,36 @@ def builtin_verdict(pred: str, ref: str) -> bool | None:
         return True
     if _qualified(a) or _qualified(b):  # `20 or more` is not 20 (math-verify would read it as 20)
         return False
+    a, b = _unwrap(a), _unwrap(b)
     if _is_relation(a) != _is_relation(b):
+        if _is_relation(a) and _NAMED.fullmatch(a) is None:  # math-verify would take the right side of any relation
+            return False
         a, b = _right_side(a), _right_side(b)
     x, y = parse_number(a), parse_number(b)
     if x is not None and y is not None:
         return numbers_equal(x, y, "." in a or "." in b)
-    return True if x is None and y is None and _same(a, b) else None
+    if x is None and y is None and _same(a, b):
+        return True
+    if _collection(b) is None and (_collection(a) or ("",))[0] == "set" and not _SEVERAL.search(b):
+        return False  # `-7, 7`, `\\{7\\}` against one answer (math-verify reads `\\{7\\}` as 7)
+    if y is not None and (m := _TRAILING_WORDS.fullmatch(a)) is not None and parse_number(m[1]) is not None:
+        return False  # `7 m`, `7 \\text{ thousand}` against a number (math-verify drops the words)
+    return None
+
+
+def _marks(s: str) -> set[str]:
+    """The marks in s that change what a number means (`_MARK_WORDS`, `_MARK_SIGNS`): percent, scale, angle,
+    base, qualifier, pm, approx, power, root."""
+    s = s.translate(_PLAIN)
+    found = {_MARK_WORDS[word] for word in map(str.lower, _WORD.findall(s)) if word in _MARK_WORDS}
+    return found | {name for name, pattern in _MARK_SIGNS if pattern.search(s)}
+
+
+def _unwrap(s: str) -> str:
+    """`(90)` and `[90]` -> `90`: a number alone in brackets; anything else unchanged."""
+    m = _BRACKETED.fullmatch(s)
+    inner = (m[1] if m[1] is not None else m[2]).strip() if m is not None else ""
+    return inner if inner and parse_number(inner) is not None else s
 
 
 def _is_relation(s: str) -> bool:
@@ -344,7 +639,8 @@ def reference_answer(answer: str) -> str:
             if not (len(gap) < 10 or (len(gap) < 70 and box[0] != group[-1][0] and _SEPARATOR.search(gap))):
                 break
             group.append(box)
-        return ", ".join(dict.fromkeys(content.strip() for content, _, _ in reversed(group)))
+        answer_list = ", ".join(dict.fromkeys(content.strip() for content, _, _ in reversed(group)))
+        return _with_tail(plain_text(answer), answer_list, boxes[-1][2])[0]  # `\boxed{20} percent`
     if (m := _MATH_SPAN.fullmatch(answer)) is not None:
         return next(group for group in m.groups() if group is not None).strip()
     return answer

@@ -33,11 +33,11 @@ EXTRACTION = [  # (completion, extracted final answer)
     (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}"),  # nested braces
     (r"first \boxed{1} then \boxed{2}", "1, 2"),  # boxes that differ are one answer, their list
     (r"\boxed{2} ... so \boxed{ 2 }", "2"),  # the same box twice is one
-    (r"\boxed{\boxed{3}}", r"\boxed{3}"),  # a box inside a box is part of it
+    (r"\boxed{\boxed{3}}", "3"),  # a box that only wraps a box is its content
     (r"\fbox{7}", "7"),
     (r"\boxed 9", "9"),
     ("<answer> 12 </answer>", "12"),
-    ("<answer>1</answer> and <answer>3</answer>", "3"),
+    ("<answer>1</answer> and <answer>3</answer>", "1, 3"),  # tags that differ are one answer, like boxes
     ("Natalia sold 48+24 = 72 clips.\n#### 72", "72"),
     ("#### 1,000\nextra words", "1,000"),
     ("It costs 3 dollars, then 5.5 dollars.", "5.5"),  # the last number
@@ -112,8 +112,8 @@ EQUIVALENT = [  # (prediction, reference)
     (r"-\frac{1}{2}", "-0.5"),
     (r"\frac{-1}{2}", "-1/2"),
     ("0.333333", "1/3"),  # a decimal equal to 6 places (Math-Verify's rule)
-    (r"50\%", "50"),
-    ("50%", "50"),
+    (r"50\%", "50%"),
+    ("28 percent", r"28\%"),
     (r"\text{5}", "5"),
     ("$5$", "5"),
     (r"\$18", "18"),
@@ -152,6 +152,8 @@ NOT_EQUIVALENT = [
     ("", ""),
     ("9" * 100, "9" * 100 + "0"),
     ("0.5", "50%"),
+    (r"50\%", "50"),  # a percent sign the reference lacks
+    ("50%", "50"),
     ("32, 349", "32349"),  # a comma-space separates a list, not thousands
     ("1 000", "0"),
     (r"20 \text{ or more}", "20"),
