@@ -608,8 +608,8 @@ def test_host_unix_sockets_are_unreachable(isolation: dict) -> None:
 # ---------------------------------------------------------------- no task data, no channel between runs, no starving
 
 # A solution that looks for HumanEval's data file where a hostile policy did (the directories in its command line,
-# sys.path, sys.prefix, its home, /tmp, every top-level directory but /usr, /proc, /sys, /dev) and, when it finds
-# the row of its task, runs the reference solution.
+# sys.path, sys.prefix, its home, /tmp, where packages are installed system-wide, every top-level directory but /usr
+# and its links, /proc, /sys, /dev) and, when it finds the row of its task, runs the reference solution.
 STEAL_ANSWER = r"""
 import gzip, json, os, sys
 
@@ -621,7 +621,9 @@ def _roots():
         roots |= {w for w in words.translate({ord(c): " " for c in "\x00'\"[];,="}).split() if w.startswith("/")}
     except OSError:
         pass
-    roots |= {"/" + d for d in os.listdir("/") if d not in ("usr", "proc", "sys", "dev")}
+    roots |= {"/usr/local", "/usr/lib/python3"}  # where a system-wide pip or apt puts packages
+    tops = ["/" + d for d in os.listdir("/") if d not in ("usr", "proc", "sys", "dev")]
+    roots |= {top for top in tops if not os.path.islink(top)}
     return roots
 
 def _rows():
