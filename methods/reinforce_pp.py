@@ -105,11 +105,9 @@ def reinforce_pp_returns(
 def whiten(x: Tensor, mask: Tensor, stats: Tensor | None = None, *, eps: float = 1e-8) -> Tensor:
     """(x - mean) / sqrt(var + eps) on the mask, 0 elsewhere: [B, T] -> [B, T], detached.
     stats: batch_std.moments of the whole step's x on its mask, summed over ranks; default this tensor's (one
-    process, the whole step). mean and the unbiased var come from the sums; fewer than 2 tokens give all 0."""
+    process, the whole step). mean and the unbiased var come from the sums; a step of one token gives 0 (its var is
+    taken as 0 and it is its own mean)."""
     m = mask.bool()
-    stats = moments(x, m) if stats is None else stats
-    if float(stats[0]) < 2:
-        return torch.zeros_like(x)
-    mean, std = mean_std(stats)
+    mean, std = mean_std(moments(x, m) if stats is None else stats)
     out = (x.detach().double() - mean) / (std * std + eps) ** 0.5
     return torch.where(m, out, torch.zeros_like(out)).to(x.dtype)

@@ -291,15 +291,25 @@ def test_kl_estimators_equal_verl_and_openrlhf():
 
 
 def test_low_var_kl_clamps_cut_the_gradient():
-    """Guards against a low_var_kl without verl's clamps (k3 grows like exp(-d)) or with clamps that keep a
-    gradient: d = -5 (k3 = e^5 - 6) and d = 30 (x clamped to -20, k3 = 19 + e^-20) are capped at 10, gradient 0;
+    """Guards against a low_var_kl without verl's clamps (k3 grows like exp(-d)), with clamps that keep a gradient,
+    or without the inner clamp of -d to 20 (exp overflows at d = -800 and its gradient becomes inf * 0 = nan):
+    d = -5 (k3 = e^5 - 6), d = 30 (x clamped to -20, k3 = 19 + e^-20) and d = -800 are capped at 10, gradient 0;
     d = 0.5 is plain k3."""
-    logp = torch.tensor([[-6.0, 29.0, -0.5]], dtype=F64, requires_grad=True)
-    ref = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64)
-    out = kl.low_var_kl(logp, ref, logp.detach(), torch.ones(1, 3, dtype=torch.bool))
+    logp = torch.tensor([[-6.0, 29.0, -0.5, -801.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -1.0, -1.0]], dtype=F64)
+    out = kl.low_var_kl(logp, ref, logp.detach(), torch.ones(1, 4, dtype=torch.bool))
     out.sum().backward()
-    close(out.detach(), [[10.0, 10.0, math.exp(-0.5) - 0.5]])
-    close(logp.grad, [[0.0, 0.0, 1 - math.exp(-0.5)]])
+    close(out.detach(), [[10.0, 10.0, math.exp(-0.5) - 0.5, 10.0]])
+    close(logp.grad, [[0.0, 0.0, 1 - math.exp(-0.5), 0.0]])
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "low_var_kl", "unbiased"])
+def test_kl_estimators_send_no_gradient_to_the_reference(name):
+    """Guards against an estimator that lets the gradient reach the reference's log-probs (a frozen model whose
+    tensors may still carry a graph)."""
+    logp, ref, mask = randn(2, 3, seed=24).requires_grad_(), randn(2, 3, seed=25).requires_grad_(), torch.ones(2, 3) > 0
+    kl.token_kl(name, logp, ref, logp.detach(), mask).sum().backward()
+    assert ref.grad is None and logp.grad is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -439,7 +449,7 @@ def test_dual_clip_keeps_padding_out_and_refuses_bad_c():
         logp, old, adv, mask, SimpleNamespace(clip_low=0.2, clip_high=0.2, dual_clip=3.0)
     )
     torch.where(mask, obj, 0.0).sum().backward()
-    assert torch.isfinite(obj[mask]).all() and torch.isfinite(logp.grad).all() and not cut[~mask].any()
+    assert torch.isfinite(logp.grad).all() and not cut[~mask].any() and obj[0, 1] == 0  # 0 off the mask, as LOSSES
     close(torch.where(mask, obj, 0.0).detach(), [[-3.0, 0.0]])  # ratio e^1.5 > 3
     with pytest.raises(ValueError, match="--dual-clip must be > 1"):
         dual_clip.dual_clip_objective(logp, old, adv, mask, SimpleNamespace(clip_low=0.2, clip_high=0.2, dual_clip=0.9))
