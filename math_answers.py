@@ -57,7 +57,7 @@ _PLAIN = str.maketrans(
         **{"，": ", ", "、": ", ", "；": "; ", "：": ": ", "。": ". ", "！": "! ", "？": "? ", "（": "(", "）": ")"},
     }
 )
-_EMPHASIS = re.compile(r"(?<![A-Za-z0-9)\]}])(\*\*|__)([^*_\n]{1,200}?)\1(?![A-Za-z0-9(\[{])")  # **7**, not 2**3
+_EMPHASIS = re.compile(r"(?<![A-Za-z0-9)\]}*])(\*\*|__|\*)(?=[^\s*])([^*\n]{1,200}?)(?<=[^\s*])\1(?![A-Za-z0-9(\[{*])")
 _EXPONENT = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*-?(\d+)")  # the integer an exponent starts with
 _NESTED_POWER = re.compile(r"\^\s*\{[^{}]*\^|(?:\^|\*\*)\s*\w+\s*(?:\^|\*\*)")  # 9^{9^9}, 9^9^9, 9**9**9
 _BOX = re.compile(r"(?:\\boxed|\\fbox)\s*")
@@ -95,10 +95,11 @@ _CJK_BEFORE = re.compile(
     rf"(?:[{_CJK_NUMERALS}约約近负負减減加乘除点點或的약]|分之|大概|可能|也许|也許|超过|超過|不到|至少|至多|最多|最少"
     r"|多于|少于|大于|小于)$"
 )
+_LEFT_SIDE = re.compile(r"((?:[^\s=<>$]+\s*[-+*/^×÷·]\s*)*[^\s=<>$]+)\s*=$")  # the `x + 1` of `x + 1 =`
 _BOUNDARY = re.compile(r"[.!?](?=[\s$)\]]|$)|\n")  # the end of a sentence
 _HEDGE = re.compile(  # anywhere in the final answer's sentence: the answer is one of several, or a guess
     r"(?<![\\A-Za-z])(?:or|maybe|perhaps|possibly|probably|likely|either|guess(?:ed|ing)?|approx(?:imately)?|roughly"
-    r"|nearly|almost|circa|unsure|uncertain|alternatively|might)(?![A-Za-z])"
+    r"|nearly|almost|circa|unsure|uncertain|alternatively|might|vs|versus)(?![A-Za-z])"
     r"|或|也许|也許|可能|大概|大约|大約|约|約|左右|差不多|还是|還是|아마|또는",
     re.IGNORECASE,
 )
@@ -264,9 +265,20 @@ def _stands_alone(text: str, start: int, end: int) -> bool:
         window[-1:].isdigit() or window[-1:] in (")", "]", "}", "!") or re.search(r"\b[A-Za-z]$", window)
     ):
         return False  # `5 +7`, `x -5`: an operator, not a sign
-    if _part_of_expression(text, start, end, box=False):
+    if _part_of_expression(text, start, end, box=False) or _unnamed_left_side(window):
         return False
     return _LISTED_BEFORE.search(text, max(0, start - 40), start) is None and _LISTED_AFTER.match(text, end) is None
+
+
+def _unnamed_left_side(window: str) -> bool:
+    """Whether `window` (the text before a number) ends with `LEFT =` where LEFT is a lone number (`8 = 7`) or an
+    expression with a letter in it that is not a name (`x + 1 = 7`, `2x = 14`); `x = 7`, `5 + 3 = 8` are fine."""
+    if (m := _LEFT_SIDE.search(window)) is None:
+        return False
+    left = m[1]
+    return _PLAIN_NUMBER.fullmatch(left) is not None or (
+        re.search(r"[A-Za-z]", left) is not None and re.fullmatch(_NAME, left) is None
+    )
 
 
 def _letter(ch: str) -> bool:
@@ -282,8 +294,8 @@ def _part_of_expression(text: str, start: int, end: int, box: bool) -> bool:
     before = text[max(0, start - 40) : start]
     after = text[end : end + 40]
     if box:
-        before = re.sub(r"(?:\s|\$|\\[(\[]|\\)+$", "", before)  # `$`, `\(`, `\[`, a line break `\\`
-        after = re.sub(r"^(?:\s|\$|\\[)\]])+", "", after)
+        before = re.sub(r"(?:\s|\$|\\[(\[]|\\|</?answer>)+$", "", before)  # `$`, `\(`, `\[`, a line break `\\`
+        after = re.sub(r"^(?:\s|\$|\\[)\]]|</?answer>)+", "", after)
     elif text[start - 1 : start] == "$":
         before = ""  # `$18`: currency
     if (m := _COMMAND_END.search(before)) is not None and m[1] not in _COMMANDS_BEFORE:
@@ -331,6 +343,8 @@ def _hedged(text: str, start: int, end: int) -> bool:
     stop = _BOUNDARY.search(text, end, end + 300)
     sentence_end = stop.start() if stop is not None else min(len(text), end + 300)
     before, after = text[head:start], text[end:sentence_end]
+    if stop is not None and stop[0] == "?":
+        return True  # `Is it 21?`
     return bool(_HEDGE.search(before) or _HEDGE.search(after) or _QUALIFIED_BEFORE.search(before))
 
 
@@ -439,6 +453,7 @@ _MARK_SIGNS = (  # ... and signs that do
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+(?![A-Za-z])")  # a word, not a LaTeX command's name
 _NAME = r"(?:[A-Za-z]+(?: [A-Za-z]+)*|\\[A-Za-z]+)(?:_\{?[A-Za-z0-9]+\}?)?'*(?:\([A-Za-z0-9, ]*\))?"  # x, x_1, f(x)
 _NAMED = re.compile(rf"(?:{_NAME}|\(\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\))\s*(?:=|\\in(?![a-zA-Z]))\s*[^=<>]+")
+_RELATION = re.compile(r"[=<>≡≔∈≝]|\\(?:approx|in|equiv|cong|sim|simeq|propto|coloneqq|triangleq|doteq)(?![a-zA-Z])")
 _SEVERAL = re.compile(r",|;|or|and|\\pm|±")  # a reference with one of these may hold several answers
 _BRACKETED = re.compile(r"\((.*)\)|\[(.*)\]")
 _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d*)?|[+-]?\.\d+")
@@ -523,7 +538,8 @@ def builtin_verdict(pred: str, ref: str) -> bool | None:
     if _qualified(a) or _qualified(b):  # `20 or more` is not 20 (math-verify would read it as 20)
         return False
     a, b = _unwrap(a), _unwrap(b)
-    if _is_relation(a) != _is_relation(b):
+    listed = parse_number(a) is None and (_collection(a) or ("",))[0] == "set"  # its elements compare in `_same`
+    if not listed and _is_relation(a) != _is_relation(b):
         if _is_relation(a) and _NAMED.fullmatch(a) is None:  # math-verify would take the right side of any relation
             return False
         a, b = _right_side(a), _right_side(b)
@@ -555,7 +571,7 @@ def _unwrap(s: str) -> str:
 
 
 def _is_relation(s: str) -> bool:
-    return any(sign in s for sign in ("=", "<", ">", "\\approx", "\\in"))
+    return _RELATION.search(s) is not None
 
 
 def _right_side(s: str) -> str:
@@ -576,6 +592,10 @@ def _same(a: str, b: str, depth: int = 0) -> bool:
         return False
 
     def equal(p: str, q: str) -> bool:
+        if _is_relation(p) != _is_relation(q):  # `x = -7, x = 7` against `-7, 7`: only `name = value`
+            if _NAMED.fullmatch(p if _is_relation(p) else q) is None:
+                return False
+            p, q = _right_side(p), _right_side(q)
         x, y = parse_number(p), parse_number(q)
         return numbers_equal(x, y, "." in p or "." in q) if x is not None and y is not None else _same(p, q, depth + 1)
 
