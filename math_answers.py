@@ -31,6 +31,7 @@ bench/bench_math_checker.py measures these rules against the verdicts of Math-Ve
 """
 
 import ctypes
+import itertools
 import logging
 import re
 import threading
@@ -74,7 +75,7 @@ _NUMBER_TOKEN = re.compile(  # a number or fraction as prose writes it: -1,234.5
     r"|(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"  # 1,234 or 1 234 or 1234, .5, /4
     r"|\.\d+)"
 )
-_CONNECTIVE = r"(?:,|\b(?:or|and|plus|minus|times|over)\b)"  # `18 or 20`, `1, 2`: neither number is the answer
+_CONNECTIVE = r"(?:[,;&]|\b(?:or|and|plus|minus|times|over|vs)\b)"  # `18 or 20`, `1, 2`: neither is the answer
 _LISTED_BEFORE = re.compile(rf"\d[^\s\d]{{0,3}}\s*{_CONNECTIVE}\s*\$?$", re.IGNORECASE)
 _LISTED_AFTER = re.compile(rf"[^\s\d]{{0,3}}\s*{_CONNECTIVE}\s*\$?[-+]?\.?\d", re.IGNORECASE)
 _SPAN_LISTED_BEFORE = re.compile(rf"(?:\$|\\\)|\\\]|\d)\s*{_CONNECTIVE}\s*$", re.IGNORECASE)
@@ -90,17 +91,21 @@ _COMMAND_END = re.compile(r"\\([A-Za-z]+)\s*$")
 _COMMAND_START = re.compile(r"\s*\\([A-Za-z]+)")
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af]")
 _CJK_NUMERALS = "〇一二三四五六七八九十百千万萬亿億兆两兩零廿卅십백천만억조"  # 7万 is 70000, 三分之7 is 7/3
-_CJK_AFTER = re.compile(rf"[{_CJK_NUMERALS}倍成折点點多余餘来來几幾或]|分之|次方|左右|上下|以上|以下|以内|之多|弧度")
+_CJK_AFTER = re.compile(
+    rf"[{_CJK_NUMERALS}倍成折点點多余餘来來几幾或超쯤]|分之|次方|左右|上下|以上|以下|以内|之多|弧度|くらい|ぐらい|程度|前後|未満"
+    r"|정도|이상|이하|가량|미만"
+)
 _CJK_BEFORE = re.compile(
     rf"(?:[{_CJK_NUMERALS}约約近负負减減加乘除点點或的약]|分之|大概|可能|也许|也許|超过|超過|不到|至少|至多|最多|最少"
-    r"|多于|少于|大于|小于)$"
+    r"|多于|少于|大于|小于|たぶん|多分|おそらく|대략|아마)$"
 )
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?(?![A-Za-z0-9^_])")
 _LEFT_SIDE = re.compile(r"((?:[^\s=<>$]+\s*[-+*/^×÷·]\s*)*[^\s=<>$]+)\s*=$")  # the `x + 1` of `x + 1 =`
 _BOUNDARY = re.compile(r"[.!?](?=[\s$)\]]|$)|\n")  # the end of a sentence
 _HEDGE = re.compile(  # anywhere in the final answer's sentence: the answer is one of several, or a guess
     r"(?<![\\A-Za-z])(?:or|maybe|perhaps|possibly|probably|likely|either|guess(?:ed|ing)?|approx(?:imately)?|roughly"
     r"|nearly|almost|circa|unsure|uncertain|alternatively|might|vs|versus)(?![A-Za-z])"
-    r"|或|也许|也許|可能|大概|大约|大約|约|約|左右|差不多|还是|還是|아마|또는",
+    r"|或|也许|也許|可能|大概|大约|大約|约|約|左右|差不多|还是|還是|たぶん|多分|おそらく|くらい|ぐらい|아마|또는|대략|정도",
     re.IGNORECASE,
 )
 _QUALIFIED_BEFORE = re.compile(  # the word just before the final answer qualifies it: `at least 7`, `about $7$`
@@ -108,7 +113,7 @@ _QUALIFIED_BEFORE = re.compile(  # the word just before the final answer qualifi
     r"|double|triple|about|around|over|under|above|below|up\s+to|exceeds?|except|from|between)[^A-Za-z0-9]{0,12}$",
     re.IGNORECASE,
 )
-_TAIL = re.compile(r"[ \t$]*((?:\\%|%|‰|\\(?:text|textrm|mathrm|mbox)\s*\{|\}|[A-Za-z]+|[ \t]+){1,12})")
+_TAIL = re.compile(r"(?:[ \t$~]|\\[,;:! ])*((?:\\%|%|‰|\\(?:text|textrm|mathrm|mbox)\s*\{|\}|[A-Za-z]+|[ \t]+){1,12})")
 _TAIL_TOKEN = re.compile(r"\\%|%|‰|\\(?:text|textrm|mathrm|mbox)\s*\{|\}|[A-Za-z]+")
 _LABEL = re.compile(r"(?:\b(?:final\s+)?answer\b\s*(?:is\b|was\b|[:=])|答案\s*(?:是|为|為|:|=))\s*:?\s*", re.IGNORECASE)
 _CANDIDATE_LINE = re.compile(  # a line that is one number: `20`, `- 20`, `3) 20`, `#### 20`, `Answer: $20$.`
@@ -171,9 +176,12 @@ def final_answer(text: str) -> str | None:
     if found is None:
         return None
     if found:
-        distinct = list(dict.fromkeys(content for content, _, _ in found))
-        if not all(distinct):
-            return None
+        distinct: list[str] = []
+        for content, _, _ in found:  # `\boxed{7}` and `<answer>7.0</answer>` are one answer
+            if not content:
+                return None
+            if not any(_restates(content, said, []) for said in distinct):
+                distinct.append(content)
         answer, start, end = ", ".join(distinct), found[-1][1], found[-1][2]
     elif (i := text.rfind("####")) >= 0:
         end = text.find("\n", i) if "\n" in text[i:] else len(text)
@@ -303,7 +311,9 @@ def _part_of_expression(text: str, start: int, end: int, box: bool) -> bool:
     if before.rstrip()[-1:] in _JOINS_BEFORE:
         return True
     glued = after[:1]
-    if glued in _JOINS_AFTER and not after.startswith("\\%") and not (glued == "\\" and box):
+    if after.startswith("\\%") or _DEGREES.match(after):  # `50\%`, `90^\circ`: units
+        return False
+    if glued in _JOINS_AFTER and not (glued == "\\" and box):
         return True
     if (m := _COMMAND_START.match(after)) is not None and m[1] not in _COMMANDS_AFTER:
         return True
@@ -324,7 +334,7 @@ def _with_tail(text: str, answer: str, end: int) -> tuple[str, int]:
             words += 1
             if words > 3:
                 break
-        if token[0] in ("%", "\\%", "‰") or token[0].lower() in _MARK_WORDS or token[0].lower() in ("or", "nor"):
+        if token[0] in ("%", "\\%", "‰") or token[0].lower() in (*_MARK_WORDS, "or", "nor", "cent"):
             cut = token.end()
     if cut is None:
         return answer, end
@@ -336,7 +346,8 @@ def _with_tail(text: str, answer: str, end: int) -> tuple[str, int]:
 def _hedged(text: str, start: int, end: int) -> bool:
     """Whether the sentence around text[start:end] (up to 300 characters each side) hedges (`_HEDGE`: `or`,
     `maybe`, `approximately`, `±`, `或`, ...), outside the answer itself, or the word just before it qualifies it
-    (`_QUALIFIED_BEFORE`: `at least`, `about`, `not`, `minus`, ...)."""
+    (`_QUALIFIED_BEFORE`: `at least`, `about`, `not`, `minus`, ...), or the rest of its sentence scales it
+    (`\\boxed{7} (in thousands)`), or it is a question."""
     head = max(0, start - 300)
     for boundary in _BOUNDARY.finditer(text, head, start):
         head = boundary.end()
@@ -345,6 +356,8 @@ def _hedged(text: str, start: int, end: int) -> bool:
     before, after = text[head:start], text[end:sentence_end]
     if stop is not None and stop[0] == "?":
         return True  # `Is it 21?`
+    if _marks(after) & {"percent", "scale", "angle"} - _marks(text[start:end]):
+        return True  # `\boxed{7} (in thousands)`
     return bool(_HEDGE.search(before) or _HEDGE.search(after) or _QUALIFIED_BEFORE.search(before))
 
 
@@ -353,25 +366,31 @@ def _contradicted(text: str, statements: list[str], answer: str, start: int, end
     `Answer: N` / `the answer is N` and any line that is a bare number (`_CANDIDATE_LINE`) before it, that is not
     the same answer (`_restates`). Statements (boxes, tags) are the answer itself. More than MAX_RIVALS: unsure."""
     spans = list(_MATH_SPAN.finditer(text))
-    rivals = [content for m in spans if m.start() >= end and _is_number(content := _span_content(m))]
     outside, pos = [], end  # the stretches after the answer outside spans
     for m in spans:
         if m.end() > pos:
             outside.append((pos, max(pos, m.start())))
             pos = m.end()
     outside.append((pos, len(text)))
-    for lo, hi in outside:
-        rivals += [n[0] for n in _NUMBER_TOKEN.finditer(text, lo, hi) if _stands_alone(text, n.start(), n.end())]
     starts = {m.start(): m for m in spans}
-    for label in _LABEL.finditer(text, 0, start):
-        if (span := starts.get(label.end())) is not None:
-            rivals.append(_span_content(span))
-        elif (number := _NUMBER_TOKEN.match(text, label.end())) is not None:
-            rivals.append(number[0])
-    rivals += [line[1] for line in _CANDIDATE_LINE.finditer(text, 0, start) if _is_number(line[1])]
-    if len(rivals) > MAX_RIVALS:
-        return True
-    return not all(_restates(rival.strip(), answer, statements) for rival in rivals)
+    labelled = (
+        _span_content(starts[label.end()]) if label.end() in starts else number[0]
+        for label in _LABEL.finditer(text, 0, start)
+        if label.end() in starts or (number := _NUMBER_TOKEN.match(text, label.end())) is not None
+    )
+    rivals = itertools.chain(
+        (content for m in spans if m.start() >= end and _is_number(content := _span_content(m))),
+        (
+            n[0]
+            for lo, hi in outside
+            for n in _NUMBER_TOKEN.finditer(text, lo, hi)
+            if _stands_alone(text, n.start(), n.end())
+        ),
+        labelled,
+        (line[1] for line in _CANDIDATE_LINE.finditer(text, 0, start) if _is_number(line[1])),
+    )
+    checked = list(itertools.islice(rivals, MAX_RIVALS + 1))
+    return len(checked) > MAX_RIVALS or not all(_restates(rival.strip(), answer, statements) for rival in checked)
 
 
 def _span_content(span: re.Match) -> str:
@@ -448,6 +467,9 @@ _MARK_SIGNS = (  # ... and signs that do
     ("base", re.compile(r"[\d)}]\s*_|[₀-₉]")),  # 12_3, 12_{3}, 12₃
     ("power", re.compile(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻]")),
     ("root", re.compile(r"[√∛∜]")),
+    ("etc", re.compile(r"\\[lc]?dots(?![A-Za-z])|\.\.\.|…")),  # math-verify reads `7\ldots` as 7
+    ("prime", re.compile(r"'|′|″|\\prime(?![A-Za-z])")),  # ... and `7'` as 7
+    ("percent", re.compile(r"per\s*cent(?![A-Za-z])", re.IGNORECASE)),
     ("scale", re.compile(rf"[{_CJK_NUMERALS}]|illions?(?![A-Za-z])")),
 )
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+(?![A-Za-z])")  # a word, not a LaTeX command's name
