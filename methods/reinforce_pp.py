@@ -78,9 +78,9 @@ def check(cfg) -> Iterator[FlagError]:
         why = "whitens over the step's tokens instead of a group std: it needs --no-std-normalize, or --algo "
         why += cfg.advantage
         yield FlagError(("advantage",), why, ("std_normalize",), subject)
-    gtpo = tuple(f for f in ("entropy_gate", "entropy_gamma") if getattr(cfg, f, False))
+    gtpo = tuple(f for f in ("entropy_gate", "entropy_gamma", "gtpo_conflict") if getattr(cfg, f, False))
     if gtpo:
-        why = "gives token-level advantages; GTPO's entropy gate and shift act on one advantage per completion"
+        why = "gives token-level advantages; GTPO's gate, shift and conflict weights act on one per completion"
         yield FlagError(("advantage",), why, gtpo, subject)
 
 

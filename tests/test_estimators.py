@@ -558,7 +558,8 @@ def test_presets_pass_the_checks_with_and_without_the_tree():
     [
         (dict(advantage="rloo"), "--advantage rloo is unscaled"),
         (dict(advantage="reinforce_pp"), "--advantage reinforce_pp whitens"),
-        (dict(advantage="reinforce_pp_baseline", std_normalize=False, entropy_gamma=0.1), "GTPO's entropy gate"),
+        (dict(advantage="reinforce_pp_baseline", std_normalize=False, entropy_gamma=0.1), "GTPO's gate, shift"),
+        (dict(advantage="reinforce_pp", std_normalize=False, gtpo_conflict=True), "GTPO's gate, shift"),
         (dict(batch_std=True, std_normalize=False), "--batch-std chooses which std"),
         (dict(batch_std=True, advantage="agrae"), "--batch-std needs --advantage grpo"),
         (dict(kl_in_reward=True, advantage="rloo", std_normalize=False), "--kl-in-reward needs --beta > 0"),
