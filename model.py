@@ -185,36 +185,49 @@ class MLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if not torch.is_grad_enabled():  # sampling, scoring: nothing is saved anyway
             return self.down_proj(F.silu(gate) * up)  # SwiGLU
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.down_proj.weight.dtype
+        dev, down = x.device.type, self.down_proj
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else down.weight.dtype
+        # A LoRA adapter on down_proj (lora.py): its A (r, I) takes the same product inside the fused function,
+        # and the adapter adds its B part (lora.LoRALinear.add_update); otherwise it would be silently skipped.
+        lora_A = down.lora_A if getattr(down, "enabled", False) else None
         with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
-            return _SwiGLUDown.apply(gate, up, self.down_proj.weight, dtype)
+            out = _SwiGLUDown.apply(gate, up, down.weight, dtype, lora_A)
+        return out if lora_A is None else down.add_update(*out)
 
 
 class _SwiGLUDown(torch.autograd.Function):
     """down_proj(silu(gate) * up), saving only gate and up for backward: silu(gate) and the product
     are recomputed there. Autograd would save four (..., intermediate) tensors per layer (gate,
     silu(gate), up, the product), the largest activations of a training step; this saves two, with
-    the same values and gradients (the same kernels in the same order: bit for bit in float32, tested)."""
+    the same values and gradients (the same kernels in the same order: bit for bit in float32, tested).
+    With a LoRA A (r, I) it also returns the product's projection product @ A.T (..., r). A frozen weight
+    (LoRA's base) gets no gradient: its (C, I) matmul is skipped in backward."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, dtype):
+    def forward(ctx, gate, up, weight, dtype, lora_A=None):
         w = weight.to(dtype)  # (C, I) in the matmul dtype (a no-op in float32), as autocast would cast it
-        ctx.save_for_backward(gate, up, w)
-        ctx.weight_dtype = weight.dtype
-        return F.linear(F.silu(gate) * up, w)
+        a = None if lora_A is None else lora_A.to(dtype)  # (r, I)
+        ctx.save_for_backward(gate, up, w, a)
+        ctx.weight_dtype, ctx.a_dtype = weight.dtype, None if lora_A is None else lora_A.dtype
+        prod = F.silu(gate) * up
+        return F.linear(prod, w) if a is None else (F.linear(prod, w), F.linear(prod, a))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_out):
-        gate, up, w = ctx.saved_tensors
+    def backward(ctx, g_out, g_z=None):
+        gate, up, w, a = ctx.saved_tensors
         act = F.silu(gate)
         prod = (act * up).reshape(-1, w.shape[1])  # (N, I): recomputed, alive for this layer's backward only
         g_flat = g_out.reshape(-1, w.shape[0])  # (N, C)
-        g_weight = (g_flat.T @ prod).to(ctx.weight_dtype)
-        g_prod = (g_flat @ w).view(gate.shape)
+        g_weight = (g_flat.T @ prod).to(ctx.weight_dtype) if ctx.needs_input_grad[2] else None
+        g_prod, g_a = g_flat @ w, None
+        if a is not None:  # the product also fed A: its gradient adds A's part (a sum of two, in either order)
+            g_zf = g_z.reshape(-1, a.shape[0])  # (N, r)
+            g_prod = g_prod + g_zf @ a
+            g_a = (g_zf.T @ prod).to(ctx.a_dtype) if ctx.needs_input_grad[4] else None
+        g_prod = g_prod.view(gate.shape)
         g_gate = torch.ops.aten.silu_backward(g_prod * up, gate)
-        return g_gate, g_prod * act, g_weight, None
+        return g_gate, g_prod * act, g_weight, None, g_a
 
 
 class Block(nn.Module):
