@@ -1,31 +1,45 @@
 """Math answers: the final answer of a completion, the reference of an example, and whether they are equal,
 by a built-in checker and by math-verify when it is installed. rewards.math_reward wires them together; this
-file holds every rule, so that a reader checks them in one place. The first rule: when unsure, 0.
+file holds every rule, so that a reader checks them in one place. The rule: ONE final answer, stated once; a
+qualifier, scale word, percent sign or unit the reference lacks, or a second candidate makes it wrong; when
+unsure, 0.
 
-- The final answer (`final_answer`), kept as written: the content of the `\\boxed{}`s, where boxes that
-  differ are ONE answer, their list `a, b` (`\\boxed{18} or \\boxed{20}` is right only against the
-  reference 18, 20); else the last `<answer>`; else the rest of the last `####` line; else the last math
-  span (`$..$`, `$$..$$`, `\\(..\\)`, `\\[..\\]`) or number outside spans, whichever ends last. A number counts
-  only alone (`_stands_alone`): `x+5`, `2^4`, `6!`, `AZYUK2A`, `18 or 20`, `(0,9)`, `1, 2` give no answer.
+- The text (`plain_text`): every dash and minus sign is a minus (`−5`, `–5` are -5, never 5), full-width forms
+  are ASCII, markdown emphasis goes (`**Answer:** 12`).
+- The final answer (`final_answer`), kept as written: the content of the `\\boxed{}`s and `<answer>` tags, where
+  statements that differ are ONE answer, their list `a, b` (`\\boxed{18} or \\boxed{20}` and `<answer>41</answer>
+  \\boxed{42}` are right only against that list); else the rest of the last `####` line; else the last math span
+  or number outside spans, whichever ends last. A number counts only alone (`_stands_alone`): `x+5`, `2^4`, `6!`,
+  `√5`, `5 ± 1`, `AZYUK2A`, `7万`, `18 or 20`, `(0,9)`, `1, 2`, `x + 1 = 7`, `8 = 7` give no answer; `[90]`, `+7`,
+  `答案是7`, `1234 meters` do. A box counts only outside expressions (`x \\neq \\boxed{4}`, `-\\boxed{5}`,
+  `\\boxed{2}^3` give none) and holding no other box. What qualifies it just after it is part of it (`7 thousand`,
+  `\\boxed{0.25}\\%`, `20 or more`: `_with_tail`). No answer when its sentence hedges (`20 or maybe 21`, `about
+  $7$`, `Is it 21?`, `\\boxed{7} (in thousands)`: `_hedged`), or when the text states another answer
+  (`_contradicted`): a number or a span stating one after it (`guess \\boxed{7}, but ... the answer is 9`), an
+  `Answer: N` or a line that is a bare number before it (three candidates on three lines).
 - The reference (`reference_answer`): the answer field as the task loader left it (GSM8K's `#### N`),
   without `$..$` around it; given a whole solution, its last box and the boxes a short gap or a `,` `;`
   `and` `or` joins to it (as Math-Verify reads a reference; tasks.py's MATH loader stores that).
-- The built-in check (`builtin_verdict`) is sure of: two numbers, equal by exact value (a decimal: to 6
-  places) after units (`18 dollars`), currency, `%`, degrees, `\\text{}`, thousands separators (`1,234`,
-  `1 000`, `14{,}916`, `10,\\!000`) and fraction spellings (`\\dfrac13`, `3/4`); `32, 349` is a list and
-  `20 or more` is not 20 (both surely wrong); `x = 5` against 5 is 5; otherwise the same spelling after
-  normalizing (`\\geq` is `>=`, `5 \\geq x` is `x \\leq 5`, `\\left(` is `(`), or tuples and intervals equal
-  element by element with the same brackets, or lists and sets equal as sets. It is unsure of the rest.
-- math-verify (the field's checker, used by TRL and open-r1; requirements-dev.txt installs it) decides
-  what the built-in check is unsure of: symbolic equality, matrices, equations. It gets both answers exactly
-  as extracted, inside `\\boxed{}` (LaTeX only, first match, so it reads nothing else), never longer than
-  MAX_VERIFY_CHARS nor a power that one C call could spend hours on (`_too_costly`), and runs under a
-  deadline of MATH_VERIFY_SECONDS in any thread (its own SIGALRM timeout works only in the main thread,
-  and rewards are scored in a thread pool too). Without it, unsure is 0.
-- Not promised: that a right answer in an unusual form scores 1 (an expression against a number, `1,5`
-  for 1.5, units glued to the number `5cm`, intermediate boxes before the final one: 0); that math-verify
-  has no false positives of its own on what it is handed; a prose hedge ("maybe 18, maybe 20") is read by
-  its last number, as GSM8K's convention does, which gives no edge over answering 20.
+- The built-in check (`builtin_verdict`) is sure of: a mark in the answer that the reference lacks is wrong
+  (`_marks`: a percent sign, scale word, angle unit, qualifier, base subscript, `\\pm`, `\\approx`, `\\ldots`);
+  so is a qualified number (`20 or more`), a relation whose left side is not a name (`x + 1 = 7`, `8 = 7`), and,
+  against one number, a list, a set or a number followed by more than unit words (`-7, 7`, `\\{7\\}`, `7 m`).
+  Two numbers are equal by exact value (a decimal: to 6 places) after units (`18 dollars`), currency, degrees,
+  `\\text{}`, brackets around one number, thousands separators (`1,234`, `1 000`, `14{,}916`, `10,\\!000`) and
+  fraction spellings (`\\dfrac13`, `3/4`); `32, 349` is a list; `x = 5` against 5 is 5; otherwise the same
+  spelling after normalizing (`\\geq` is `>=`, `5 \\geq x` is `x \\leq 5`, `\\left(` is `(`), or tuples and
+  intervals equal element by element with the same brackets, or lists and sets equal as sets. It is unsure of
+  the rest.
+- math-verify (the field's checker, used by TRL and open-r1; requirements-dev.txt installs it) decides only
+  what the built-in check is unsure of: symbolic equality, matrices, equations. It never sees an answer the rules
+  above refuse. It gets both answers as extracted, inside `\\boxed{}` (LaTeX only, first match, so it reads
+  nothing else), never longer than MAX_VERIFY_CHARS nor a power that one C call could spend hours on
+  (`_too_costly`), and runs under a deadline of MATH_VERIFY_SECONDS in any thread (its own SIGALRM timeout works
+  only in the main thread, and rewards are scored in a thread pool too). Without it, unsure is 0.
+- Not promised: that a right answer in an unusual form scores 1 (an expression against a number, `1,5` for 1.5,
+  units glued to the number `5cm`, `50%` for a reference of 50, an approximation `\\approx 11`, a number after the
+  box such as `\\boxed{7} after 5 years`: 0); that math-verify has no false positives of its own on what it is
+  handed; that every hedge in every language is seen (English, Chinese, Japanese and Korean ones are).
 
 bench/bench_math_checker.py measures these rules against the verdicts of Math-Verify's own test suite.
 """
@@ -100,6 +114,7 @@ _CJK_BEFORE = re.compile(
     r"|多于|少于|大于|小于|たぶん|多分|おそらく|대략|아마)$"
 )
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?(?![A-Za-z0-9^_])")
+_OPERAND_END = re.compile(r"(?:[\d)\]}!]|\b[A-Za-z])$")  # `5 +7`, `x -5`: a sign after an operand is an operator
 _LEFT_SIDE = re.compile(r"((?:[^\s=<>$]+\s*[-+*/^×÷·]\s*)*[^\s=<>$]+)\s*=$")  # the `x + 1` of `x + 1 =`
 _BOUNDARY = re.compile(r"[.!?](?=[\s$)\]]|$)|\n")  # the end of a sentence
 _HEDGE = re.compile(  # anywhere in the final answer's sentence: the answer is one of several, or a guess
@@ -161,19 +176,12 @@ def extract_tag(text: str, tag: str) -> str | None:
 
 
 def final_answer(text: str) -> str | None:
-    """The one final answer in `text` (after `plain_text`), as written, or None when there is not exactly one:
-    1. its statements: every `\\boxed{}` and `<answer>` (same content: one answer; contents that differ are ONE
-       answer, their list `a, b`, right only against a reference that is that list); else the rest of the last
-       `####` line; else the last math span or stand-alone number (`_last_candidate`);
-    2. with its tail: a percent sign, scale word, angle unit or qualifier just after it is part of it (`7 thousand`,
-       `\\boxed{20} or more`: `_with_tail`), to be judged against the reference;
-    3. None when a box is cut off, empty, nested in an expression (`x \\neq \\boxed{4}`, `-\\boxed{5}`) or holds
-       another box besides its content; when its sentence hedges (`_hedged`: `20 or maybe 21`, `about $7$`); or when
-       anything restates a different answer (`_contradicted`: a number or span after it, a line that is a bare
-       number, an `Answer: N` before it)."""
+    """The one final answer in `text` (after `plain_text`) as written, or None when there is not exactly one: the
+    statements (`_statements`: boxes and tags; that differ: their list `a, b`), else the rest of the last `####`
+    line, else the last math span or stand-alone number (`_last_candidate`); with its tail (`_with_tail`); None
+    when its sentence hedges (`_hedged`) or the text states another answer (`_contradicted`)."""
     text = plain_text(text)
-    found = _statements(text)
-    if found is None:
+    if (found := _statements(text)) is None:
         return None
     if found:
         distinct: list[str] = []
@@ -188,12 +196,11 @@ def final_answer(text: str) -> str | None:
         answer, start = text[i + 4 : end].strip(), i
         found = [(answer, start, end)]
     elif (candidate := _last_candidate(text)) is not None:
-        answer, start, end = candidate
-        found = [candidate]
+        (answer, start, end), found = candidate, [candidate]
     else:
         return None
     answer, end = _with_tail(text, answer, end)
-    first = start  # the first statement of the final sentence: `\boxed{1} or \boxed{2}` is one list
+    first = start  # the first statement of the final sentence: `\boxed{1} or \boxed{2}` is one list, not a hedge
     for _, s, e in reversed(found[:-1]):
         if first - e > 300 or _BOUNDARY.search(text, e, first):
             break
@@ -204,18 +211,16 @@ def final_answer(text: str) -> str | None:
 
 
 def _statements(text: str) -> list[tuple[str, int, int]] | None:
-    """(content, start, end) of every box and `<answer>` tag (one that holds a box counts as that box), in order;
-    None when a box never closes, holds a box besides its content (`\\boxed{x \\neq \\boxed{4}}`; one wrapped in
-    another is its content) or is part of an expression (`_part_of_expression`)."""
-    boxes = boxed_answers(text)
-    if boxes is None:
+    """(content, start, end) of every box and `<answer>` tag (a tag holding a box is that box), in order; None when
+    a box never closes, holds a box besides its content (a box only wrapping one is its content) or is an operand
+    (`_part_of_expression`)."""
+    if (boxes := boxed_answers(text)) is None:
         return None
     found = []
     for content, start, end in boxes:
         content = content.strip()
         for _ in range(3):  # \boxed{\boxed{3}} is 3
-            inner = boxed_answers(content)
-            if not inner or inner[0][1:] != (0, len(content)):
+            if not (inner := boxed_answers(content)) or inner[0][1:] != (0, len(content)):
                 break
             content = inner[0][0].strip()
         if inner != [] or _part_of_expression(text, start, end, box=True):
@@ -231,140 +236,110 @@ def _statements(text: str) -> list[tuple[str, int, int]] | None:
 
 def _last_candidate(text: str) -> tuple[str, int, int] | None:
     """The last math span's content or the last number outside spans, whichever ends last, with its place; None
-    when that one is not alone (`_stands_alone`; a span next to another span or number: `$18$ or $20$`). A number
-    alone in brackets is that number (`[90]`)."""
+    when it is not alone (`_stands_alone`; a span beside another: `$18$ or $20$`)."""
     spans = list(_MATH_SPAN.finditer(text))
-    numbers = list(_NUMBER_TOKEN.finditer(text, spans[-1].end() if spans else 0))
-    if numbers:
-        m = numbers[-1]
-        return (m[0], m.start(), m.end()) if _stands_alone(text, m.start(), m.end()) else None
+    if numbers := list(_NUMBER_TOKEN.finditer(text, spans[-1].end() if spans else 0)):
+        return (numbers[-1][0], *numbers[-1].span()) if _stands_alone(text, *numbers[-1].span()) else None
     if not spans:
         return None
     start, end = spans[-1].span()
     if _SPAN_LISTED_BEFORE.search(text, max(0, start - 40), start) or _SPAN_LISTED_AFTER.match(text, end):
         return None
-    content = next(group for group in spans[-1].groups() if group is not None).strip()
-    return (content, start, end) if content else None
+    return (content, start, end) if (content := _span_content(spans[-1]).strip()) else None
 
 
 def _stands_alone(text: str, start: int, end: int) -> bool:
-    """Whether the number at text[start:end] is a whole answer rather than part of an expression, a word or a list:
-    not glued to a letter, digit or dot (`AZYUK2A`, `2x`; CJK text is fine, `答案是7`, but not a CJK numeral or
-    qualifier, `7万`, `约7`), not a sign used as an operator (`5 +7`), not in an expression (`_part_of_expression`:
-    `x+5`, `2^4`, `6!`, `√5`, `5 ± 1`, `5 \\pm 1`), not in a list or beside a connective (`1, 2`, `18 or 20`).
-    Allowed: `x = 18`, `Answer: 18`, `[18]`, currency glued before it (`$18`), units, `%` or punctuation after it."""
+    """Whether the number at text[start:end] is a whole answer (`x = 18`, `Answer: 18`, `[18]`, `$18`, `18 dollars`,
+    `答案是7`), not part of a word (`AZYUK2A`, `2x`, `7万`, `约7`), an expression (`5 +7`, `x+5`, `2^4`, `√5`,
+    `5 \\pm 1`: `_part_of_expression`), an equation with an expression on its left (`x + 1 = 7`) or a list
+    (`1, 2`, `18 or 20`)."""
     for _ in range(2):  # [90], ((90))
         if (text[start - 1 : start], text[end : end + 1]) not in (("(", ")"), ("[", "]")):
             break
         start, end = start - 1, end + 1
-    glued_before, glued_after = text[start - 1 : start], text[end : end + 1]
-    if (
-        _letter(glued_before)
-        or glued_before == "."
-        or _letter(glued_after)
-        or _letter(text[end + 1 : end + 2])
-        and (glued_after == ".")
-    ):
+    before, after = text[start - 1 : start], text[end : end + 1]
+    if _letter(before) or before == "." or _letter(after) or (after == "." and _letter(text[end + 1 : end + 2])):
         return False
     if _CJK_BEFORE.search(text, max(0, start - 4), start) or _CJK_AFTER.match(text, end):
         return False
     window = text[max(0, start - 40) : start].rstrip()
-    if text[start] in "+-" and (
-        window[-1:].isdigit() or window[-1:] in (")", "]", "}", "!") or re.search(r"\b[A-Za-z]$", window)
-    ):
+    if text[start] in "+-" and _OPERAND_END.search(window):
         return False  # `5 +7`, `x -5`: an operator, not a sign
     if _part_of_expression(text, start, end, box=False) or _unnamed_left_side(window):
         return False
     return _LISTED_BEFORE.search(text, max(0, start - 40), start) is None and _LISTED_AFTER.match(text, end) is None
 
 
-def _unnamed_left_side(window: str) -> bool:
-    """Whether `window` (the text before a number) ends with `LEFT =` where LEFT is a lone number (`8 = 7`) or an
-    expression with a letter in it that is not a name (`x + 1 = 7`, `2x = 14`); `x = 7`, `5 + 3 = 8` are fine."""
-    if (m := _LEFT_SIDE.search(window)) is None:
-        return False
-    left = m[1]
-    return _PLAIN_NUMBER.fullmatch(left) is not None or (
-        re.search(r"[A-Za-z]", left) is not None and re.fullmatch(_NAME, left) is None
-    )
-
-
 def _letter(ch: str) -> bool:
     return ch.isalnum() and _CJK.match(ch) is None
 
 
+def _unnamed_left_side(window: str) -> bool:
+    """Whether `window` ends with `LEFT =`, LEFT a lone number (`8 =`) or an expression with a letter that is not a
+    name (`x + 1 =`, `2x =`); `x =` and `5 + 3 =` are fine."""
+    if (m := _LEFT_SIDE.search(window)) is None:
+        return False
+    return _PLAIN_NUMBER.fullmatch(m[1]) is not None or (_WORD.search(m[1]) and not re.fullmatch(_NAME, m[1]))
+
+
 def _part_of_expression(text: str, start: int, end: int, box: bool) -> bool:
-    """Whether text[start:end] (a number, or a box when `box`) is an operand: after an operator, an opening
-    bracket or a LaTeX command other than spacing and `\\Rightarrow` (`x+5`, `(0`, `\\pm 1`, `x \\neq \\boxed{4}`,
-    `-\\boxed{5}`, `\\sqrt{\\boxed{5}}`); glued to a power, subscript, factorial or command (`2^4`, `6!`,
-    `\\boxed{12}_3`); before an operator (`5 + 3`, `5-year`; after a box, `- seven` is prose). Math
-    delimiters around a box do not count (`$\\boxed{7}$`); currency glued before a number does not (`$18`)."""
-    before = text[max(0, start - 40) : start]
-    after = text[end : end + 40]
+    """Whether text[start:end] (a number, or a box when `box`) is an operand: after an operator, an opening bracket
+    or a LaTeX command not in _COMMANDS_BEFORE (`x+5`, `\\pm 1`, `x \\neq \\boxed{4}`, `-\\boxed{5}`); glued to a
+    power, subscript, factorial or command (`2^4`, `6!`, `\\boxed{12}_3`, not `90^\\circ`); before an operator
+    (`5 + 3`, `5-year`; after a box, `- seven` is prose). Delimiters and tags around a box do not count."""
+    before, after = text[max(0, start - 40) : start], text[end : end + 40]
     if box:
         before = re.sub(r"(?:\s|\$|\\[(\[]|\\|</?answer>)+$", "", before)  # `$`, `\(`, `\[`, a line break `\\`
         after = re.sub(r"^(?:\s|\$|\\[)\]]|</?answer>)+", "", after)
     elif text[start - 1 : start] == "$":
         before = ""  # `$18`: currency
-    if (m := _COMMAND_END.search(before)) is not None and m[1] not in _COMMANDS_BEFORE:
+    if ((m := _COMMAND_END.search(before)) and m[1] not in _COMMANDS_BEFORE) or before.rstrip()[-1:] in _JOINS_BEFORE:
         return True
-    if before.rstrip()[-1:] in _JOINS_BEFORE:
-        return True
-    glued = after[:1]
     if after.startswith("\\%") or _DEGREES.match(after):  # `50\%`, `90^\circ`: units
         return False
-    if glued in _JOINS_AFTER and not (glued == "\\" and box):
-        return True
-    if (m := _COMMAND_START.match(after)) is not None and m[1] not in _COMMANDS_AFTER:
+    if (after[:1] in _JOINS_AFTER and not (box and after[:1] == "\\")) or (
+        (m := _COMMAND_START.match(after)) and m[1] not in _COMMANDS_AFTER
+    ):
         return True
     operator, rest = after.lstrip()[:1], after.lstrip()[1:].lstrip()
-    return operator in _OPERATORS and not (box and re.match(r"[A-Za-z]{2}", rest))  # `\boxed{7} - seven`: prose
+    return operator in _OPERATORS and not (box and re.match(r"[A-Za-z]{2}", rest))
 
 
 def _with_tail(text: str, answer: str, end: int) -> tuple[str, int]:
-    """The answer with what qualifies it just after it (`_TAIL`: up to three words, `%`), when that holds a mark
-    (`_marks`: `%`, a scale word, an angle unit, a qualifier, `or`): `7 thousand`, `\\boxed{0.25}\\%`, `20 or more`.
-    Other words after it are prose (`18 dollars left`)."""
-    m = _TAIL.match(text, end, end + 80)
-    if m is None:
+    """The answer and its tail, when the (up to three) words or `%` just after it hold a mark (`_marks`) or `or`:
+    `7 thousand`, `\\boxed{0.25}\\%`, `20 or more`; other words after it are prose (`18 dollars left`)."""
+    if (m := _TAIL.match(text, end, end + 80)) is None:
         return answer, end
     words, cut = 0, None
     for token in _TAIL_TOKEN.finditer(m[1]):
-        if token[0][0].isalpha():
-            words += 1
-            if words > 3:
-                break
+        if (words := words + token[0][0].isalpha()) > 3:
+            break
         if token[0] in ("%", "\\%", "‰") or token[0].lower() in (*_MARK_WORDS, "or", "nor", "cent"):
             cut = token.end()
     if cut is None:
         return answer, end
-    tail = m[1][:cut]
-    tail += "}" * (tail.count("{") - tail.count("}"))
+    tail = m[1][:cut] + "}" * (m[1][:cut].count("{") - m[1][:cut].count("}"))
     return f"{answer} {tail.strip()}", m.start(1) + cut
 
 
 def _hedged(text: str, start: int, end: int) -> bool:
-    """Whether the sentence around text[start:end] (up to 300 characters each side) hedges (`_HEDGE`: `or`,
-    `maybe`, `approximately`, `±`, `或`, ...), outside the answer itself, or the word just before it qualifies it
-    (`_QUALIFIED_BEFORE`: `at least`, `about`, `not`, `minus`, ...), or the rest of its sentence scales it
-    (`\\boxed{7} (in thousands)`), or it is a question."""
+    """Whether the sentence around text[start:end] (300 characters each side at most) is a question, hedges
+    outside the answer (`_HEDGE`), qualifies it by the word just before it (`_QUALIFIED_BEFORE`), or scales it
+    after it (`\\boxed{7} (in thousands)`)."""
     head = max(0, start - 300)
     for boundary in _BOUNDARY.finditer(text, head, start):
         head = boundary.end()
     stop = _BOUNDARY.search(text, end, end + 300)
-    sentence_end = stop.start() if stop is not None else min(len(text), end + 300)
-    before, after = text[head:start], text[end:sentence_end]
-    if stop is not None and stop[0] == "?":
-        return True  # `Is it 21?`
-    if _marks(after) & {"percent", "scale", "angle"} - _marks(text[start:end]):
-        return True  # `\boxed{7} (in thousands)`
+    before, after = text[head:start], text[end : stop.start() if stop else min(len(text), end + 300)]
+    if (stop and stop[0] == "?") or _marks(after) & {"percent", "scale", "angle"} - _marks(text[start:end]):
+        return True
     return bool(_HEDGE.search(before) or _HEDGE.search(after) or _QUALIFIED_BEFORE.search(before))
 
 
 def _contradicted(text: str, statements: list[str], answer: str, start: int, end: int) -> bool:
-    """Whether the text states another answer: any stand-alone number or math span after the final answer, any
-    `Answer: N` / `the answer is N` and any line that is a bare number (`_CANDIDATE_LINE`) before it, that is not
-    the same answer (`_restates`). Statements (boxes, tags) are the answer itself. More than MAX_RIVALS: unsure."""
+    """Whether the text states another answer (not `_restates`): a stand-alone number or a math span that states a
+    number after the final answer; `Answer: N`, `the answer is N` or a line that is a bare number before it. More
+    than MAX_RIVALS to check: unsure, so True."""
     spans = list(_MATH_SPAN.finditer(text))
     outside, pos = [], end  # the stretches after the answer outside spans
     for m in spans:
@@ -373,20 +348,14 @@ def _contradicted(text: str, statements: list[str], answer: str, start: int, end
             pos = m.end()
     outside.append((pos, len(text)))
     starts = {m.start(): m for m in spans}
-    labelled = (
-        _span_content(starts[label.end()]) if label.end() in starts else number[0]
-        for label in _LABEL.finditer(text, 0, start)
-        if label.end() in starts or (number := _NUMBER_TOKEN.match(text, label.end())) is not None
-    )
     rivals = itertools.chain(
         (content for m in spans if m.start() >= end and _is_number(content := _span_content(m))),
+        (n[0] for lo, hi in outside for n in _NUMBER_TOKEN.finditer(text, lo, hi) if _stands_alone(text, *n.span())),
         (
-            n[0]
-            for lo, hi in outside
-            for n in _NUMBER_TOKEN.finditer(text, lo, hi)
-            if _stands_alone(text, n.start(), n.end())
+            _span_content(starts[m.end()]) if m.end() in starts else n[0]
+            for m in _LABEL.finditer(text, 0, start)
+            if m.end() in starts or (n := _NUMBER_TOKEN.match(text, m.end()))
         ),
-        labelled,
         (line[1] for line in _CANDIDATE_LINE.finditer(text, 0, start) if _is_number(line[1])),
     )
     checked = list(itertools.islice(rivals, MAX_RIVALS + 1))
@@ -398,14 +367,13 @@ def _span_content(span: re.Match) -> str:
 
 
 def _is_number(s: str) -> bool:
-    """Whether s states a number: `20`, `$\\frac{1}{2}$`, `x = 20` (a span that states anything else, `$13_5$`,
-    `$B$`, is work, not a rival answer)."""
+    """Whether s states a number (`20`, `$\\frac{1}{2}$`, `x = 20`); other spans (`$13_5$`, `$B$`) are work."""
     s = normalize_answer(s.strip().removeprefix("\\(").removesuffix("\\)"))
     return parse_number(_right_side(s) if _is_relation(s) else s) is not None
 
 
 def _restates(rival: str, answer: str, statements: list[str]) -> bool:
-    """Whether `rival` says the same as the final answer or one of its statements (the built-in check, sure)."""
+    """Whether `rival` says what the final answer or one of its statements says (the built-in check, sure)."""
     if not rival or _BOX.search(rival):
         return True  # a box is a statement, part of the answer already
     rival = rival.removeprefix("$").removesuffix("$").strip()
@@ -435,31 +403,19 @@ _BARE_ARGUMENTS = (  # one-character arguments without braces: \sqrt3, \frac34, 
     (re.compile(r"\\frac\s*(\{[^{}]*\})\s*([0-9a-zA-Z])"), r"\\frac\1{\2}"),
 )
 _TRAILING_WORDS = re.compile(r"(.*?[\d}])((?:\s+[A-Za-z]+)+)\s*(?:\^?\{?[23²³]\}?)?")  # 18 dollars, 5 cm^2
-_QUALIFIERS = {  # words after a number that make it something else than that number: `20 or more`
-    *("or", "and", "nor", "either", "not", "no", "to", "than", "at", "least", "most", "more", "less", "fewer"),
-    *("greater", "smaller", "larger", "bigger", "higher", "lower", "above", "below", "over", "under", "maybe"),
-    *("perhaps", "possibly", "plus", "minus", "times", "divided", "by", "approximately", "about", "roughly"),
+_WORDS = {  # words that change what a number means, by kind (`_marks`)
+    "percent": "percent percents percentage pct percentile",
+    "angle": "radian radians rad rads gradian gradians grad grads",
+    "base": "base",
+    "scale": "thousand thousands hundred hundreds dozen dozens million millions billion billions trillion trillions "
+    "lakh lakhs crore crores grand score gross thousandth thousandths hundredth hundredths tenth tenths millionth "
+    "millionths half halves third thirds quarter quarters twice double triple squared cubed factorial fold",
+    "qualifier": "not nor either least most more less fewer greater smaller larger bigger higher lower above below "
+    "over under than maybe perhaps possibly probably likely approximately approx about around roughly nearly almost "
+    "circa exceeds exceed exceeding except unless guess",
 }
-_MARK_WORDS = {  # words that change what a number means: a final answer with one its reference lacks is wrong
-    **dict.fromkeys(("percent", "percents", "percentage", "pct", "percentile"), "percent"),
-    **dict.fromkeys(("radian", "radians", "rad", "rads", "gradian", "gradians", "grad", "grads"), "angle"),
-    **dict.fromkeys(("base",), "base"),
-    **dict.fromkeys(
-        ("thousand", "thousands", "hundred", "hundreds", "dozen", "dozens", "million", "millions", "billion")
-        + ("billions", "trillion", "trillions", "lakh", "lakhs", "crore", "crores", "grand", "score", "gross")
-        + ("thousandth", "thousandths", "hundredth", "hundredths", "tenth", "tenths", "millionth", "millionths")
-        + ("half", "halves", "third", "thirds", "quarter", "quarters", "twice", "double", "triple", "squared")
-        + ("cubed", "factorial", "fold"),
-        "scale",
-    ),
-    **dict.fromkeys(
-        ("not", "nor", "either", "least", "most", "more", "less", "fewer", "greater", "smaller", "larger", "bigger")
-        + ("higher", "lower", "above", "below", "over", "under", "than", "maybe", "perhaps", "possibly", "probably")
-        + ("likely", "approximately", "approx", "about", "around", "roughly", "nearly", "almost", "circa", "exceeds")
-        + ("exceed", "exceeding", "except", "unless", "guess"),
-        "qualifier",
-    ),
-}
+_MARK_WORDS = {word: kind for kind, words in _WORDS.items() for word in words.split()}
+_QUALIFIERS = {*_WORDS["qualifier"].split(), *"or and no to at plus minus times divided by".split()}  # `20 or more`
 _MARK_SIGNS = (  # ... and signs that do
     ("percent", re.compile(r"%|‰|‱")),
     ("pm", re.compile(r"[±∓]|\\(?:pm|mp)(?![A-Za-z])")),
