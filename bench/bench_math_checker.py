@@ -10,7 +10,7 @@ PATH is a checkout of Hugging Face's Math-Verify repository (its tests/*.py hold
 comparison (strict=False, allow_set_relation_comp=True, a precision other than 6) and rows that are not
 literals (f-strings) are left out and counted. Agreement: the share of rows whose reward equals the
 expected verdict. False credit: the share of expected-0 rows given reward 1 (the number a policy can
-exploit; it should be 0). --show lists every disagreement.
+exploit; it must be 0: each such row is printed, and the exit status is 1). --show lists every disagreement.
 """
 
 import argparse
@@ -63,21 +63,22 @@ def load_cases(path: Path) -> tuple[list[dict], int]:
     return cases, skipped
 
 
-def score(cases: list[dict], show: bool, label: str) -> None:
-    """Print agreement and false credit of math_reward on `cases`."""
+def score(cases: list[dict], show: bool, label: str) -> int:
+    """Print agreement and false credit of math_reward on `cases`; return the number of false credits."""
     wrong = [c for c in cases if c["expected"] == 0]
     agree = credited = 0
     for case in cases:
         reward = math_reward(case["pred"], {"answer": case["gold"]})
         agree += reward == case["expected"]
         credited += case["expected"] == 0 and reward == 1.0
-        if show and reward != case["expected"]:
+        if (show or case["expected"] == 0) and reward != case["expected"]:
             print(f"  [{label}] expected {case['expected']} got {reward:.0f}  gold={case['gold'][-80:]!r}")
             print(f"      pred={case['pred'][-160:]!r}")
     print(
         f"{label:<14} agreement {agree}/{len(cases)} = {agree / len(cases):.1%}   "
         f"false credit {credited}/{len(wrong)} = {credited / max(len(wrong), 1):.1%}"
     )
+    return credited
 
 
 def main() -> None:
@@ -87,14 +88,16 @@ def main() -> None:
     args = parser.parse_args()
     cases, skipped = load_cases(args.path)
     print(f"{len(cases)} cases ({sum(c['expected'] == 0 for c in cases)} wrong predictions), {skipped} rows skipped")
+    credited = 0
     try:
         import math_verify  # noqa: F401
 
-        score(cases, args.show, "math-verify")
+        credited += score(cases, args.show, "math-verify")
     except ImportError:
         print("math-verify     not installed: pip install -r requirements-dev.txt")
     sys.modules["math_verify"] = None  # from here on `import math_verify` fails: the built-in checker alone
-    score(cases, args.show, "built-in")
+    credited += score(cases, args.show, "built-in")
+    sys.exit(1 if credited else 0)
 
 
 if __name__ == "__main__":
