@@ -1,7 +1,7 @@
-"""config.py: train.py's flags. TrainConfig holds every flag with its default, help text (the trailing
-comment) and range; the presets (--algo) fill the flags the user did not type; check lists the combinations
-the trainer refuses (the core's here, each method's in its file in methods/); RESUMABLE, the flags a resumed run may
-change. Nothing here runs a model.
+"""config.py: train.py's flags. CoreFlags holds the core loop's flags, each with its default, help text (the trailing
+comment) and range; TrainConfig gathers them with every method's (its Flags in methods/); the presets (--algo) fill
+the flags the user did not type; check lists the combinations the core refuses (each method's are in its file);
+RESUMABLE, the flags a resumed run may change. Nothing here runs a model.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+import methods
 from advantage import AGGREGATIONS
 from checkpoint import resume_flags
 from cli import FlagError, first_error, out_of_range
 from hf import BUNDLED
-from losses import KL_ESTIMATORS, LOSSES, ROLLOUT_IS_MODES, loss_name
-from methods import dagrpo, dapo, gtpo, hard_examples, noise, token_select
+from losses import KL_ESTIMATORS
 from tasks import TASK_NAMES
 
 # -----------------------------------------------------------------------------
@@ -63,7 +63,6 @@ class CoreFlags:
     # -- advantages
     advantage: str = "grpo"  # grpo = group normalisation (GRPO-MA when answers > 1)
     std_normalize: bool = True  # divide by the group std (off = Dr. GRPO / GTPO centring)
-    agrae_alpha: float = 1.0  # A-GRAE: positive advantages times min(1, batch accuracy / alpha)
     # -- loss
     aggregation: str = "seq_mean_token_mean"  # token weights: GRPO | DAPO token mean | Dr. GRPO sum / max length
     thought_weight: float = 1.0  # GRPO-MA: weight of the mean thought loss
@@ -71,20 +70,9 @@ class CoreFlags:
     clip_low: float = 0.2  # ratio clip below 1 - clip_low
     clip_high: float = 0.2  # ratio clip above 1 + clip_high (DAPO clip-higher: 0.28)
     loss: str = "clip"  # policy objective (losses.LOSSES; the preset of the same name sets its paper's defaults)
-    sequence_ratio: bool = False  # GSPO's sequence ratio: the same as --loss gspo (kept for existing commands)
-    sapo_tau_pos: float = 1.0  # SAPO: gate temperature for positive advantages
-    sapo_tau_neg: float = 1.05  # SAPO: gate temperature for negative advantages (steeper)
-    dppo_mask_low: float = 0.2  # DPPO: mask a negative-advantage token whose probability fell by more than this
-    dppo_mask_high: float = 0.2  # DPPO: mask a positive-advantage token whose probability rose by more than this
-    dppo_kl_tau: float = 1e-3  # DPPO: coefficient of the squared log-ratio on every token
-    gpg_alpha: bool = False  # GPG: token weights times groups / groups whose rewards differ
-    opsm_delta: float = -1.0  # DeepSeek-V3.2: drop negative-advantage sequences with KL(sampler||pi) > DELTA (-1 off)
     beta: float = 0.0  # KL penalty to the starting model; > 0 loads a reference copy
     kl_estimator: str = "k3"  # the penalty's estimator: k3, or unbiased (DeepSeek-V3.2: k3 times pi / pi_old)
     mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
-    tis_cap: float = 2.0  # with a --rollout-dtype copy: token losses times min(pi_train / pi_sampler, CAP) (0 = off)
-    rollout_is: str = "token_truncate"  # the --tis-cap correction: per token or sequence, truncate or mask (0 weight)
-    tis_floor: float = 0.0  # lower bound of the correction's ratio (IcePop: --rollout-is token_mask, 0.5 and 5)
     # -- optimisation
     lr: float = 3e-4  # AdamW learning rate (tiny model; about 1e-6 for 0.5B-7B models)
     warmup_steps: int = 5  # linear learning-rate warm-up, in optimizer steps
@@ -109,42 +97,16 @@ class CoreFlags:
     wandb: str = ""  # wandb project name (empty = off; needs the wandb package)
 
 
-METHODS = (hard_examples, noise, dapo, dagrpo, gtpo, token_select)  # each method's flags, presets and checks
-
-CORE_PRESETS: dict[str, dict] = {  # each method file adds its own (its PRESETS)
-    "grpo": {},
-    "dr_grpo": dict(std_normalize=False, aggregation="seq_mean_token_sum_norm"),
-    "gspo": dict(loss="gspo", clip_low=3e-4, clip_high=4e-4, mu=2),
-    "grpo_ma": dict(thoughts=4, answers=4),
-    # 2-GRPO's recipe against 16-GRPO: same rollouts per step (prompts x8) and learning rate x8.
-    "two_grpo": dict(
-        thoughts=2,
-        advantage="two_grpo",
-        prompts_per_step=8 * CoreFlags.prompts_per_step,
-        lr=8 * CoreFlags.lr,
-        clip_high=0.28,
-    ),
-    "agrae": dict(advantage="agrae"),
-    # CISPO: TRL's recommended cap of 5 on the importance weight, its token mean; mu = 2, or every weight is 1
-    "cispo": dict(loss="cispo", clip_high=4.0, aggregation="token_mean", mu=2),
-    # The field's newer losses at their papers' or reference code's defaults (losses.py says which). With mu = 1 the
-    # ratio is 1 and SAPO, KL-Cov and DPPO are the plain policy gradient: their presets take a second epoch.
-    "sapo": dict(loss="sapo", mu=2),  # tau 1.0 / 1.05 (the flags' defaults)
-    "gmpo": dict(loss="gmpo", clip_low=0.4, clip_high=0.4, mu=2),  # the clip in log space: (e^-0.4, e^0.4)
-    "dppo": dict(loss="dppo", aggregation="token_mean", mu=2),  # prime-rl's defaults 0.2, 0.2, 1e-3
-    "gpg": dict(loss="gpg", std_normalize=False, aggregation="token_mean", gpg_alpha=True),
-    # DeepSeek-V3.2: the off-policy sequence mask at slime's delta and the unbiased KL
-    "dsv32": dict(opsm_delta=1e-4, kl_estimator="unbiased", beta=1e-3, mu=2),
-}
-METHOD_PRESETS = {name: flags for m in METHODS for name, flags in getattr(m, "PRESETS", {}).items()}
-PRESETS = {name: (CORE_PRESETS | METHOD_PRESETS)[name] for name in ALGOS}  # in ALGOS' order (--help's)
-assert set(PRESETS) == set(CORE_PRESETS) | set(METHOD_PRESETS)
+# --algo's presets, each from its method's file, listed in this order by --help (a deleted method's is gone)
+PRESETS: dict[str, dict] = {"grpo": {}} | {name: methods.PRESETS[name] for name in ALGOS if name in methods.PRESETS}
+ALGOS = tuple(PRESETS)
 
 
 @dataclass
-class TrainConfig(*(m.Flags for m in reversed(METHODS)), CoreFlags):  # fields: the core's first, then METHODS'.
-    """train.py's flags: the core's (CoreFlags) and each method's (its Flags in methods/), one dataclass; the
-    presets (--algo) fill the flags the user did not type, and __post_init__ refuses impossible combinations."""
+class TrainConfig(*(m.Flags for m in reversed(methods.METHODS) if hasattr(m, "Flags")), CoreFlags):
+    """train.py's flags: the core's (CoreFlags, whose fields come first) and each method's (its Flags in methods/),
+    one dataclass; the presets (--algo) fill the flags the user did not type, and __post_init__ refuses impossible
+    combinations."""
 
     # The values of every choice flag (shown by --help) and the range of every numeric one (cli.in_range).
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(
@@ -152,11 +114,11 @@ class TrainConfig(*(m.Flags for m in reversed(METHODS)), CoreFlags):  # fields: 
         task=TASK_NAMES,
         device=("auto", "cpu", "cuda", "cuda:N"),
         dtype=("auto", "float32", "bfloat16"),
-        advantage=("grpo", "two_grpo", "agrae"),
+        advantage=("grpo", *methods.ADVANTAGES),
         aggregation=AGGREGATIONS,
-        loss=tuple(LOSSES),
+        loss=tuple(methods.LOSSES),
         kl_estimator=KL_ESTIMATORS,
-        rollout_is=ROLLOUT_IS_MODES,
+        **methods.gathered("CHOICES"),
         lr_schedule=("cosine", "constant"),
         save_dtype=("auto", "float32", "bfloat16", "float16"),
         rollout_dtype=("auto", "float32", "bfloat16"),
@@ -165,12 +127,10 @@ class TrainConfig(*(m.Flags for m in reversed(METHODS)), CoreFlags):  # fields: 
         **dict.fromkeys(("max_steps", "prompts_per_step", "thoughts", "answers", "max_answer_tokens"), ">= 1"),
         **dict.fromkeys(("reward_workers", "mu", "micro_batch_rows", "max_bad_steps", "eval_examples"), ">= 1"),
         **dict.fromkeys(("seed", "max_thought_tokens", "top_k", "thought_weight", "answer_weight", "beta"), ">= 0"),
-        **dict.fromkeys(("tis_cap", "warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every"), ">= 0"),
+        **dict.fromkeys(("warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every"), ">= 0"),
         **dict.fromkeys(("eval_samples", "save_every", "samples_every"), ">= 0"),
-        **dict.fromkeys(("temperature", "top_p", "agrae_alpha", "clip_high", "lr", "grad_clip"), "> 0"),
+        **dict.fromkeys(("temperature", "top_p", "clip_high", "lr", "grad_clip"), "> 0"),
         **dict(clip_low="[0, 1)"),
-        **dict.fromkeys(("sapo_tau_pos", "sapo_tau_neg"), "> 0"),
-        **dict.fromkeys(("dppo_mask_low", "dppo_mask_high", "dppo_kl_tau", "tis_floor"), ">= 0"),
     }
 
     def __post_init__(self) -> None:
@@ -207,40 +167,16 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
     if cfg.answers > 1 and not cfg.enable_thinking:
         why = "pre-fills an empty thought, leaving none to sample answers from: it needs --answers 1"
         yield FlagError(("enable_thinking",), why, subject="--no-enable-thinking")
-    if cfg.advantage == "two_grpo" and (cfg.thoughts, cfg.answers) != (2, 1):
-        yield FlagError(("advantage",), "needs --thoughts 2 --answers 1", group, "--advantage two_grpo")
-    if cfg.sequence_ratio and cfg.loss not in ("clip", "gspo"):
-        why = f"is GSPO's ratio (--loss gspo); it contradicts --loss {cfg.loss}"
-        yield FlagError(("sequence_ratio",), why, ("loss",))
-    one_answer = [  # (fields, how the sentence names them, in use): each needs whole completions as rows
-        (("loss",), "--loss gspo", loss_name(cfg) == "gspo" and not cfg.sequence_ratio),
-        (("sequence_ratio",), "--sequence-ratio (GSPO)", cfg.sequence_ratio),
-        (("advantage",), "--advantage agrae", cfg.advantage == "agrae"),
-        (("aggregation",), "--aggregation seq_mean_token_sum_norm", cfg.aggregation == "seq_mean_token_sum_norm"),
-    ]
-    one_answer += [
-        (("loss",), f"--loss {cfg.loss} (one ratio per sequence)", cfg.loss == "gmpo"),
-        (("opsm_delta",), "--opsm-delta (one KL per sequence)", cfg.opsm_delta >= 0),
-        (("rollout_is",), f"--rollout-is {cfg.rollout_is}", cfg.rollout_is.startswith("sequence")),
-    ]
-    if cfg.opsm_delta != -1 and not (math.isfinite(cfg.opsm_delta) and cfg.opsm_delta >= 0):
-        yield FlagError(("opsm_delta",), f"must be >= 0, or -1 (off), got {cfg.opsm_delta}")
+    if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.answers > 1:
+        subject = "--aggregation seq_mean_token_sum_norm"
+        yield FlagError(("aggregation",), "needs --answers 1", ("answers",), subject)
     if cfg.kl_estimator == "unbiased" and cfg.beta == 0:
         yield FlagError(
             ("kl_estimator",), "is the KL penalty's estimator: it needs --beta > 0", subject="--kl-estimator unbiased"
         )
-    if cfg.kl_estimator == "unbiased" and cfg.anchors:
-        why = "needs pi_old on every token; anchor tokens were not sampled by it"
-        yield FlagError(("kl_estimator",), why, ("anchors",), "--kl-estimator unbiased")
-    if cfg.tis_cap > 0 and cfg.tis_floor >= cfg.tis_cap:
-        yield FlagError(("tis_floor",), f"must be below --tis-cap, got {cfg.tis_floor} and {cfg.tis_cap}")
-    for fields, subject, used in one_answer:
-        if used and cfg.answers > 1:
-            yield FlagError(fields, "needs --answers 1", ("answers",), subject)
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
-    for method in METHODS:
-        yield from method.check(cfg)
+    yield from methods.check(cfg)
 
 
 # Flags a resumed run may change: how long it runs, what it reports and where. Every other flag
@@ -256,7 +192,7 @@ def score_pass_needs(cfg: TrainConfig) -> tuple[bool, bool]:
     """What the no-grad score pass before the update runs: (the policy, for old log-probs when mu > 1 and the token
     entropies and log-probs of GTPO's controls and the step's token selections; the reference, when beta > 0).
     The trainer's score pass and the memory estimate both ask here."""
-    policy = cfg.mu > 1 or gtpo.needs_entropy(cfg) or token_select.needs_scores(cfg)
+    policy = cfg.mu > 1 or methods.needs_scores(cfg)
     return policy, cfg.beta > 0
 
 

@@ -45,14 +45,14 @@ from tqdm import tqdm
 import advantage
 import checkpoint
 import distributed
+import methods
 from cli import Stopped, UserError, end_summary, parse_config, start_line, stop_signals, user_errors
 from config import PRESETS, RESUMABLE, TrainConfig, lr_factor, resume_config, score_pass_needs
 from distributed import all_sum, derive_seed, memory_peak
 from heldout import evaluate
 from hf import bundled, load_model
-from losses import Tokens, gpg_alpha, mismatch_is_weights, off_policy_sequence_mask, policy_loss
+from losses import Objective, Tokens, policy_loss
 from memory import check_memory
-from methods import dagrpo, dapo, gtpo, hard_examples, noise, token_select
 from metrics import rollout_metrics, update_metrics
 from model import Transformer, cast_copy, copy_weights_
 from pack import (
@@ -61,7 +61,6 @@ from pack import (
     completions,
     pack,
     per_completion,
-    per_group,
     rollouts,
     select_rows,
     split_rows,
@@ -86,7 +85,7 @@ class Run:
     device: torch.device
     task: Task
     pool: list[dict]  # training examples in order: step s, global slot i uses pool[s * P + i]
-    topups: list[dict]  # dynamic sampling's replacement prompts, a stream of their own
+    streams: dict[str, list[dict]]  # the methods' prompt streams of their own (dapo's top-ups), by name
     heldout: list[dict]
     policy: Transformer  # the trained model (its parameters are sharded in place under FSDP)
     model: torch.nn.Module  # what the update runs: the policy, or its DDP wrapper
@@ -114,25 +113,37 @@ class Run:
         bf16 = self.cfg.dtype == "bfloat16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
         return torch.bfloat16 if bf16 else None
 
+    @property
+    def objective(self) -> Objective:
+        """--loss's entry of the loss table (methods.LOSSES)."""
+        return methods.objective(self.cfg)
+
+    def precision(self):
+        """The autocast context of every forward (bf16 autocast, or a no-op in float32)."""
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
+
+    def rollout_weights(self):
+        """Around sampling and evaluation. FSDP: whole weights while ranks run different numbers of
+        forwards (full_params); not needed when the sampler is its own --rollout-dtype copy."""
+        return distributed.full_params(self.policy, self.fsdp and self.sampler is self.policy)
+
 
 def setup(cfg: TrainConfig) -> Run:
     """Distributed init; then data, output directory and checkpoint are checked before any model is
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
     rank, world, device = distributed.setup_distributed(cfg)
     rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
-    if rollout == "float32" and (cfg.rollout_is != "token_truncate" or cfg.tis_floor > 0):  # no copy to correct
-        why = "this run samples with its float32 policy, so there is nothing to correct: pass --rollout-dtype bfloat16"
-        raise UserError(f"--rollout-is and --tis-floor correct a --rollout-dtype bfloat16 copy; {why}")
+    methods.check_rollout_dtype(cfg, rollout)
     distributed.fixed_mmap_threshold()  # CPU: freed activations go back to the OS (heap fragments cost GiBs at 0.5B)
-    task = hard_examples.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
+    task = methods.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
     memory = check_memory(cfg, task, device, world)  # a step that cannot fit is refused here, before the data pool
-    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps).
-    pool, topups = task.train(cfg.max_steps * cfg.prompts_per_step, cfg.seed), dapo.topups(task, cfg)
+    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps); a method may draw
+    # prompts from streams of its own (dapo's top-ups)
+    pool, streams = task.train(cfg.max_steps * cfg.prompts_per_step, cfg.seed), methods.streams(task, cfg)
     heldout = task.test(cfg.eval_examples, cfg.seed)
-    if cfg.anchors:
-        dagrpo.check_references(task, pool + topups)
+    extra = [ex for stream in streams.values() for ex in stream]
     resume_dir = checkpoint.find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
         checkpoint.check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
@@ -153,7 +164,7 @@ def setup(cfg: TrainConfig) -> Run:
         room = f"leave no room for a prompt in the model's context of {context} tokens"
         raise UserError(f"--max-thought-tokens + --max-answer-tokens ({new}) {room}")
     limit = f"the model's context of {context} tokens minus the completion limit of {new}"
-    check_prompt_lengths(tokenizer, pool + topups + heldout, task.system_prompt, context - new, limit)
+    check_prompt_lengths(tokenizer, pool + extra + heldout, task.system_prompt, context - new, limit)
     fsdp = world > 1 and cfg.fsdp
     model = distributed.wrap(policy, world, device, fsdp)
     # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too), which
@@ -164,7 +175,7 @@ def setup(cfg: TrainConfig) -> Run:
         host or policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-    state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0, gate_on=None)
+    state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0)
     if resume_dir:
         state = checkpoint.load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
     if host and resume_dir:  # the resumed masters
@@ -172,13 +183,11 @@ def setup(cfg: TrainConfig) -> Run:
             for h, p in zip(host, policy.parameters(), strict=True):
                 h.copy_(p)
     sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
-    run = Run(cfg, rank, world, device, task, pool, topups, heldout, policy, model, sampler, reference, tokenizer)
+    run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
     run.marker, run.optimizer, run.scheduler, run.state = marker, optimizer, scheduler, state
     if cfg.compile:  # the caller compiles the small decode step; the sampler replays it as a CUDA graph
         run.static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
-    if cfg.noise_correct and "noise_rates" not in run.state:  # fixed, or "auto": fit at the start (resume keeps it)
-        with rollout_weights(run), precision(run):
-            run.state["noise_rates"] = noise.rates(sampler, tokenizer, task, cfg, max_new_tokens=new)
+    methods.start(run)  # the methods' checks and state (a resumed run keeps its own)
     if rank == 0:
         with checkpoint.writing(path := os.path.join(cfg.out, "config.json")), open(path, "w") as f:
             json.dump(asdict(cfg), f, indent=2)
@@ -191,17 +200,6 @@ def setup(cfg: TrainConfig) -> Run:
         kw = dict(algo=cfg.algo, preset=preset, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
         print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory, **kw))
     return run
-
-
-def precision(run: Run):
-    """The autocast context of every forward (bf16 autocast, or a no-op in float32)."""
-    return torch.autocast(run.device.type, dtype=run.autocast, enabled=run.autocast is not None)
-
-
-def rollout_weights(run: Run):
-    """Around sampling and evaluation. FSDP: whole weights while ranks run different numbers of
-    forwards (full_params); not needed when the sampler is its own --rollout-dtype copy."""
-    return distributed.full_params(run.policy, run.fsdp and run.sampler is run.policy)
 
 
 def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -225,27 +223,27 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
         max_thought_tokens=thought, max_answer_tokens=answer, end_of_thought=marker, stop_ids=run.tokenizer.stop_ids
     )
     kw |= dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seeds, static_step=run.static_step)
-    with torch.no_grad(), precision(run):
+    with torch.no_grad(), run.precision():
         return prompts, sample_tree(run.sampler, prompts, k=cfg.thoughts, m=M, **kw)
 
 
 def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, seeds: list[int]) -> list[Group]:
-    """2. The step's record: every completion's text, reward, the task's correctness and the pair mask's credit.
-    Transform rewards: --reward-noise flips them by each prompt's rollout seed; DAPO adds its overlong penalty."""
+    """2. The step's record: every completion's text, reward and the task's own correctness. Transform rewards:
+    the methods' rewards seam (reward noise, DaGRPO's credit, DAPO's overlong penalty)."""
     cfg = run.cfg
     groups = rollouts(examples, prompts, tree, cfg.thoughts, cfg.answers)
     done = list(completions(groups))
     texts = [decode_completion(run.tokenizer, t.tokens + a.tokens) for _, t, a in done]
     exs = [g.example for g, _, _ in done]
     reward = torch.tensor(score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), dtype=torch.float32)
-    reward = noise.inject(reward.view(len(groups), -1), seeds, cfg).flatten() if cfg.reward_noise else reward
-    credit = dagrpo.credit(run.task, texts, exs, cfg) if cfg.pair_delta >= 0 else None
-    credit = reward if credit is None else credit  # a task without a partial credit: the reward
     correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
-    if cfg.overlong_buffer:
-        reward = dapo.overlong(reward, torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done]), cfg)
-    for (_, _, a), text, r, c, s in zip(done, texts, reward.tolist(), correct, credit.tolist()):
-        a.text, a.reward, a.correct, a.credit = text, r, c, s
+    for (_, _, a), text, c in zip(done, texts, correct):
+        a.text, a.correct = text, c
+    lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done])
+    step = methods.Scored([a for _, _, a in done], texts, exs, lengths, seeds, len(groups))
+    reward = methods.rewards(run, reward, step)
+    for (_, _, a), r in zip(done, reward.tolist()):
+        a.reward = r
     return groups
 
 
@@ -269,10 +267,10 @@ def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.S
     policy's log-probs and token entropy (mu > 1: the old log-probs; GTPO; the step's token selections), the
     reference's log-probs (beta > 0)."""
     cfg = run.cfg
-    need_policy = score_pass_needs(cfg)[0]
+    need_policy = score_pass_needs(cfg)[0]  # mu > 1, or a method's (GTPO's entropy, the token selections)
     old_logp, entropy = torch.zeros(shape, device=run.device), torch.zeros(shape, device=run.device)
     ref_logp = torch.zeros(shape, device=run.device) if run.reference is not None else None
-    with torch.no_grad(), precision(run):
+    with torch.no_grad(), run.precision():
         for rows, mb in micro:
             if need_policy:
                 old_logp[rows], entropy[rows] = token_stats(run.policy, mb, cfg.temperature, entropy=True)
@@ -282,30 +280,18 @@ def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.S
 
 
 def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion): GRPO-MA's
-    (GRPO's when M = 1), or 2-GRPO's, A-GRAE's, DaGRPO's pair mask; noise-corrected rewards first."""
-    cfg, std = run.cfg, run.cfg.std_normalize
-    reward = per_completion(groups, "reward")
-    reward = noise.corrected(reward, run.state) if cfg.noise_correct else reward
-    adv_thought, adv_answer = advantage.grpo_ma_advantages(reward, std_normalize=std)
-    group = reward.view(len(groups), -1)
-    if cfg.advantage == "two_grpo":
-        adv_answer = advantage.two_grpo_advantages(group).view(adv_answer.shape)
-    elif cfg.advantage == "agrae":
-        correct, alpha = per_group(groups, "correct"), cfg.agrae_alpha
-        kw = dict(correct=correct, alpha=alpha, batch_accuracy=batch_accuracy, std_normalize=std)
-        adv = advantage.agrae_advantages(group, **kw)
-        adv_answer = adv.view(adv_answer.shape)
-    elif cfg.pair_delta >= 0:  # DaGRPO's mask (a reconstruction): pairs whose credits differ by < delta cancel
-        credit = per_group(groups, "credit")
-        adv = advantage.pairwise_distinct_advantages(group, credit, cfg.pair_delta, std_normalize=std)
-        adv_answer = adv.view(adv_answer.shape)
-    return adv_thought, adv_answer
+    """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion): GRPO-MA's (GRPO's
+    when M = 1), or the answer advantages of --advantage's method or of another method's (DaGRPO's pair mask).
+    The methods may transform the rewards first (noise correction)."""
+    reward = methods.advantage_rewards(run, per_completion(groups, "reward"))
+    adv_thought, adv_answer = advantage.grpo_ma_advantages(reward, std_normalize=run.cfg.std_normalize)
+    replaced = methods.answer_advantages(run, groups, reward.view(len(groups), -1), batch_accuracy)
+    return adv_thought, adv_answer if replaced is None else replaced.view(adv_answer.shape)
 
 
 def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple:
     """5. Per-token advantage and weight (B, T) for the whole global step, the trained-token mask (B, T), and the
-    step's selection metrics (the selections' surviving tokens go to batch.keep, KL-Cov's tokens to batch.selected).
+    methods' metrics (their token selections go to batch.keep and batch.selected).
 
     The weight carries the loss normaliser of the WHOLE step (summed over ranks), so neither the
     micro-batch split nor the world size can change the gradient."""
@@ -313,11 +299,8 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     adv_thought, adv_answer = sequence_advantages(run, groups, batch_accuracy)
     mask = batch.thought | (batch.answer_id >= 0)
     raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
-    seq_adv = raw
-    if gtpo.needs_entropy(cfg):  # GTPO's entropy gate and shift
-        seq_adv = gtpo.entropy_control(raw, batch.entropy, mask.float(), cfg, run.state, world)
-    if cfg.dynamic_sampling:  # groups still flat after the top-ups are dropped from the loss
-        mask = mask & dapo.kept(groups).to(dev)[batch.group][:, None]
+    seq_adv = methods.sequence_advantages(run, raw, batch, mask)  # GTPO's entropy control
+    mask = methods.trained_mask(run, groups, batch, mask)  # DAPO: groups still flat after the top-ups drop out
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
     seq_adv = seq_adv.view(adv_answer.shape).to(dev)
     adv = advantage.grpo_ma_token_advantages(adv_thought.to(dev), seq_adv, batch.thought, batch.answer_id)
@@ -331,20 +314,11 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
         tokens = all_sum(m.sum(), world).item()
         kw = dict(max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
         weight = advantage.token_weights(m, cfg.aggregation, **kw)
-    if cfg.gtpo_conflict:  # GTPO's conflict tokens, by the sign of the raw group advantage
-        weight = weight * gtpo.conflict_weights(batch.ids, mask.float(), raw.to(dev), cfg)
-    metrics = {}
-    if token_select.needs_scores(cfg):  # Clip-Cov, KL-Cov, the 80/20 entropy mask: over the whole step's tokens
-        step = run.state["step"]
-        batch.keep, batch.selected, metrics = token_select.select(
-            batch.score_logp, adv, batch.entropy, mask, cfg, step, run.rank, world
-        )
-    if cfg.gpg_alpha:  # GPG: the gradient becomes the mean over the groups whose rewards differ (the KL's too)
-        rewards = per_completion(groups, "reward").view(len(groups), -1).to(dev)
-        rewards = distributed.gather_rows(rewards, run.rank, world)[0]
-        metrics["gpg/alpha"] = gpg_alpha(rewards)
-        weight = weight * metrics["gpg/alpha"]
-    return adv, weight, mask, metrics
+    # GTPO's conflict tokens, GPG's alpha: the step's weight, the KL penalty's too
+    weight, metrics = methods.token_weights(run, groups, batch, weight, raw.to(dev), mask)
+    # Clip-Cov, KL-Cov, the 80/20 entropy mask: selections over the whole step's tokens, for the surrogate only
+    batch.keep, batch.selected, selected = methods.select(run, batch, adv, mask)
+    return adv, weight, mask, metrics | selected
 
 
 def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -> tuple[dict, torch.Tensor]:
@@ -352,17 +326,14 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     then one clipped AdamW step. Tokens the policy did not sample (batch.off_policy) get policy_loss's off-policy
     shaping. Returns the first epoch's sums of loss and token-weighted diagnostics, and the last gradient norm."""
     cfg, world = run.cfg, run.world
-    tis = cfg.tis_cap > 0 and run.sampler is not run.policy
     sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, off_tokens=0.0, off_p=0.0)
-    sums |= dict(tis=0.0, tis_capped=0.0) if tis else {}
-    sums |= dict(opsm_masked=0.0) if cfg.opsm_delta >= 0 else {}
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
             no_sync = world > 1 and not cfg.fsdp and not sync
             if run.fsdp:
                 run.policy.set_requires_gradient_sync(sync)
-            with run.model.no_sync() if no_sync else contextlib.nullcontext(), precision(run):
+            with run.model.no_sync() if no_sync else contextlib.nullcontext(), run.precision():
                 logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=epoch == 0 and batch.entropy is None)
                 mask = batch.mask[rows]
                 off = None if batch.off_policy is None else batch.off_policy[rows] & mask
@@ -370,17 +341,11 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 old = logp.detach() if batch.old_logp is None else batch.old_logp[rows]
                 tok = Tokens(logp, old, batch.adv[rows], batch.weight[rows], off_policy=off)
                 tok.keep = None if batch.keep is None else batch.keep[rows]
-                if tis:  # rollouts from a cast copy: tokens reweighted by pi_old / pi_sampler, truncated or masked
-                    kw = dict(mode=cfg.rollout_is, low=cfg.tis_floor, high=cfg.tis_cap)
-                    tok.is_weight = w_is = mismatch_is_weights(old, mb.sampler_logp, sampled, **kw)
-                if cfg.opsm_delta >= 0:  # DeepSeek-V3.2: negative-advantage sequences the policy drifted from
-                    behaviour = mb.sampler_logp if run.sampler is not run.policy else old
-                    opsm = off_policy_sequence_mask(logp, behaviour, tok.adv, sampled, delta=cfg.opsm_delta)
-                    tok.keep = opsm if tok.keep is None else tok.keep & opsm
-                    sums["opsm_masked"] += (~opsm & sampled).sum().item() / cfg.mu  # the mean over epochs
                 tok.ref_logp = None if batch.ref_logp is None else batch.ref_logp[rows]
                 tok.selected = None if batch.selected is None else batch.selected[rows]
-                loss, metrics = policy_loss(tok, cfg)
+                # the rollout-mismatch weights, V3.2's sequence mask: per micro-batch, on the current log-probs
+                tok = methods.micro_batch(run, tok, mb, sampled, sums, epoch)
+                loss, metrics = policy_loss(tok, cfg, run.objective)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 n = mask.float().sum().item()
@@ -389,9 +354,6 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 sums["kl"] += metrics.get("kl", 0.0) * n
                 sums["logp_gap"] += ((logp.detach() - mb.sampler_logp).abs() * sampled).sum().item()
                 sums["entropy"] += ((ent if ent is not None else batch.entropy[rows]) * mask.float()).sum().item()
-                if tis:
-                    sums["tis"] += (w_is * sampled).sum().item()
-                    sums["tis_capped"] += (((w_is >= cfg.tis_cap) | (w_is <= cfg.tis_floor)) & sampled).sum().item()
                 if off is not None:
                     sums["off_tokens"] += off.sum().item()
                     sums["off_p"] += (logp.detach().exp() * off).sum().item()
@@ -452,12 +414,12 @@ def log(run: Run, row: dict, file: str = "metrics.jsonl") -> None:
 def evaluate_heldout(run: Run, step: int) -> dict:
     """Held-out greedy accuracy, mean@n and pass@k (heldout.evaluate) on rank 0, logged as eval/..."""
     cfg = run.cfg
-    with rollout_weights(run):  # FSDP: every rank gathers, then rank 0 alone runs forwards
+    with run.rollout_weights():  # FSDP: every rank gathers, then rank 0 alone runs forwards
         if run.rank != 0:
             return {}
         kw = dict(n=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.completion_limit)
         kw |= dict(static_step=run.static_step)
-        with precision(run):
+        with run.precision():
             res = evaluate(run.sampler, run.tokenizer, run.task, run.heldout, seed=derive_seed(cfg.seed, 10**9), **kw)
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     log(run, row)
@@ -498,7 +460,7 @@ def main(cfg: TrainConfig) -> dict:
             t0, _ = time.perf_counter(), memory_peak(run.device)  # each phase's peak memory is measured from here
             slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
             examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
-            with rollout_weights(run):  # FSDP: whole weights while ranks run different numbers of forwards
+            with run.rollout_weights():  # FSDP: whole weights while ranks run different numbers of forwards
                 # 1. sample: K thoughts x M answers for this rank's share of the global batch
                 seeds = [derive_seed(cfg.seed, step, s) for s in slots]
                 prompts, tree = sample(run, examples, seeds)
@@ -507,16 +469,13 @@ def main(cfg: TrainConfig) -> dict:
                 groups = score(run, examples, prompts, tree, seeds)
                 correct = per_completion(groups, "correct")
                 batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
-                resampled = 0  # transform rollouts: DAPO's dynamic sampling redraws groups whose rewards are all equal
-                if cfg.dynamic_sampling:
-                    redraw = functools.partial(draw, run)
-                    groups, resampled = dapo.dynamic_sampling(groups, step, slots, run.topups, cfg, redraw)
+                # resample: DAPO's dynamic sampling redraws the groups whose rewards are all equal
+                groups, resampled = methods.resample(run, groups, step, slots, functools.partial(draw, run))
             sampled = rollout_metrics(groups, run.world, cfg.answers)
             if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
                 log_samples(run, step + 1, groups)
-            anchors = {}  # transform rollouts: DaGRPO's anchors train on a reference in groups with no correct rollout
-            if cfg.anchors:
-                groups, anchors = dagrpo.splice_anchors(groups, run.task, run.tokenizer, cfg.completion_limit)
+            # transform rollouts (after their metrics): DaGRPO's anchors, a reference in groups with no correct rollout
+            groups, transformed = methods.rollouts(run, groups)
             t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
 
             # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
@@ -539,9 +498,9 @@ def main(cfg: TrainConfig) -> dict:
             times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
             row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": resampled}
             lr, kl = run.scheduler.get_last_lr()[0], run.reference is not None
-            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr) | noise.metrics(run.state)
+            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr)
             row |= selection | ({} if kl else {"kl": None})
-            row |= dagrpo.metrics(anchors, sums, run.world) if cfg.anchors else {}
+            row |= methods.metrics(run, sums, transformed)
             row |= {f"time/{k}_s": v for k, v in times.items()}
             row |= {"tokens_per_s": sampled["tokens/generated"] / max(t_sample, 1e-9)}
             row |= {f"mem/{k}_gib": v for k, v in mem.items()}  # peak RSS (CPU) or allocated (CUDA) per phase

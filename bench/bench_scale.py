@@ -67,7 +67,7 @@ import bench_trl  # noqa: E402
 from random_checkpoint import MODELS, checkpoint  # noqa: E402
 
 from hf import config_from_hf, load_model  # noqa: E402
-from losses import truncated_is_weights  # noqa: E402
+from methods.mismatch import truncated_is_weights  # noqa: E402
 from model import Transformer, cast_copy, token_logprobs  # noqa: E402
 from sampler import generate  # noqa: E402
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from advantage import splice_anchor_rewards
+from advantage import pairwise_distinct_advantages, splice_anchor_rewards
 from cli import FlagError, UserError, out_of_range
 from distributed import all_sum
 from pack import Answer, Group, per_group
@@ -47,9 +47,48 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(("pair_delta",), f"must be >= 0 (-1 = off), got {cfg.pair_delta}")
     if cfg.pair_delta >= 0 and cfg.advantage != "grpo":
         yield FlagError(("pair_delta",), "needs --advantage grpo (the pair mask is its own advantage)", ("advantage",))
+    if cfg.kl_estimator == "unbiased" and cfg.anchors:
+        why = "needs pi_old on every token; anchor tokens were not sampled by it"
+        yield FlagError(("kl_estimator",), why, ("anchors",), "--kl-estimator unbiased")
     for field, subject, used in (("pair_delta", "", cfg.pair_delta >= 0), ("anchors", ANCHOR, cfg.anchors)):
         if used and cfg.answers > 1:
             yield FlagError((field,), "needs --answers 1", ("answers",), subject)
+
+
+def enabled(cfg) -> bool:
+    return cfg.pair_delta >= 0 or cfg.anchors
+
+
+def start(run) -> None:
+    """--anchors: refused when no training prompt (the pool and every stream) has a reference solution."""
+    if run.cfg.anchors:
+        check_references(run.task, run.pool + [ex for stream in run.streams.values() for ex in stream])
+
+
+def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:
+    """--pair-delta: each completion's credit, the task's partial credit (the reward where the task has none)."""
+    if run.cfg.pair_delta < 0:
+        return reward
+    score = credit(run.task, step.texts, step.examples, run.cfg)
+    score = reward if score is None else score
+    for a, s in zip(step.answers, score.tolist()):
+        a.credit = s
+    return reward
+
+
+def rollouts(run, groups: list[Group]) -> tuple[list[Group], dict[str, int]]:
+    """--anchors: the groups with no correct rollout train on the reference solution (this rank's counts)."""
+    if not run.cfg.anchors:
+        return groups, {}
+    return splice_anchors(groups, run.task, run.tokenizer, run.cfg.completion_limit)
+
+
+def answer_advantages(run, groups: list[Group], reward: torch.Tensor) -> torch.Tensor | None:
+    """--pair-delta, a RECONSTRUCTION: pairs whose credits differ by < delta cancel ([P, G])."""
+    if run.cfg.pair_delta < 0:
+        return None
+    credit_ = per_group(groups, "credit")
+    return pairwise_distinct_advantages(reward, credit_, run.cfg.pair_delta, std_normalize=run.cfg.std_normalize)
 
 
 def check_references(task, examples: list[dict]) -> None:
@@ -93,9 +132,12 @@ def splice_anchors(groups: list[Group], task, tokenizer, limit: int) -> tuple[li
     return out, counts
 
 
-def metrics(counts: dict[str, int], sums: dict, world: int) -> dict:
+def metrics(run, sums: dict, counts: dict[str, int]) -> dict:
     """The step's anchor counts over ranks, and anchors/p_mean: the anchor tokens' mean probability under the
     policy (the update's sums over its off-policy tokens)."""
-    row = {k: int(all_sum(v, world).item()) for k, v in counts.items()}
+    if not run.cfg.anchors:
+        return {}
+    world = run.world
+    row = {k: int(all_sum(v, world).item()) for k, v in counts.items() if k.startswith("anchors")}
     n_off = all_sum(sums["off_tokens"], world).item()
     return row | {"anchors/p_mean": all_sum(sums["off_p"], world).item() / max(n_off, 1)}

@@ -38,11 +38,36 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(("overlong_buffer",), why, limits, f"--overlong-buffer {cfg.overlong_buffer}")
 
 
-def topups(task, cfg) -> list[dict]:
+def enabled(cfg) -> bool:
+    return cfg.dynamic_sampling or cfg.overlong_buffer > 0
+
+
+def streams(task, cfg) -> dict[str, list[dict]]:
     """The replacement prompts: --max-resample-rounds per global slot of each step, a training stream of its own."""
     if not cfg.dynamic_sampling:
-        return []
-    return task.train(cfg.max_steps * cfg.prompts_per_step * cfg.max_resample_rounds, derive_seed(cfg.seed, 1))
+        return {}
+    return {
+        "topups": task.train(cfg.max_steps * cfg.prompts_per_step * cfg.max_resample_rounds, derive_seed(cfg.seed, 1))
+    }
+
+
+def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:
+    """--overlong-buffer: the soft overlong penalty of each completion by its length in tokens."""
+    return overlong(reward, step.lengths, run.cfg) if run.cfg.overlong_buffer else reward
+
+
+def resample(run, groups: list[Group], step: int, slots: list[int], redraw: Callable) -> tuple[list[Group], int]:
+    """--dynamic-sampling: the flat groups redrawn from the top-up stream."""
+    if not run.cfg.dynamic_sampling:
+        return groups, 0
+    return dynamic_sampling(groups, step, slots, run.streams["topups"], run.cfg, redraw)
+
+
+def trained_mask(run, groups: list[Group], batch, mask: torch.Tensor) -> torch.Tensor:
+    """--dynamic-sampling: the groups still flat after the top-ups drop out of the loss."""
+    if not run.cfg.dynamic_sampling:
+        return mask
+    return mask & kept(groups).to(mask.device)[batch.group][:, None]
 
 
 def overlong(reward: torch.Tensor, lengths: torch.Tensor, cfg) -> torch.Tensor:

@@ -35,6 +35,10 @@ PRESETS = {"gtpo": dict(std_normalize=False, gtpo_conflict=True, entropy_gate=Tr
 FLAGS = ("gtpo_conflict", "entropy_gate", "entropy_gamma")
 
 
+def enabled(cfg) -> bool:
+    return any(getattr(cfg, f) for f in FLAGS)
+
+
 def check(cfg) -> Iterator[FlagError]:
     yield from out_of_range(cfg, dict(gtpo_w_pos=">= 0", gtpo_w_neg=">= 0", entropy_threshold="> 0"))
     yield from out_of_range(cfg, dict(entropy_gamma=">= 0"))
@@ -43,9 +47,28 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(used, "needs --answers 1", ("answers",))
 
 
-def needs_entropy(cfg) -> bool:
+def needs_scores(cfg) -> bool:
     """The entropy gate or shift is on: the score pass measures token entropy."""
     return cfg.entropy_gate or cfg.entropy_gamma > 0
+
+
+def start(run) -> None:
+    """The gate's decision (None until the first step) lives in the trainer state: a resumed run keeps it."""
+    run.state.setdefault("gate_on", None)
+
+
+def sequence_advantages(run, adv: torch.Tensor, batch, mask: torch.Tensor) -> torch.Tensor:
+    """The entropy gate and shift of each completion's advantage (B,), from the score pass's entropies."""
+    if not needs_scores(run.cfg):
+        return adv
+    return entropy_control(adv, batch.entropy, mask.float(), run.cfg, run.state, run.world)
+
+
+def token_weights(run, groups: list, batch, weight: torch.Tensor, raw: torch.Tensor, mask: torch.Tensor):
+    """--gtpo-conflict: the step's token weights times the conflict tokens' weights."""
+    if not run.cfg.gtpo_conflict:
+        return weight, {}
+    return weight * conflict_weights(batch.ids, mask.float(), raw, run.cfg), {}
 
 
 def entropy_control(seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg, state: dict, world: int):

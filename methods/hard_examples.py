@@ -40,6 +40,10 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(("select", "pass_rates"), "go together", subject="--select and --pass-rates FILE")
 
 
+def enabled(cfg) -> bool:
+    return bool(cfg.select)
+
+
 def choose_data(task: Task, cfg) -> Task:
     """The task, its training split cut by --select (unchanged without it)."""
     return select_examples(task, cfg.pass_rates, cfg.select, cfg.select_fraction, cfg.seed) if cfg.select else task

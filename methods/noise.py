@@ -57,6 +57,31 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(("noise_correct",), why, ("std_normalize",))
 
 
+def enabled(cfg) -> bool:
+    return bool(cfg.reward_noise or cfg.noise_correct)
+
+
+def start(run) -> None:
+    """--noise-correct: the rates, fixed or fit once on the starting model ("auto"); a resumed run keeps its own."""
+    cfg = run.cfg
+    if cfg.noise_correct and "noise_rates" not in run.state:
+        new = cfg.completion_limit + len(run.marker.ids) * (cfg.answers > 1)
+        with run.rollout_weights(), run.precision():
+            run.state["noise_rates"] = rates(run.sampler, run.tokenizer, run.task, cfg, max_new_tokens=new)
+
+
+def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:
+    """--reward-noise: the step's 0/1 rewards [N] flipped, by each prompt's rollout seed."""
+    if not run.cfg.reward_noise:
+        return reward
+    return inject(reward.view(step.groups, -1), step.seeds, run.cfg).flatten()
+
+
+def advantage_rewards(run, reward: torch.Tensor) -> torch.Tensor:
+    """--noise-correct: rewards [P, K, M] unbiased before the advantages."""
+    return corrected(reward, run.state) if run.cfg.noise_correct else reward
+
+
 def inject(reward: torch.Tensor, seeds: list[int], cfg) -> torch.Tensor:
     """--reward-noise: 0/1 rewards [P, G] flipped at its rates, one generator per prompt from its rollout seed."""
     gens = [torch.Generator().manual_seed(derive_seed(s, 2)) for s in seeds]
@@ -99,6 +124,6 @@ def corrected(reward: torch.Tensor, state: dict) -> torch.Tensor:
     return noise_corrected_rewards(reward, *state["noise_rates"])
 
 
-def metrics(state: dict) -> dict:
+def metrics(run, sums: dict, rollouts: dict) -> dict:
     """The correction's rates, logged every step (none without --noise-correct)."""
-    return dict(zip(("noise/rho_plus", "noise/rho_minus"), state.get("noise_rates") or ()))
+    return dict(zip(("noise/rho_plus", "noise/rho_minus"), run.state.get("noise_rates") or ()))

@@ -31,9 +31,16 @@ from advantage import (
     token_weights,
     two_grpo_advantages,
 )
-from losses import Tokens, kl3, policy_loss, truncated_is_weights
+from losses import Tokens, kl3, policy_loss
+from methods import objective
+from methods.mismatch import truncated_is_weights
 
 T = torch.tensor
+
+
+def loss_for(tok: Tokens, h) -> tuple[torch.Tensor, dict]:
+    """policy_loss with the objective --loss (h.loss, or h.sequence_ratio) names, as the trainer passes it."""
+    return policy_loss(tok, h, objective(h))
 
 
 def hp(**kw) -> types.SimpleNamespace:
@@ -588,7 +595,7 @@ def test_policy_loss_on_policy_is_plain_policy_gradient():
     ids, mask, adv, _ = batch()
     w = token_weights(mask, "seq_mean_token_mean")
     logp = seq_logp(table, ids)
-    loss, m = policy_loss(Tokens(logp, logp.detach(), adv, w), hp())
+    loss, m = loss_for(Tokens(logp, logp.detach(), adv, w), hp())
     assert close(loss, -(w * adv).sum(), 1e-12)
     (grad,) = torch.autograd.grad(loss, table)
     (want,) = torch.autograd.grad(-(w * adv * seq_logp(table, ids)).sum(), table)
@@ -604,7 +611,7 @@ def test_policy_loss_clipping_for_positive_and_negative_advantage():
     logp = torch.zeros(1, 5, dtype=torch.float64, requires_grad=True)
     old = -ratio.log()  # rho = exp(0 - old) = ratio
     w = torch.ones(1, 5, dtype=torch.float64)
-    loss, m = policy_loss(Tokens(logp, old, adv, w), hp(clip_low=0.2, clip_high=0.28))
+    loss, m = loss_for(Tokens(logp, old, adv, w), hp(clip_low=0.2, clip_high=0.28))
     # per token: min(1.5, 1.28) = 1.28 (clipped); min(-1.5, -1.28) = -1.5; min(.5, .8) = .5;
     # min(-.5, -.8) = -.8 (clipped); 1.1 inside
     assert close(loss, -(1.28 - 1.5 + 0.5 - 0.8 + 1.1), 1e-12)
@@ -624,11 +631,11 @@ def test_kl3_nonnegative_and_in_the_loss():
     logp = T([[0.0, 0.0, 0.0]], dtype=torch.float64)
     ref = T([[1.0, 0.0, 5.0]], dtype=torch.float64)
     w = T([[0.5, 0.5, 0.0]], dtype=torch.float64)  # the third token is padding
-    loss, m = policy_loss(Tokens(logp, logp, torch.zeros_like(w), w, ref_logp=ref), hp(beta=0.1))
+    loss, m = loss_for(Tokens(logp, logp, torch.zeros_like(w), w, ref_logp=ref), hp(beta=0.1))
     assert close(loss, 0.1 * 0.5 * (math.e - 2), 1e-12)
     assert close(m["kl"], (math.e - 2) / 2, 1e-6)
     with pytest.raises(ValueError):
-        policy_loss(Tokens(logp, logp, w, w), hp(beta=0.1))
+        loss_for(Tokens(logp, logp, w, w), hp(beta=0.1))
 
 
 def test_policy_loss_ignores_nonfinite_padding():
@@ -636,7 +643,7 @@ def test_policy_loss_ignores_nonfinite_padding():
     logp = T([[-1.0, float("-inf")]], dtype=torch.float64, requires_grad=True)
     old = T([[-1.2, float("nan")]], dtype=torch.float64)
     for seq in (False, True):
-        loss, _ = policy_loss(
+        loss, _ = loss_for(
             Tokens(logp, old, T([[1.0, 1.0]]), T([[1.0, 0.0]]), ref_logp=T([[0.0, float("nan")]])),
             hp(sequence_ratio=seq, beta=0.1),
         )
@@ -652,7 +659,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
     old = (seq_logp(table, ids) + 0.1 * torch.randn(mask.shape, generator=g, dtype=torch.float64)).detach()
     w = mask / (mask.sum(-1, keepdim=True) * len(mask))  # seq_mean_token_mean, built in float64
     logp = seq_logp(table, ids)
-    loss, m = policy_loss(Tokens(logp, old, adv, w), hp(sequence_ratio=True, clip_low=10.0, clip_high=10.0))
+    loss, m = loss_for(Tokens(logp, old, adv, w), hp(sequence_ratio=True, clip_low=10.0, clip_high=10.0))
     s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))  # (B,) GSPO's sequence ratio
     A = adv[:, 0]
     want_loss = -(s * A).sum() / len(s)  # seq_mean: each row's weights sum to 1/B
@@ -663,7 +670,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
     assert close(m["ratio_mean"], (s[:, None] * mask).sum() / mask.sum(), 1e-6)
     # With GSPO's tiny clip range a positive-advantage row with s > 1 + 4e-4 gets no gradient.
     logp = T([[0.0, 0.0]], dtype=torch.float64, requires_grad=True)
-    loss, m = policy_loss(
+    loss, m = loss_for(
         Tokens(logp, T([[-0.01, -0.03]]), T([[1.0, 1.0]]), T([[0.5, 0.5]])),
         hp(sequence_ratio=True, clip_low=0.0003, clip_high=0.0004),
     )
@@ -681,7 +688,7 @@ def test_policy_loss_off_policy_shaping_value_and_gradient():
     adv = T([[2.0, -1.0, 1.0]], dtype=torch.float64)
     w = T([[0.5, 0.5, 1.0]], dtype=torch.float64)
     off = T([[True, False, False]]) | T([[False, True, False]])
-    loss, m = policy_loss(Tokens(logp, old, adv, w, off_policy=off), hp())
+    loss, m = loss_for(Tokens(logp, old, adv, w, off_policy=off), hp())
     # f(.5) = 5/6, f(.1) = .5 -> obj [5/3, -.5, 1.1], loss = -(.5*5/3 - .5*.5 + 1.1) = -1.683333
     assert close(loss, -(0.5 * 5 / 3 - 0.25 + 1.1), 1e-12)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -691,12 +698,10 @@ def test_policy_loss_off_policy_shaping_value_and_gradient():
     assert m["clip_frac"] == 0.0
     # gamma is a knob: g = .5 at p = .5 -> f = .5, df/dlogp = .25/1 = .25
     logp = T([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
-    loss, _ = policy_loss(
-        Tokens(logp, T([[0.0]]), T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(anchor_gamma=0.5)
-    )
+    loss, _ = loss_for(Tokens(logp, T([[0.0]]), T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(anchor_gamma=0.5))
     assert close(loss, -0.5, 1e-12) and close(torch.autograd.grad(loss, logp)[0], [[-0.25]], 1e-12)
     with pytest.raises(ValueError):
-        policy_loss(Tokens(logp, logp, T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(anchor_gamma=0.0))
+        loss_for(Tokens(logp, logp, T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(anchor_gamma=0.0))
 
 
 def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
@@ -707,10 +712,8 @@ def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
     old = (seq_logp(table, ids) + 0.2 * torch.randn(mask.shape, generator=g, dtype=torch.float64)).detach()
     w = token_weights(mask, "token_mean")
     for seq in (False, True):
-        base, _ = policy_loss(Tokens(seq_logp(table, ids), old, adv, w), hp(sequence_ratio=seq))
-        none_off, _ = policy_loss(
-            Tokens(seq_logp(table, ids), old, adv, w, off_policy=mask < 0), hp(sequence_ratio=seq)
-        )
+        base, _ = loss_for(Tokens(seq_logp(table, ids), old, adv, w), hp(sequence_ratio=seq))
+        none_off, _ = loss_for(Tokens(seq_logp(table, ids), old, adv, w, off_policy=mask < 0), hp(sequence_ratio=seq))
         assert torch.equal(base, none_off)
         # row 0 becomes an anchor: the other rows' terms are unchanged, row 0 gets -sum(w * A * f(p))
         off = torch.zeros_like(mask, dtype=torch.bool)
@@ -718,8 +721,8 @@ def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
         bad_old = old.clone()
         bad_old[0] = float("nan")
         logp = seq_logp(table, ids)
-        loss, _ = policy_loss(Tokens(logp, bad_old, adv, w, off_policy=off), hp(sequence_ratio=seq))
-        rest, _ = policy_loss(Tokens(logp[1:], old[1:], adv[1:], w[1:]), hp(sequence_ratio=seq))
+        loss, _ = loss_for(Tokens(logp, bad_old, adv, w, off_policy=off), hp(sequence_ratio=seq))
+        rest, _ = loss_for(Tokens(logp[1:], old[1:], adv[1:], w[1:]), hp(sequence_ratio=seq))
         p = logp[0].exp()
         assert close(loss, rest - (w[0] * adv[0] * p / (p + 0.1)).sum(), 1e-12)
         (grad,) = torch.autograd.grad(loss, table)
@@ -727,7 +730,7 @@ def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
     # a mixed row under GSPO: s = exp(mean of the ON-policy log-ratios) = exp((.1 + .3) / 2)
     logp = T([[math.log(0.5), 0.0, 0.0]], dtype=torch.float64)
     old = T([[float("nan"), -0.1, -0.3]], dtype=torch.float64)
-    loss, _ = policy_loss(
+    loss, _ = loss_for(
         Tokens(
             logp,
             old,
@@ -752,12 +755,12 @@ def test_micro_batch_gradients_sum_to_full_batch(agg, sequence_ratio):
         ref = seq_logp(table, ids) + 0.3 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
     w = token_weights(mask, agg, max_len=6)
     h, kw = hp(beta=0.05, sequence_ratio=sequence_ratio, clip_high=0.28), dict(ref_logp=ref)
-    loss, _ = policy_loss(Tokens(seq_logp(table, ids), old, adv, w, **kw), h)
+    loss, _ = loss_for(Tokens(seq_logp(table, ids), old, adv, w, **kw), h)
     (full,) = torch.autograd.grad(loss, table)
     summed = torch.zeros_like(full)
     for rows in (slice(0, 2), slice(2, 7), slice(7, 9)):
         kw["ref_logp"] = ref[rows]
-        part, _ = policy_loss(Tokens(seq_logp(table, ids[rows]), old[rows], adv[rows], w[rows], **kw), h)
+        part, _ = loss_for(Tokens(seq_logp(table, ids[rows]), old[rows], adv[rows], w[rows], **kw), h)
         summed += torch.autograd.grad(part, table)[0]
     assert close(summed, full, 1e-12)
 
@@ -874,7 +877,7 @@ def test_truncated_is_weights_make_the_gradient_importance_weighted():
     sampler_logp = logp.detach() + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
     w_is = truncated_is_weights(logp.detach(), sampler_logp, mask.bool(), cap=1.3)
     assert (w_is[mask.bool()] < 1.3).any() and (w_is[mask.bool()] == 1.3).any()  # both regimes occur
-    loss, _ = policy_loss(Tokens(logp, logp.detach(), adv, w * w_is), hp())
+    loss, _ = loss_for(Tokens(logp, logp.detach(), adv, w * w_is), hp())
     (grad,) = torch.autograd.grad(loss, table)
     (want,) = torch.autograd.grad(-(w * w_is * adv * seq_logp(table, ids)).sum(), table)
     assert close(grad, want, 1e-12)

@@ -12,10 +12,16 @@ import pytest
 import torch
 
 from cli import parse_config
-from losses import LOSSES, Tokens, loss_name, policy_loss
+from losses import Objective, Tokens, loss_name, policy_loss
+from methods import LOSSES, objective
 from train import PRESETS, TrainConfig
 
 T = torch.tensor
+
+
+def loss_for(tok: Tokens, h) -> tuple[torch.Tensor, dict]:
+    """policy_loss with the objective --loss (h.loss, or h.sequence_ratio) names, as the trainer passes it."""
+    return policy_loss(tok, h, objective(h))
 
 
 def hp(**kw) -> types.SimpleNamespace:
@@ -72,11 +78,11 @@ def test_policy_loss_hands_the_objective_its_tokens_and_hyperparameters(monkeypa
         seen.update(mask=mask.clone(), h=h)
         return 3.0 * adv * torch.ones_like(logp), mask & (adv < 0)
 
-    monkeypatch.setitem(LOSSES, "probe", probe)
+    monkeypatch.setitem(LOSSES, "probe", Objective(probe))
     logp = T([[math.log(0.5), -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
     adv, w = T([[1.0, 1.0, -1.0]], dtype=torch.float64), T([[0.5, 0.25, 0.25]], dtype=torch.float64)
     h = hp(loss="probe", anchor_gamma=0.5)
-    loss, m = policy_loss(Tokens(logp, logp.detach(), adv, w, off_policy=T([[True, False, False]])), h)
+    loss, m = loss_for(Tokens(logp, logp.detach(), adv, w, off_policy=T([[True, False, False]])), h)
     assert seen["mask"].tolist() == [[False, True, True]] and seen["h"] is h
     # the anchor token: f(.5) = .5 / (.5 + .5) = .5 times A = 1; the others: 3 * A
     assert math.isclose(loss.item(), -(0.5 * 0.5 + 0.25 * 3.0 - 0.25 * 3.0), abs_tol=1e-12)
@@ -92,9 +98,9 @@ def test_sequence_ratio_flag_is_the_gspo_entry():
     old = logp + 0.1 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     adv, w = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 5), torch.full((3, 5), 1 / 15)
     assert loss_name(hp(sequence_ratio=True)) == "gspo" and loss_name(hp()) == "clip"
-    a, ma = policy_loss(Tokens(logp, old, adv, w), hp(sequence_ratio=True, clip_low=0.0003, clip_high=0.0004))
-    b, mb = policy_loss(Tokens(logp, old, adv, w), hp(loss="gspo", clip_low=0.0003, clip_high=0.0004))
-    c, _ = policy_loss(Tokens(logp, old, adv, w), hp(clip_low=0.0003, clip_high=0.0004))
+    a, ma = loss_for(Tokens(logp, old, adv, w), hp(sequence_ratio=True, clip_low=0.0003, clip_high=0.0004))
+    b, mb = loss_for(Tokens(logp, old, adv, w), hp(loss="gspo", clip_low=0.0003, clip_high=0.0004))
+    c, _ = loss_for(Tokens(logp, old, adv, w), hp(clip_low=0.0003, clip_high=0.0004))
     assert torch.equal(a, b) and ma == mb and not torch.equal(a, c)
     cfg, _ = parse_config(TrainConfig, ["--algo", "gspo"], presets=PRESETS, preset_field="algo")
     assert loss_name(cfg) == "gspo" and loss_name(TrainConfig(sequence_ratio=True)) == "gspo"
@@ -122,12 +128,12 @@ def test_cispo_weights_are_clipped_detached_and_keep_every_gradient():
     torch.testing.assert_close(obj.detach(), want, atol=1e-12, rtol=0)
     assert not cut.any()
     v = T([[0.5, 0.25, 0.25]], dtype=torch.float64)
-    loss, m = policy_loss(Tokens(logp, old, adv, v), h)
+    loss, m = loss_for(Tokens(logp, old, adv, v), h)
     (grad,) = torch.autograd.grad(loss, logp)
     want = T([[-0.5 * w[0] * 1, -0.25 * w[1] * -2, -0.25 * w[2] * 3]], dtype=torch.float64)
     torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)
     assert m["clip_frac"] == 0.0
-    clip_loss, _ = policy_loss(Tokens(logp, old, adv, v), hp(clip_low=0.2, clip_high=4.0))
+    clip_loss, _ = loss_for(Tokens(logp, old, adv, v), hp(clip_low=0.2, clip_high=4.0))
     assert torch.autograd.grad(clip_loss, logp)[0][0, 2] == 0  # the clip loss cuts the token CISPO keeps
 
 
@@ -135,11 +141,12 @@ def test_the_newer_losses_are_table_entries_with_their_references_defaults():
     """Guards against a newer loss reachable only as a function (no flag), a preset that does not choose it, or a
     preset whose hyperparameters drift from the reference defaults its docstring cites."""
     import losses
+    from methods import cov, dppo, gmpo, gpg, sapo
 
-    entries = dict(sapo="sapo_objective", gmpo="gmpo_objective", kl_cov="kl_cov_objective", dppo="dppo_objective")
-    entries |= dict(gpg="gpg_objective", clip_cov="clip")
+    entries = dict(sapo=sapo.sapo_objective, gmpo=gmpo.gmpo_objective, kl_cov=cov.kl_cov_objective)
+    entries |= dict(dppo=dppo.dppo_objective, gpg=gpg.gpg_objective, clip_cov=losses.clip)
     for name, fn in entries.items():
-        assert LOSSES[name] is getattr(losses, fn)
+        assert LOSSES[name].fn is fn
         assert PRESETS[name]["loss"] == name
     d = TrainConfig()
     assert (d.sapo_tau_pos, d.sapo_tau_neg) == (1.0, 1.05)  # SAPO paper, TRL, verl
@@ -157,25 +164,26 @@ def test_policy_loss_passes_kl_covs_selection_and_uses_the_unbiased_kl():
     unbiased computing k3 anyway: the loss is -sum(w * (obj - beta * kl)) with the table's obj and losses.unbiased_kl,
     and a KL-Cov loss without its selection is refused."""
     import losses
+    from methods import cov
 
     logp, old, adv, mask = padded_batch()
     w = torch.where(mask, 0.2, 0.0).double()
     sel = T([[True, False, True], [False, True, False]])
     h = hp(loss="kl_cov", kl_cov_coef=0.5)
-    loss, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, selected=sel), h)
-    obj, _ = losses.kl_cov_objective(logp, old, adv, mask, h, selected=sel)
+    loss, _ = loss_for(Tokens(logp, old, adv, w, mask=mask, selected=sel), h)
+    obj, _ = cov.kl_cov_objective(logp, old, adv, mask, h, selected=sel)
     torch.testing.assert_close(loss, -(w * torch.where(mask, obj, 0.0)).sum(), atol=1e-12, rtol=0)
-    unselected, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, selected=torch.zeros_like(sel)), h)
+    unselected, _ = loss_for(Tokens(logp, old, adv, w, mask=mask, selected=torch.zeros_like(sel)), h)
     assert not torch.equal(loss, unselected)
     with pytest.raises(TypeError):
-        policy_loss(Tokens(logp, old, adv, w, mask=mask), h)
+        loss_for(Tokens(logp, old, adv, w, mask=mask), h)
     ref = T([[-0.4, -1.2, -2.2], [-0.1, -0.6, float("nan")]], dtype=torch.float64)
     h = hp(beta=0.3, kl_estimator="unbiased")
-    loss, m = policy_loss(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), h)
+    loss, m = loss_for(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), h)
     obj, _ = LOSSES["clip"](logp, old, adv, mask, h)
     kl = losses.unbiased_kl(logp, ref, old, mask)
     torch.testing.assert_close(loss, -(w * torch.where(mask, obj - 0.3 * kl, 0.0)).sum(), atol=1e-12, rtol=0)
-    k3, _ = policy_loss(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), hp(beta=0.3))
+    k3, _ = loss_for(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), hp(beta=0.3))
     assert not torch.equal(loss, k3) and math.isclose(
         m["kl"], (kl * mask).sum().item() / 5, rel_tol=1e-6
     )  # metrics are float32
@@ -184,16 +192,16 @@ def test_policy_loss_passes_kl_covs_selection_and_uses_the_unbiased_kl():
 def test_rollout_is_default_mode_is_the_old_truncation_bit_for_bit():
     """Guards against --rollout-is's default (token_truncate, floor 0) changing a run that used --tis-cap before the
     modes existed: its weights equal truncated_is_weights exactly."""
-    import losses
+    from methods import mismatch
 
     g = torch.Generator().manual_seed(1)
     old = -torch.rand(4, 7, generator=g) * 3
     sampler = old + 0.3 * torch.randn(4, 7, generator=g)
     mask = torch.rand(4, 7, generator=g) > 0.2
     for cap in (1.5, 2.0):
-        a = losses.mismatch_is_weights(old, sampler, mask, mode="token_truncate", low=0.0, high=cap)
+        a = mismatch.mismatch_is_weights(old, sampler, mask, mode="token_truncate", low=0.0, high=cap)
         before = torch.where(mask, torch.exp(torch.where(mask, old - sampler, 0.0)).clamp(max=cap), 1.0)  # its code
-        assert torch.equal(a, before) and torch.equal(losses.truncated_is_weights(old, sampler, mask, cap), before)
+        assert torch.equal(a, before) and torch.equal(mismatch.truncated_is_weights(old, sampler, mask, cap), before)
 
 
 @pytest.mark.parametrize("estimator", ["k3", "unbiased"])
@@ -229,12 +237,12 @@ def test_the_kl_penalty_keeps_the_tokens_the_surrogates_masks_drop(estimator):
     h = hp(clip_low=0.2, clip_high=0.2, beta=beta, kl_estimator=estimator)
     keep = (entropy_mask * off_policy_mask).bool()  # the selections; the KL takes the plain normaliser
     tok = Tokens(logp, old, adv, normaliser, mask=mask, keep=keep, is_weight=is_ratio, ref_logp=ref)
-    loss, metrics = policy_loss(tok, h)
+    loss, metrics = loss_for(tok, h)
     (got,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     assert math.isclose(metrics["kl"], (per_token_kl * m).sum().item() / m.sum().item(), rel_tol=1e-6)
-    masked_kl, _ = policy_loss(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), h)  # masks folded into the weight
+    masked_kl, _ = loss_for(Tokens(logp, old, adv, w, ref_logp=ref, mask=mask), h)  # masks folded into the weight
     assert not torch.allclose(masked_kl, expected)
 
 
@@ -269,11 +277,11 @@ def test_gmpo_selection_chooses_the_geometric_mean_and_each_row_keeps_its_weight
     m = mask.double()
     w = m / (m.sum(-1, keepdim=True) * 2)  # advantage.token_weights(m, "seq_mean_token_mean")
     h = hp(loss="gmpo", clip_low=eps, clip_high=eps)
-    loss, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, keep=keep), h)
+    loss, _ = loss_for(Tokens(logp, old, adv, w, mask=mask, keep=keep), h)
     (got,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(torch.where(mask, got, 0.0), torch.where(mask, want, 0.0), atol=1e-12, rtol=0)
-    folded, _ = policy_loss(Tokens(logp, old, adv, w * keep), h)  # the selection folded into the weights
+    folded, _ = loss_for(Tokens(logp, old, adv, w * keep), h)  # the selection folded into the weights
     assert not torch.allclose(folded, expected)
 
 
@@ -298,12 +306,12 @@ def test_gspo_sequence_ratio_runs_over_every_completion_token_under_a_selection(
 
     w = m / (m.sum(-1, keepdim=True) * 2)
     h = hp(loss="gspo", clip_low=lo, clip_high=hi)
-    loss, _ = policy_loss(Tokens(logp, old, adv, w, mask=mask, keep=keep), h)
+    loss, _ = loss_for(Tokens(logp, old, adv, w, mask=mask, keep=keep), h)
     (got,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
     got, want, trl_grad = (torch.where(mask, g, 0.0) for g in (got, want, trl_grad))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     torch.testing.assert_close(got.sum(-1), trl_grad.sum(-1), atol=1e-12, rtol=0)
     assert (got[~keep & mask] == 0).all() and (got[keep] != 0).all()
-    kept_only, _ = policy_loss(Tokens(logp, old, adv, w * keep), h)  # the ratio over the kept tokens only
+    kept_only, _ = loss_for(Tokens(logp, old, adv, w * keep), h)  # the ratio over the kept tokens only
     assert not torch.allclose(kept_only, expected)

@@ -9,27 +9,41 @@ import types
 import pytest
 
 import config
+import methods
 from distributed import derive_seed
 from methods import dapo
 from pack import Answer, Group, Thought
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BAD = {  # one bad value of a flag each method owns
+BAD = {  # one bad value of a flag each method owns (or a combination its check refuses)
     "hard_examples": dict(select_fraction=0.0),
     "noise": dict(reward_noise="0.2"),
     "dapo": dict(max_resample_rounds=0),
     "dagrpo": dict(anchor_gamma=0.0),
     "gtpo": dict(entropy_threshold=0.0),
-    "token_select": dict(top_entropy_fraction=2.0),
+    "entropy_mask": dict(top_entropy_fraction=2.0),
+    "cov": dict(clip_cov_ratio=0.0),
+    "sapo": dict(sapo_tau_pos=0.0),
+    "dppo": dict(dppo_kl_tau=-1.0),
+    "agrae": dict(agrae_alpha=0.0),
+    "gspo": dict(sequence_ratio=True, loss="sapo"),
+    "gmpo": dict(loss="gmpo", answers=2),
+    "two_grpo": dict(advantage="two_grpo", thoughts=3),
+    "dsv32": dict(opsm_delta=-2.0),
+    "mismatch": dict(tis_floor=-1.0),
 }
+NOTHING_TO_REFUSE = ("grpo_ma", "dr_grpo", "cispo", "gpg")  # presets and objectives with no flag of their own to check
+# formulas whose seams are not wired yet: not in methods.ORDER, so not loaded and their flags do not exist
+UNWIRED = ("rloo", "batch_std", "reinforce_pp", "kl", "dual_clip", "entropy_bonus", "mask_truncated")
 
 
 def test_every_method_is_checked():
-    """Guards against a method file whose flag checks TrainConfig never runs (a bad value would then be accepted
-    until it fails mid-run, or never): every file in methods/ is in config.METHODS, and each one's bad value is
-    refused with its flag named."""
+    """Guards against a method file the trainer never loads (methods.ORDER names the files, in the seams' order) or
+    whose flag checks TrainConfig never runs (a bad value would then be accepted until it fails mid-run, or never):
+    every file in methods/ is loaded, and each one's bad value is refused with its flag named."""
     files = {f[:-3] for f in os.listdir(os.path.join(ROOT, "methods")) if f.endswith(".py") and f != "__init__.py"}
-    assert {r.__name__.split(".")[-1] for r in config.METHODS} == files == set(BAD)
+    loaded = {m.__name__.split(".")[-1] for m in methods.METHODS}
+    assert loaded == files - set(UNWIRED) == set(BAD) | set(NOTHING_TO_REFUSE)
     for bad in BAD.values():
         flag = "--" + next(iter(bad)).replace("_", "-")
         with pytest.raises(ValueError, match=flag):

@@ -1,7 +1,7 @@
-"""The newer losses' wiring in the trainer: the step's token selections (methods/token_select.py: Clip-Cov, KL-Cov,
-the 80/20 entropy mask) are the whole step's, whatever the micro-batch split or the world size; GPG's alpha,
-DeepSeek-V3.2's sequence mask and the rollout-mismatch modes reach the update; impossible combinations are refused
-in one sentence."""
+"""The newer losses' wiring in the trainer: the step's token selections (methods/cov.py: Clip-Cov, KL-Cov;
+methods/entropy_mask.py: the 80/20 mask) are the whole step's, whatever the micro-batch split or the world size;
+GPG's alpha, DeepSeek-V3.2's sequence mask and the rollout-mismatch modes reach the update; impossible combinations
+are refused in one sentence."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cli
+import methods
 import train
 from distributed import gather_rows
 from helpers import BUNDLED
 from hf import load_model
-from losses import clip_cov_mask, high_entropy_mask, kl_cov_select
-from methods import token_select
+from methods import dsv32
+from methods.cov import clip_cov_mask, kl_cov_select
+from methods.entropy_mask import high_entropy_mask
 from train import PRESETS, TrainConfig
 
 
@@ -40,21 +42,28 @@ def hp(**kw) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), **kw})
 
 
+def select(logp, adv, ent, mask, cfg, step: int, rank: int, world: int) -> tuple:
+    """The step's token selections through the methods' seam (methods.select), as the trainer calls it after the
+    score pass: (keep, KL-Cov's selected, metrics)."""
+    run = types.SimpleNamespace(cfg=cfg, rank=rank, world=world, state={"step": step})
+    return methods.select(run, types.SimpleNamespace(score_logp=logp, entropy=ent), adv, mask)
+
+
 def test_select_is_the_losses_functions_on_the_whole_step():
-    """Guards against the method computing another selection than losses.py's functions: keep is the entropy mask
+    """Guards against the methods computing another selection than their own functions: keep is the entropy mask
     and Clip-Cov's draw (seeded by seed and step), selected is KL-Cov's, and tokens off the mask keep factor 1."""
     logp, adv, ent, mask = step_tensors()
     cfg = hp(loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-5.0, clip_cov_ub=5.0, top_entropy_fraction=0.5, seed=3)
-    keep, selected, metrics = token_select.select(logp, adv, ent, mask, cfg, step=7, rank=0, world=1)
+    keep, selected, metrics = select(logp, adv, ent, mask, cfg, step=7, rank=0, world=1)
     from distributed import derive_seed
 
     g = torch.Generator().manual_seed(derive_seed(3, 7, -1))
     want = high_entropy_mask(ent, mask, 0.5) & clip_cov_mask(logp, adv, mask, ratio=0.1, low=-5, high=5, generator=g)
-    assert selected is None and torch.equal(keep, (want | ~mask).float())
+    assert selected is None and torch.equal(keep, want | ~mask)
     assert metrics["token_select/kept_frac"] == pytest.approx(want.sum().item() / mask.sum().item())
     assert 0 < metrics["token_select/kept_frac"] < 0.5
     cfg = hp(loss="kl_cov", kl_cov_ratio=0.2)
-    keep, selected, metrics = token_select.select(logp, adv, ent, mask, cfg, step=0, rank=0, world=1)
+    keep, selected, metrics = select(logp, adv, ent, mask, cfg, step=0, rank=0, world=1)
     assert torch.equal(keep, torch.ones_like(keep)) and torch.equal(selected, kl_cov_select(logp, adv, mask, ratio=0.2))
     assert metrics["kl_cov/selected_frac"] == pytest.approx(int(mask.sum() * 0.2) / mask.sum().item())
 
@@ -69,7 +78,7 @@ def _two_ranks(rank: int, path: str, results: dict) -> None:
     out = {"gathered": full, "slice": (own.start, own.stop)}
     for name, kw in (("clip_cov", dict(clip_cov_ratio=0.1, clip_cov_lb=-5.0, clip_cov_ub=5.0)), ("kl_cov", {})):
         cfg = hp(loss=name, top_entropy_fraction=0.5, kl_cov_ratio=0.2, **kw)
-        out[name] = token_select.select(*part, cfg, step=2, rank=rank, world=2)
+        out[name] = select(*part, cfg, step=2, rank=rank, world=2)
     results[rank] = out
     dist.destroy_process_group()
 
@@ -87,7 +96,7 @@ def test_selections_under_two_ranks_equal_one_process(tmp_path):
         assert torch.equal(torch.where(mask, results[rank]["gathered"], 0), torch.where(mask, logp, 0))
     for name in ("clip_cov", "kl_cov"):
         cfg = hp(loss=name, top_entropy_fraction=0.5, kl_cov_ratio=0.2, clip_cov_ratio=0.1, clip_cov_lb=-5.0)
-        keep, selected, metrics = token_select.select(logp, adv, ent, mask, cfg, step=2, rank=0, world=1)
+        keep, selected, metrics = select(logp, adv, ent, mask, cfg, step=2, rank=0, world=1)
         for rank, rows in ((0, slice(0, 4)), (1, slice(4, 6))):
             k, s, m = results[rank][name]
             assert torch.equal(k, keep[rows, : k.shape[1]]) and m == metrics
@@ -125,8 +134,8 @@ def test_gpg_alpha_and_the_sequence_mask_reach_the_update(tmp_path, monkeypatch)
     """Guards against --gpg-alpha or --opsm-delta parsed but not used: GPG's weights are scaled by groups / groups
     with a spread (logged as gpg/alpha), and the V3.2 mask multiplies the token weights of the update."""
     seen = []
-    real = train.off_policy_sequence_mask
-    monkeypatch.setattr(train, "off_policy_sequence_mask", lambda *a, **k: seen.append(k["delta"]) or real(*a, **k))
+    real = dsv32.off_policy_sequence_mask
+    monkeypatch.setattr(dsv32, "off_policy_sequence_mask", lambda *a, **k: seen.append(k["delta"]) or real(*a, **k))
     base = dict(model=BUNDLED, max_steps=1, prompts_per_step=4, thoughts=4, eval_every=0, eval_examples=4)
     base |= dict(eval_samples=0, samples_every=0, max_thought_tokens=40)
     out = str(tmp_path / "gpg")
@@ -148,11 +157,11 @@ def test_the_kl_penalty_takes_the_step_weight_without_the_surrogates_masks(tmp_p
     calls = []
     real = train.policy_loss
     drop_all = lambda logp, behaviour, adv, mask, **k: torch.zeros_like(mask, dtype=torch.bool)  # noqa: E731
-    monkeypatch.setattr(train, "off_policy_sequence_mask", drop_all)
+    monkeypatch.setattr(dsv32, "off_policy_sequence_mask", drop_all)
 
-    def spy(tok, hp):  # (the surrogate's weights: the step's times the selections, the KL's)
+    def spy(tok, hp, objective):  # (the surrogate's weights: the step's times the selections, the KL's)
         calls.append((tok.weight * tok.keep, tok.weight))
-        return real(tok, hp)
+        return real(tok, hp, objective)
 
     monkeypatch.setattr(train, "policy_loss", spy)
     cfg = TrainConfig(model=BUNDLED, out=str(tmp_path / "run"), max_steps=1, prompts_per_step=4, thoughts=4)
