@@ -238,6 +238,13 @@ def save_model(
     stored = str(dtype).removeprefix("torch.") if dtype is not None else model.config.torch_dtype
     config = replace(model.config, torch_dtype=stored)  # validates the name
     sd = state_dict if state_dict is not None else model.state_dict()
+    with torch.device("meta"):
+        unexpected = sorted(sd.keys() - Transformer(config).state_dict().keys())
+    if unexpected:  # e.g. LoRA adapters, which transformers would drop silently
+        raise ValueError(
+            f"save_model: {unexpected[0]!r} is no tensor of a {config.model_type} checkpoint; for LoRA adapters "
+            f"pass state_dict=lora.merged_state_dict(model), or write them with lora.save_adapters."
+        )
     tensors = {
         k: v.detach().to("cpu", getattr(torch, stored)).contiguous()
         for k, v in sd.items()

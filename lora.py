@@ -38,9 +38,10 @@ attribute). Call add_lora before distributed.wrap: DDP then ignores the frozen b
 parameters that require grad) and FSDP2's fully_shard shards base and adapters alike, reducing gradients
 of the adapters only. Every rank must pass the same seed (A's init). Under FSDP2, save_adapters,
 merged_state_dict and copy_merged_ gather full tensors (collectives: every rank calls them); load_adapters
-runs before wrapping. adapters_off only flips attributes, so it works on a sharded or DDP-wrapped model,
-but a forward under it with grad enabled leaves the adapters without gradient, which DDP reports as unused
-parameters: run the reference pass under no_grad, as the score pass does.
+runs before wrapping. adapters_off only flips attributes read at forward time, so it works on a sharded or
+DDP-wrapped model; run the reference pass under no_grad, as the score pass does: with grad enabled, DDP would
+report the adapters as unused parameters, and a gradient-checkpointed layer recomputed in backward after the
+block would see the adapters on again. Pass the policy itself (or its DDP wrapper) to these functions.
 
 Left out: dropout on the adapter input (RL updates are small and on-policy; PEFT's lora_dropout is saved
 as 0.0 and ignored on load), rsLoRA and DoRA and per-module ranks (refused on load), adapters on the
@@ -118,7 +119,7 @@ class LoRALinear(nn.Module):
         a = torch.empty(rank, self.in_features)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         w = self.weight
-        self.lora_A = nn.Parameter(a.to(w.device, w.dtype) if w.device.type != "meta" else a.to(w.device))
+        self.lora_A = nn.Parameter(a.to(w.device, w.dtype))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=w.dtype, device=w.device))
         self.enabled = True  # False inside adapters_off
 
@@ -168,8 +169,13 @@ def add_lora(model: Transformer, rank: int, alpha: float, targets: Sequence[str]
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
-    """The adapter layers by module name (e.g. 'model.layers.0.self_attn.q_proj'), in module order."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    """The adapter layers by module name (e.g. 'model.layers.0.self_attn.q_proj'), in module order; of a DDP
+    wrapper, its module's (the names are the checkpoint's either way)."""
+    return {name: m for name, m in _unwrap(model).named_modules() if isinstance(m, LoRALinear)}
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DDP's wrapper holds the model as .module
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -210,7 +216,7 @@ def _full(t: Tensor) -> Tensor:
 def _merged(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of the plain model's parameters (HF names; a tied head once, as embed_tokens), each
     adapted weight as W + (B @ A) * scaling in float32, one at a time: the caller copies or keeps them."""
-    layers = lora_layers(model)
+    layers, model = lora_layers(model), _unwrap(model)
     for name, p in model.named_parameters():
         module, _, leaf = name.rpartition(".")
         if leaf in ("lora_A", "lora_B"):
@@ -218,7 +224,8 @@ def _merged(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         t = _full(p)
         if module in layers and leaf == "weight":
             m = layers[module]
-            t = t.float() + (_full(m.lora_B).float() @ _full(m.lora_A).float()) * m.scaling  # (out, in)
+            delta = _full(m.lora_B).float() @ _full(m.lora_A).float()  # (out, in)
+            t = delta.mul_(m.scaling).add_(t)  # W + (B @ A) * s, in place: one (out, in) buffer, not three
         yield name, t
 
 
@@ -227,13 +234,14 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     """The plain model's state dict (HF names, no adapter keys) with each adapted weight replaced by
     W + (B @ A) * scaling, computed in float32 and cast to `dtype` (None: the base weight's dtype). The model
     is not modified. Under FSDP2 each tensor is gathered whole (every rank must call this)."""
-    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    dtypes = {name: p.dtype for name, p in _unwrap(model).named_parameters()}
     return {name: t.to(dtype or dtypes[name]) for name, t in _merged(model)}
 
 
 def merged_copy(model: nn.Module, dtype: torch.dtype | None = None) -> Transformer:
     """A frozen plain Transformer with the merged weights of `model` in `dtype` (None: the base's), on its
     device: the sampler's weights. Refresh it after each update with copy_merged_."""
+    model = _unwrap(model)
     config = model.config
     with torch.device("meta"):
         copy = Transformer(config)

@@ -18,7 +18,7 @@ import lora
 import model as M
 from cli import UserExit, parse_config
 from helpers import hf_logits, make_hf_model
-from hf import load_model
+from hf import load_model, save_model
 from sampler import generate
 
 ALL = tuple(lora.TARGETS)
@@ -312,7 +312,8 @@ def test_a_broken_adapter_is_one_sentence_naming_the_file(case, qwen2, tmp_path)
 def test_merged_checkpoint_loads_in_transformers(qwen2, tmp_path):
     """Guards merge_checkpoint and `lora.py --merge`: transformers must load the merged directory to the
     adapter model's logits, our loader to the merged copy's bit for bit (float32 base, so nothing is
-    rounded on the way), with no adapter tensor left in the file; a missing --out is one sentence."""
+    rounded on the way), with no adapter tensor left in the file; a missing --out is one sentence; and
+    hf.save_model refuses the wrapped model itself (transformers would load it dropping the adapters)."""
     m = wrapped(qwen2)
     lora.save_adapters(m, tmp_path / "a", qwen2)
     lora.main(lora.MergeConfig(merge=str(tmp_path / "a"), out=str(tmp_path / "merged")))
@@ -323,6 +324,9 @@ def test_merged_checkpoint_loads_in_transformers(qwen2, tmp_path):
     assert not any("lora" in k for k in load_file(tmp_path / "merged" / "model.safetensors"))
     with pytest.raises(UserExit, match="--out DIR"):
         parse_config(lora.MergeConfig, ["--merge", str(tmp_path / "a")])
+    with pytest.raises(ValueError, match="lora_A' is no tensor of a qwen2 checkpoint"):
+        save_model(m, tmp_path / "wrapped")
+    assert not (tmp_path / "wrapped").exists()
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -331,7 +335,7 @@ DIST_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 import lora, model as M
-from hf import load_model
+from hf import load_model, save_model
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 rank, mode = dist.get_rank(), sys.argv[1]
@@ -371,9 +375,8 @@ def test_ddp_and_fsdp_wrap_the_adapters(mode, qwen2, tmp_path):
     script = tmp_path / "run.py"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script.write_text(textwrap.dedent(DIST_SCRIPT).format(root=root, path=str(qwen2), out=str(tmp_path)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", "29611"]
-    if mode == "fsdp":
-        cmd[-1] = "29612"
+    port = {"ddp": "29611", "fsdp": "29612"}[mode]  # test_fsdp.py and test_train.py use 29533-29538
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", port]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*cmd, str(script), mode], check=True, timeout=300, env=env, capture_output=True)
     got = torch.load(tmp_path / f"{mode}.pt")
