@@ -24,7 +24,8 @@ from tasks import TASK_NAMES
 # Configuration: the dataclass defaults are plain GRPO; each preset lists what it changes.
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo", "dagrpo", "cispo")
-ALGOS += ("sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "gpg", "dsv32")
+ALGOS += ("sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "gpg", "dsv32", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ALGOS += ("lite_ppo",)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class TrainConfig(*(m.Flags for m in reversed(methods.METHODS) if hasattr(m, "Fl
         advantage=("grpo", *methods.ADVANTAGES),
         aggregation=AGGREGATIONS,
         loss=tuple(methods.LOSSES),
-        kl_estimator=KL_ESTIMATORS,
+        kl_estimator=tuple(KL_ESTIMATORS),
         **methods.gathered("CHOICES"),
         lr_schedule=("cosine", "constant"),
         save_dtype=("auto", "float32", "bfloat16", "float16"),
@@ -170,10 +171,9 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
     if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.answers > 1:
         subject = "--aggregation seq_mean_token_sum_norm"
         yield FlagError(("aggregation",), "needs --answers 1", ("answers",), subject)
-    if cfg.kl_estimator == "unbiased" and cfg.beta == 0:
-        yield FlagError(
-            ("kl_estimator",), "is the KL penalty's estimator: it needs --beta > 0", subject="--kl-estimator unbiased"
-        )
+    if cfg.kl_estimator != "k3" and cfg.beta == 0:
+        subject = f"--kl-estimator {cfg.kl_estimator}"
+        yield FlagError(("kl_estimator",), "is the KL penalty's estimator: it needs --beta > 0", subject=subject)
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
     yield from methods.check(cfg)

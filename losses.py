@@ -52,7 +52,46 @@ def unbiased_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) 
     return torch.exp(masked_log_ratio(logp, old_logp, mask)) * (torch.exp(d) - d - 1)
 
 
-KL_ESTIMATORS = ("k3", "unbiased")  # --kl-estimator: Schulman's k3, or DeepSeek-V3.2's k3 times the ratio
+def _gap(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """d = logp - ref_logp on the mask, 0 elsewhere (padding may hold -inf or nan: -inf - -inf is nan)."""
+    return torch.where(mask, logp - ref_logp.detach(), torch.zeros_like(logp))
+
+
+def k1(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """k1 = logp - ref_logp per token; unbiased for KL(pi || ref) under samples from pi, may be negative. Its gradient
+    in the loss, grad logp, is 0 in expectation: it belongs in the reward (--kl-in-reward, methods/kl.py)."""
+    return _gap(logp, ref_logp, mask)
+
+
+def k2(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """k2 = (logp - ref_logp)^2 / 2 per token; >= 0, biased, its gradient is the KL's on-policy."""
+    return 0.5 * _gap(logp, ref_logp, mask).square()
+
+
+def k3(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """kl3 on the mask, 0 elsewhere (GRPO's estimator, the default)."""
+    zero = torch.zeros_like(logp)
+    return kl3(torch.where(mask, logp, zero), torch.where(mask, ref_logp.detach(), zero))
+
+
+def low_var_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """verl's low_var_kl (its kl_loss_type default): x = clamp(ref_logp - logp, -20, 20), clamp(exp(x) - x - 1, -10,
+    10). k3 wherever |logp - ref_logp| <~ 2.3; beyond, the value is 10 and its gradient 0 (verl b178a3c
+    core_algos.py kl_penalty_forward)."""
+    x = (-_gap(logp, ref_logp, mask)).clamp(-20.0, 20.0)
+    return (torch.exp(x) - x - 1).clamp(-10.0, 10.0)
+
+
+# --kl-estimator: each (logp, ref_logp, old_logp, mask) -> [B, T], 0 off the mask, gradient through logp only (the
+# unbiased one also through its ratio). Schulman's k1/k2/k3 as verl's kl_penalty names them (OpenRLHF's
+# compute_approx_kl).
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
+    "k3": k3,
+    "k1": k1,
+    "k2": k2,
+    "low_var_kl": low_var_kl,
+    "unbiased": unbiased_kl,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,13 +185,15 @@ class Tokens:
     ref_logp: Tensor | None = None  # the reference model's log-probs (beta > 0)
     off_policy: Tensor | None = None  # bool, tokens not sampled from pi_old (an injected reference solution)
     selected: Tensor | None = None  # bool, KL-Cov's tokens (its objective takes them)
+    beta: float | None = None  # the KL penalty's coefficient (None: hp.beta; 0: the KL is in the reward instead)
 
 
 def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Tensor, dict[str, float]]:
     """loss = -sum(weight * keep * is_weight * obj) + hp.beta * sum(weight * KL), obj = objective's (default CLIP,
     GRPO's min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A); a method's from methods.LOSSES, --loss), KL per token
-    by hp.kl_estimator: k3 (kl3), or "unbiased" (DeepSeek-V3.2's unbiased_kl: k3 times pi / pi_old; it needs
-    old_logp on every KL token).
+    by hp.kl_estimator (KL_ESTIMATORS: k3 by default; k1, k2, low_var_kl; "unbiased", DeepSeek-V3.2's k3 times
+    pi / pi_old, which needs old_logp on every KL token). tok.beta = 0: the KL is in the reward (methods/kl.py), and
+    only its metric is kept.
 
     The weight carries the aggregation normaliser, so the loss is a plain sum and micro-batch losses add up. The
     objective sees every trained token (mask): the selections (keep) and importance weights act on the surrogate's
@@ -172,7 +213,8 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     "off_policy_frac" (of those tokens) and "off_policy_p_mean" (mean p over this call's off-policy tokens) are added.
     """
     objective, logp, old_logp, adv = objective or CLIP, tok.logp, tok.old_logp, tok.adv
-    if hp.beta != 0.0 and tok.ref_logp is None:
+    beta = hp.beta if tok.beta is None else tok.beta
+    if beta != 0.0 and tok.ref_logp is None:
         raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
     if tok.off_policy is not None and not hp.anchor_gamma > 0:
         raise ValueError(f"policy_loss: anchor_gamma (off-policy shaping) must be > 0, got {hp.anchor_gamma}.")
@@ -191,11 +233,8 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     counted = mask & (weight != 0)  # the tokens the surrogate trains: its metrics' denominator
     kl = None
     if tok.ref_logp is not None:
-        if getattr(hp, "kl_estimator", "k3") == "unbiased":  # k3 for an hp without the flag
-            kl = unbiased_kl(logp, tok.ref_logp, old_logp, mask)
-        else:
-            kl = kl3(torch.where(mask, logp, zero), torch.where(mask, tok.ref_logp.detach(), zero))
-        loss = loss + hp.beta * (tok.weight * torch.where(mask, kl, zero)).sum()
+        kl = KL_ESTIMATORS[getattr(hp, "kl_estimator", "k3")](logp, tok.ref_logp, old_logp, mask)  # k3 without the flag
+        loss = loss + beta * (tok.weight * torch.where(mask, kl, zero)).sum()
 
     with torch.no_grad():
         cut = cut & counted

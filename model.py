@@ -367,7 +367,7 @@ class _HeadLogprobs(torch.autograd.Function):
     under autocast)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad=False):
         w = weight.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's weight cache does)
         N = hidden.shape[0]
         logp = hidden.new_empty(N, dtype=torch.float32)
@@ -378,22 +378,30 @@ class _HeadLogprobs(torch.autograd.Function):
             logp[i : i + step], lse[i : i + step] = _logp_lse(logits, targets[i : i + step], temperature)
             if want_entropy:
                 ent[i : i + step] = _entropy(logits, temperature, lse[i : i + step])
-        ctx.save_for_backward(hidden, w, targets, lse)
+        ctx.save_for_backward(hidden, w, targets, lse, ent if entropy_grad else lse.new_empty(0))
         ctx.temperature, ctx.dtype, ctx.step, ctx.weight_dtype = temperature, dtype, step, weight.dtype
-        ctx.mark_non_differentiable(ent)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logp, _g_ent):
-        hidden, w, targets, lse = ctx.saved_tensors
+    def backward(ctx, g_logp, g_ent):
+        hidden, w, targets, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         g_h = torch.empty_like(hidden) if need_h else None
         g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         for i in range(0, hidden.shape[0], ctx.step):
             h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
             x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
-            d = x.sub_(lse[i : i + ctx.step, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
+            if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
+                log_p = x.sub_(lse[i : i + ctx.step, None])
+                p = log_p.exp()
+                e = g_ent[i : i + ctx.step, None]
+                d = p * -g[:, None] - e * p * (log_p + ent[i : i + ctx.step, None])
+            else:
+                d = x.sub_(lse[i : i + ctx.step, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
             d.scatter_add_(1, t[:, None], g[:, None])  # + g at the target: g * (onehot - softmax)
             d = d.div_(ctx.temperature).to(ctx.dtype)  # d logp / d logits, in the matmul dtype
             if need_h:
@@ -403,7 +411,7 @@ class _HeadLogprobs(torch.autograd.Function):
                     g_w.addmm_(d.T, h)  # in place: no (V, C) temporary per chunk
                 else:  # autocast: the chunk's product in the matmul dtype, then added
                     g_w += d.T @ h
-        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None
+        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -413,6 +421,7 @@ def head_logprobs(
     temperature: float = 1.0,
     *,
     entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """token_logprobs(lm_head(hidden), targets, temperature) without ever holding more than one
@@ -422,8 +431,10 @@ def head_logprobs(
     head: the Transformer (its lm_head is used) or the lm_head Linear. hidden (..., C), e.g. from
     `model(ids, hidden=True)`; targets (...) long. Returns logp (...) float32, differentiable
     w.r.t. hidden and lm_head.weight (a tied embedding included), and, if entropy, the entropy of
-    softmax(logits / temperature) (...) float32 without grad, else None. Under autocast the matmul
-    runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))` would.
+    softmax(logits / temperature) (...) float32, else None; without grad unless entropy_grad (an entropy bonus:
+    the backward then adds the entropy's gradient, -p (log p + H) / temperature per logit, chunk by chunk). Under
+    autocast the matmul runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))`
+    would.
     chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits)."""
     _check_temperature("head_logprobs", temperature)
     lm_head = getattr(head, "lm_head", head)
@@ -436,7 +447,7 @@ def head_logprobs(
     C = hidden.shape[-1]
     with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
         logp, ent = _HeadLogprobs.apply(
-            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy
+            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy, entropy_grad
         )
     return logp.view(targets.shape), ent.view(targets.shape) if entropy else None
 

@@ -298,10 +298,15 @@ class PromptRows:
 
 
 def token_stats(
-    model, batch: Batch, temperature: float, entropy: bool = False, chunk_tokens: int | None = None
+    model,
+    batch: Batch,
+    temperature: float,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob (and optionally entropy) of every completion token under `model`, (B, T) float32 in
-    the logical layout (0 at prompt and padding positions).
+    """Log-prob (and optionally entropy; with entropy_grad, differentiable) of every completion token under `model`,
+    (B, T) float32 in the logical layout (0 at prompt and padding positions).
 
     The model runs on the packed rows and returns hidden states; only the completion tokens' ones go
     through lm_head, chunk by chunk (model.head_logprobs), so no (rows, T, V) logits ever exist.
@@ -338,7 +343,8 @@ def token_stats(
     if first is not None:  # source -1: the shared prompt's last position
         h = torch.where((src >= 0)[:, None], h, first.index_select(0, rows))
     head = getattr(model, "module", model)
-    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, entropy=entropy, chunk_tokens=chunk_tokens)
+    kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
+    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw)
     index, shape = (batch.to_logical[rows, cols],), batch.ids.shape
 
     def to_logical(x: torch.Tensor) -> torch.Tensor:

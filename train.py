@@ -279,14 +279,13 @@ def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.S
     return (old_logp, ref_logp, entropy) if need_policy else (None, ref_logp, None)
 
 
-def sequence_advantages(run: Run, groups: list[Group], batch_accuracy: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion): GRPO-MA's (GRPO's
-    when M = 1), or the answer advantages of --advantage's method or of another method's (DaGRPO's pair mask).
-    The methods may transform the rewards first (noise correction)."""
-    reward = methods.advantage_rewards(run, per_completion(groups, "reward"))
+def sequence_advantages(run: Run, groups: list[Group], reward: torch.Tensor, batch_accuracy: float) -> tuple:
+    """5a. Thought advantages (P, K) and answer advantages (P, K, M) (M = 1: one per completion) of the rewards
+    [P, K, M]: GRPO-MA's (GRPO's when M = 1), or those of --advantage's method or of another method's (RLOO,
+    2-GRPO, A-GRAE, the step's std, DaGRPO's pair mask)."""
     adv_thought, adv_answer = advantage.grpo_ma_advantages(reward, std_normalize=run.cfg.std_normalize)
-    replaced = methods.answer_advantages(run, groups, reward.view(len(groups), -1), batch_accuracy)
-    return adv_thought, adv_answer if replaced is None else replaced.view(adv_answer.shape)
+    thought, answer = methods.advantages(run, groups, reward, batch_accuracy)
+    return adv_thought if thought is None else thought, adv_answer if answer is None else answer
 
 
 def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple:
@@ -296,7 +295,9 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     The weight carries the loss normaliser of the WHOLE step (summed over ranks), so neither the
     micro-batch split nor the world size can change the gradient."""
     cfg, world, dev = run.cfg, run.world, run.device
-    adv_thought, adv_answer = sequence_advantages(run, groups, batch_accuracy)
+    # the rewards the advantages see: noise-corrected, the KL in the reward (methods' advantage_rewards)
+    reward = methods.advantage_rewards(run, per_completion(groups, "reward"), batch)
+    adv_thought, adv_answer = sequence_advantages(run, groups, reward, batch_accuracy)
     mask = batch.thought | (batch.answer_id >= 0)
     raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
     seq_adv = methods.sequence_advantages(run, raw, batch, mask)  # GTPO's entropy control
@@ -304,6 +305,7 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
     seq_adv = seq_adv.view(adv_answer.shape).to(dev)
     adv = advantage.grpo_ma_token_advantages(adv_thought.to(dev), seq_adv, batch.thought, batch.answer_id)
+    adv = methods.token_advantages(run, groups, batch, mask, adv, reward)  # REINFORCE++: token returns, whitened
     rows, M = all_sum(batch.ids.shape[0], world).item(), cfg.answers  # thoughts over all ranks
     if M > 1 and cfg.aggregation == "seq_mean_token_mean":
         kw = dict(thought_weight=cfg.thought_weight, answer_weight=cfg.answer_weight, num_thoughts=rows)
@@ -327,6 +329,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     shaping. Returns the first epoch's sums of loss and token-weighted diagnostics, and the last gradient norm."""
     cfg, world = run.cfg, run.world
     sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, off_tokens=0.0, off_p=0.0)
+    entropy_grad = methods.needs_entropy_grad(cfg)  # a loss term on the token entropy (the entropy bonus)
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
@@ -334,7 +337,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
             if run.fsdp:
                 run.policy.set_requires_gradient_sync(sync)
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), run.precision():
-                logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=epoch == 0 and batch.entropy is None)
+                entropy = epoch == 0 and batch.entropy is None
+                logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=entropy, entropy_grad=entropy_grad)
                 mask = batch.mask[rows]
                 off = None if batch.off_policy is None else batch.off_policy[rows] & mask
                 sampled = mask if off is None else mask & ~off  # the tokens with sampler log-probs
@@ -346,6 +350,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 # the rollout-mismatch weights, V3.2's sequence mask: per micro-batch, on the current log-probs
                 tok = methods.micro_batch(run, tok, mb, sampled, sums, epoch)
                 loss, metrics = policy_loss(tok, cfg, run.objective)
+                loss = methods.loss_terms(run, tok, ent, loss)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 n = mask.float().sum().item()

@@ -10,16 +10,20 @@ holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its prese
   rewards (score)                 rewards(run, reward [N], step: Scored) -> reward        noise, dagrpo, dapo
   resample (after scoring)        resample(run, groups, step, slots, redraw) -> (groups, n)  dapo
   rollouts (before packing)       rollouts(run, groups) -> (groups, metrics)             dagrpo's anchors
-  advantage rewards (advantages)  advantage_rewards(run, reward [P, K, M]) -> reward      noise's correction
-  advantages (advantages)         ADVANTAGES = {--advantage value: fn(run, groups, reward [P, G], batch_accuracy)}
-                                  answer_advantages(run, groups, reward [P, G]) -> [P, G]  dagrpo's pair mask
+  advantage rewards (advantages)  advantage_rewards(run, reward [P, K, M], batch) -> reward  noise, kl in the reward
+  advantages (advantages)         ADVANTAGES = {--advantage value: fn(run, groups, reward [P, K, M], batch_accuracy)
+                                  -> (thought [P, K] or None, answer [P, K, M] or None)}  two_grpo, agrae, rloo
+                                  advantages(run, groups, reward, batch_accuracy) -> the same  dagrpo, batch_std
   sequence advantages             sequence_advantages(run, adv [B], batch, mask) -> [B]   gtpo's entropy control
+  token advantages                token_advantages(run, groups, batch, mask, adv, reward) -> adv [B, T]  reinforce_pp
   trained tokens                  trained_mask(run, groups, batch, mask) -> mask          dapo's flat groups
   token weights                   token_weights(run, groups, batch, weight, raw [B], mask) -> (weight, metrics)
   selections (over the step)      select(run, batch, adv, mask) -> (keep, selected, metrics)  cov, entropy_mask
   the loss                        LOSSES = {--loss value: losses.Objective}              gspo, gmpo, ...
+                                  objective(cfg, entry) -> entry                         dual_clip
   micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch) -> tok  mismatch, dsv32
-  score pass                      needs_scores(cfg) -> bool                              gtpo, cov, entropy_mask
+  extra loss terms (update)       loss_terms(run, tok, entropy, loss) -> loss; needs_entropy_grad(cfg)  entropy_bonus
+  score pass                      needs_scores(cfg) -> bool                              gtpo, cov, entropy_mask, kl
   metrics (log)                   metrics(run, sums, rollouts) -> dict                   noise, dagrpo
   the sampler's dtype (setup)     check_rollout_dtype(cfg, rollout) -> None              mismatch
 
@@ -41,8 +45,9 @@ from distributed import all_sum
 from losses import CLIP, loss_name
 
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
-ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "gtpo", "entropy_mask")
-ORDER += ("cov", "gpg", "mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo", "dppo")
+ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "batch_std")
+ORDER += ("kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg", "mismatch", "dsv32", "gspo")
+ORDER += ("cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus")
 
 _present = {m.name for m in pkgutil.iter_modules(__path__)}
 METHODS: tuple[ModuleType, ...] = tuple(importlib.import_module(f"{__name__}.{n}") for n in ORDER if n in _present)
@@ -73,7 +78,7 @@ def enabled(cfg) -> Iterator[ModuleType]:
 
 def hooks(cfg, name: str) -> list:
     """The enabled methods' hooks of this name, in ORDER."""
-    return [getattr(m, name) for m in enabled(cfg) if hasattr(m, name)]
+    return [getattr(m, name) for m in METHODS if hasattr(m, name) and m.enabled(cfg)]
 
 
 def check(cfg) -> Iterator:
@@ -119,20 +124,27 @@ def rollouts(run, groups: list) -> tuple[list, dict]:
     return groups, metrics
 
 
-def advantage_rewards(run, reward: torch.Tensor) -> torch.Tensor:
+def advantage_rewards(run, reward: torch.Tensor, batch) -> torch.Tensor:
     for hook in hooks(run.cfg, "advantage_rewards"):
-        reward = hook(run, reward)
+        reward = hook(run, reward, batch)
     return reward
 
 
-def answer_advantages(run, groups: list, reward: torch.Tensor, batch_accuracy: float) -> torch.Tensor | None:
-    """[P, G] answer advantages replacing the group normalisation's: --advantage's entry, or a method's hook (the
-    checks keep them exclusive); None = the core's."""
+def advantages(run, groups: list, reward: torch.Tensor, batch_accuracy: float) -> tuple:
+    """(thought [P, K] or None, answer [P, K, M] or None) replacing the core's GRPO-MA advantages, None where the
+    core's stays: --advantage's entry (ADVANTAGES), or one method's hook (the checks keep them exclusive)."""
     if run.cfg.advantage != "grpo":
         return ADVANTAGES[run.cfg.advantage](run, groups, reward, batch_accuracy)
-    for hook in hooks(run.cfg, "answer_advantages"):
-        return hook(run, groups, reward)
-    return None
+    for hook in hooks(run.cfg, "advantages"):
+        return hook(run, groups, reward, batch_accuracy)
+    return None, None
+
+
+def token_advantages(run, groups: list, batch, mask: torch.Tensor, adv: torch.Tensor, reward: torch.Tensor):
+    """Token-level estimators (REINFORCE++) replace the per-token advantages [B, T] outright."""
+    for hook in hooks(run.cfg, "token_advantages"):
+        adv = hook(run, groups, batch, mask, adv, reward)
+    return adv
 
 
 def sequence_advantages(run, adv: torch.Tensor, batch, mask: torch.Tensor) -> torch.Tensor:
@@ -175,6 +187,18 @@ def micro_batch(run, tok, mb, sampled: torch.Tensor, sums: dict, epoch: int):
     return tok
 
 
+def needs_entropy_grad(cfg) -> bool:
+    """A loss term of a method needs the token entropy with its gradient in every epoch (the entropy bonus)."""
+    return any(hook(cfg) for hook in hooks(cfg, "needs_entropy_grad"))
+
+
+def loss_terms(run, tok, entropy: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
+    """The policy loss plus the methods' own terms on this micro-batch (the entropy bonus)."""
+    for hook in hooks(run.cfg, "loss_terms"):
+        loss = hook(run, tok, entropy, loss)
+    return loss
+
+
 def needs_scores(cfg) -> bool:
     return any(hook(cfg) for hook in hooks(cfg, "needs_scores"))
 
@@ -191,8 +215,11 @@ def check_rollout_dtype(cfg, rollout: str) -> None:
 
 
 def objective(cfg):
-    """--loss's entry of the loss table (--sequence-ratio: GSPO's)."""
-    return LOSSES[loss_name(cfg)]
+    """--loss's entry of the loss table (--sequence-ratio: GSPO's), as a method may modify it (the dual clip)."""
+    entry = LOSSES[loss_name(cfg)]
+    for hook in hooks(cfg, "objective"):
+        entry = hook(cfg, entry)
+    return entry
 
 
 PRESETS = gathered("PRESETS")

@@ -35,10 +35,11 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(("advantage",), "needs --answers 1", ("answers",), "--advantage agrae")
 
 
-def asymmetric_advantages(run, groups: list, reward: Tensor, batch_accuracy: float) -> Tensor:
-    """--advantage agrae: rewards [P, G] -> [P, G], with the task's 0/1 correctness as the accuracy."""
+def asymmetric_advantages(run, groups: list, reward: Tensor, batch_accuracy: float) -> tuple[None, Tensor]:
+    """--advantage agrae: rewards [P, G, 1] -> answer advantages, with the task's 0/1 correctness as the accuracy."""
     kw = dict(correct=per_group(groups, "correct"), alpha=run.cfg.agrae_alpha, batch_accuracy=batch_accuracy)
-    return agrae_advantages(reward, **kw, std_normalize=run.cfg.std_normalize)
+    adv = agrae_advantages(reward.view(len(reward), -1), **kw, std_normalize=run.cfg.std_normalize)
+    return None, adv.view(reward.shape)
 
 
 ADVANTAGES = {"agrae": asymmetric_advantages}

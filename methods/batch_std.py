@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from cli import FlagError
+from distributed import all_sum
 
 
 @dataclass
@@ -99,3 +100,11 @@ def grpo_ma_batch_std_advantages(
     th_stats, ans_stats = (moments(value), moments(flat)) if stats is None else stats
     thought = batch_std_advantages(value, th_stats, eps=eps)
     return thought, batch_std_advantages(flat, ans_stats, eps=eps).view(P, K, M)
+
+
+def advantages(run, groups: list, reward: Tensor, batch_accuracy: float) -> tuple[Tensor, Tensor]:
+    """--batch-std: GRPO-MA's centring over the step's std, the moments summed over every rank."""
+    P, K, M = reward.shape
+    stats = (moments(reward.mean(-1)), moments(reward.reshape(P, K * M)))
+    stats = tuple(all_sum(s, run.world) for s in stats)
+    return grpo_ma_batch_std_advantages(reward, stats)

@@ -83,12 +83,15 @@ def rollouts(run, groups: list[Group]) -> tuple[list[Group], dict[str, int]]:
     return splice_anchors(groups, run.task, run.tokenizer, run.cfg.completion_limit)
 
 
-def answer_advantages(run, groups: list[Group], reward: torch.Tensor) -> torch.Tensor | None:
-    """--pair-delta, a RECONSTRUCTION: pairs whose credits differ by < delta cancel ([P, G])."""
+def advantages(run, groups: list[Group], reward: torch.Tensor, batch_accuracy: float) -> tuple:
+    """--pair-delta, a RECONSTRUCTION: pairs whose credits differ by < delta cancel (answer advantages, M = 1)."""
     if run.cfg.pair_delta < 0:
-        return None
-    credit_ = per_group(groups, "credit")
-    return pairwise_distinct_advantages(reward, credit_, run.cfg.pair_delta, std_normalize=run.cfg.std_normalize)
+        return None, None
+    kw = dict(std_normalize=run.cfg.std_normalize)
+    adv = pairwise_distinct_advantages(
+        reward.view(len(reward), -1), per_group(groups, "credit"), run.cfg.pair_delta, **kw
+    )
+    return None, adv.view(reward.shape)
 
 
 def check_references(task, examples: list[dict]) -> None:

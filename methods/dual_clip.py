@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from cli import FlagError
-from losses import clipped, loss_name, token_ratio
+from losses import Objective, clipped, loss_name, token_ratio
 
 
 @dataclass
@@ -67,3 +67,8 @@ def dual_clip_objective(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tenso
     floor = c * adv  # (B, T) the bound; it matters where A < 0
     dual = mask & (adv < 0) & (obj.detach() < floor)
     return torch.where(dual, floor, obj), cut | dual
+
+
+def objective(cfg, entry: Objective) -> Objective:
+    """The dual clip in place of the clipped surrogate (--loss clip, or clip_cov with its selections)."""
+    return Objective(dual_clip_objective)

@@ -41,16 +41,16 @@ left out: beta is fixed. A completion with no trained token has no last token: i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from cli import FlagError
-from losses import kl3, unbiased_kl
+from losses import KL_ESTIMATORS, Tokens
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "unbiased")  # the values of --kl-estimator
+TOKEN_LEVEL = ("reinforce_pp", "reinforce_pp_baseline")  # --advantage values that take the token returns themselves
 
 
 @dataclass
@@ -67,8 +67,6 @@ def enabled(cfg) -> bool:
 
 def check(cfg) -> Iterator[FlagError]:
     estimator = f"--kl-estimator {cfg.kl_estimator}"
-    if cfg.kl_estimator in ("k1", "k2", "low_var_kl") and cfg.beta == 0:
-        yield FlagError(("kl_estimator",), "is the KL penalty's estimator: it needs --beta > 0", subject=estimator)
     if cfg.kl_in_reward and cfg.beta == 0:
         yield FlagError(("kl_in_reward",), "needs --beta > 0 (the KL coefficient)", ("beta",))
     if cfg.kl_in_reward and cfg.kl_estimator == "unbiased":
@@ -88,64 +86,37 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(("kl_in_reward",), why, ("advantage", "std_normalize"))
 
 
-def needs_policy_logp(cfg) -> bool:
+def needs_scores(cfg) -> bool:
     """KL in the reward: the score pass measures the policy's log-probs (pi_old) before the advantages."""
-    return cfg.kl_in_reward
+    return True
 
 
-# ----------------------------------------------------------------------------------------------
-# The estimators
+def step_kl(run, batch) -> Tensor:
+    """The step's per-token KL [B, T] at pi_old (the score pass's log-probs) against the reference, by
+    --kl-estimator, on every completion token."""
+    mask = batch.thought | (batch.answer_id >= 0)
+    return token_kl(run.cfg.kl_estimator, batch.score_logp, batch.ref_logp, batch.score_logp, mask)
 
 
-def _gap(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
-    """d = logp - ref_logp on the mask, 0 elsewhere (padding may hold -inf or nan: -inf - -inf is nan)."""
-    return torch.where(mask.bool(), logp - ref_logp.detach(), torch.zeros_like(logp))
+def advantage_rewards(run, reward: Tensor, batch) -> Tensor:
+    """The group estimators' rewards [P, K, M] become the completions' KL-shaped returns (R minus beta times the
+    completion's KL sum); the token-level estimators (REINFORCE++) take the token returns themselves."""
+    if run.cfg.advantage in TOKEN_LEVEL:
+        return reward
+    return shaped_returns(reward, batch.thought, batch.answer_id, step_kl(run, batch), run.cfg.beta)[1]
 
 
-def k1(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """k1 = logp - ref_logp per token [B, T]; unbiased for KL(pi || ref) under samples from pi, may be negative."""
-    return _gap(logp, ref_logp, mask)
-
-
-def k2(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """k2 = (logp - ref_logp)^2 / 2 per token [B, T]; >= 0, biased, its gradient is the KL's on-policy."""
-    return 0.5 * _gap(logp, ref_logp, mask).square()
-
-
-def k3(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """losses.kl3 per token [B, T], 0 off the mask: exp(-d) + d - 1, d = logp - ref_logp."""
-    d = _gap(logp, ref_logp, mask)
-    return kl3(d, torch.zeros_like(d))
-
-
-def low_var_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """verl's low_var_kl per token [B, T]: x = clamp(ref_logp - logp, -20, 20), clamp(exp(x) - x - 1, -10, 10).
-    k3 wherever |logp - ref_logp| <~ 2.3 (k3 reaches 10 at x = 2.56 and at x = -11); beyond, the value is 10 and its
-    gradient 0 (the upper clamp binds first; the lower one, -10, never does, as k3 >= 0)."""
-    x = (-_gap(logp, ref_logp, mask)).clamp(-20.0, 20.0)
-    return (torch.exp(x) - x - 1).clamp(-10.0, 10.0)
-
-
-def unbiased(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """losses.unbiased_kl: k3 times pi / pi_old per token [B, T], 0 off the mask."""
-    return unbiased_kl(logp, ref_logp, old_logp, mask)
-
-
-ESTIMATORS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
-    "k1": k1,
-    "k2": k2,
-    "k3": k3,
-    "low_var_kl": low_var_kl,
-    "unbiased": unbiased,
-}
-assert tuple(ESTIMATORS) == KL_ESTIMATORS
+def micro_batch(run, tok: Tokens, mb, sampled: Tensor, sums: dict, epoch: int) -> Tokens:
+    """The KL is in the reward: none in the loss (its metric is still measured)."""
+    tok.beta = 0.0
+    return tok
 
 
 def token_kl(name: str, logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """The --kl-estimator's per-token KL [B, T] (0 off the mask)."""
-    if name not in ESTIMATORS:
+    """The --kl-estimator's per-token KL [B, T] (0 off the mask): losses.KL_ESTIMATORS, the loss's table."""
+    if name not in KL_ESTIMATORS:
         raise ValueError(f"token_kl: unknown estimator {name!r}; choose one of {', '.join(KL_ESTIMATORS)}.")
-    return ESTIMATORS[name](logp, ref_logp, old_logp, mask)
+    return KL_ESTIMATORS[name](logp, ref_logp, old_logp, mask)
 
 
 # ----------------------------------------------------------------------------------------------

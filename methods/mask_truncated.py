@@ -64,3 +64,9 @@ def keep_untruncated(answer_truncated: Tensor, answer_id: Tensor) -> Tensor:
     cut = answer_truncated.reshape(B, M).bool()
     is_answer = answer_id >= 0
     return ~(is_answer & cut.gather(1, answer_id.clamp(min=0).long()))
+
+
+def trained_mask(run, groups: list, batch, mask: Tensor) -> Tensor:
+    """The answers that hit their length limit leave the trained tokens (their thoughts stay)."""
+    cut = truncated([a.finish for g in groups for t in g.thoughts for a in t.answers]).to(mask.device)
+    return mask & keep_untruncated(cut.view(len(groups), run.cfg.thoughts, run.cfg.answers), batch.answer_id)

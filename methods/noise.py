@@ -77,7 +77,7 @@ def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:
     return inject(reward.view(step.groups, -1), step.seeds, run.cfg).flatten()
 
 
-def advantage_rewards(run, reward: torch.Tensor) -> torch.Tensor:
+def advantage_rewards(run, reward: torch.Tensor, batch) -> torch.Tensor:
     """--noise-correct: rewards [P, K, M] unbiased before the advantages."""
     return corrected(reward, run.state) if run.cfg.noise_correct else reward
 

@@ -45,8 +45,9 @@ import torch
 from torch import Tensor
 
 from cli import FlagError
+from distributed import all_sum
 from methods.batch_std import mean_std, moments
-from methods.kl import shaped_returns
+from methods.kl import shaped_returns, step_kl
 
 VALUES = ("reinforce_pp", "reinforce_pp_baseline")  # the values this file adds to --advantage
 
@@ -111,3 +112,21 @@ def whiten(x: Tensor, mask: Tensor, stats: Tensor | None = None, *, eps: float =
     mean, std = mean_std(moments(x, m) if stats is None else stats)
     out = (x.detach().double() - mean) / (std * std + eps) ** 0.5
     return torch.where(m, out, torch.zeros_like(out)).to(x.dtype)
+
+
+def token_advantages(run, groups: list, batch, mask: Tensor, adv: Tensor, reward: Tensor) -> Tensor:
+    """The token returns of the rewards [P, K, M] (the KL in them with --kl-in-reward), whitened over the step's
+    trained tokens on every rank: [B, T], in place of the per-completion advantages."""
+    cfg = run.cfg
+    kl = step_kl(run, batch) if cfg.kl_in_reward else None
+    kw = dict(baseline=cfg.advantage == "reinforce_pp_baseline", kl=kl, beta=cfg.beta)
+    returns = reinforce_pp_returns(reward.to(adv.device), batch.thought, batch.answer_id, **kw)
+    return whiten(returns, mask, all_sum(moments(returns, mask), run.world)).to(adv.dtype)
+
+
+def sequence_level(run, groups: list, reward: Tensor, batch_accuracy: float) -> tuple[None, None]:
+    """The per-completion advantages stay the core's (unused: token_advantages replaces them)."""
+    return None, None
+
+
+ADVANTAGES = dict.fromkeys(VALUES, sequence_level)

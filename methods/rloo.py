@@ -30,8 +30,6 @@ from torch import Tensor
 
 from cli import FlagError
 
-VALUES = ("rloo",)  # the values this file adds to --advantage
-
 
 @dataclass
 class Flags:
@@ -70,3 +68,11 @@ def grpo_ma_rloo_advantages(rewards: Tensor) -> tuple[Tensor, Tensor]:
     P, K, M = rewards.shape
     r = rewards if rewards.is_floating_point() else rewards.float()
     return rloo_advantages(r.mean(-1)), rloo_advantages(r.reshape(P, K * M)).view(P, K, M)
+
+
+def advantages(run, groups: list, reward: Tensor, batch_accuracy: float) -> tuple[Tensor, Tensor]:
+    """--advantage rloo: rewards [P, K, M] -> (thought [P, K], answer [P, K, M]) leave-one-out advantages."""
+    return grpo_ma_rloo_advantages(reward)
+
+
+ADVANTAGES = {"rloo": advantages}

@@ -25,9 +25,9 @@ def check(cfg) -> Iterator[FlagError]:
         yield FlagError(("advantage",), "needs --thoughts 2 --answers 1", group, "--advantage two_grpo")
 
 
-def pair_advantages(run, groups: list, reward: Tensor, batch_accuracy: float) -> Tensor:
-    """--advantage two_grpo: rewards [P, 2] -> [P, 2]."""
-    return two_grpo_advantages(reward)
+def pair_advantages(run, groups: list, reward: Tensor, batch_accuracy: float) -> tuple[None, Tensor]:
+    """--advantage two_grpo: rewards [P, 2, 1] -> answer advantages [P, 2, 1]."""
+    return None, two_grpo_advantages(reward.view(len(reward), -1)).view(reward.shape)
 
 
 ADVANTAGES = {"two_grpo": pair_advantages}

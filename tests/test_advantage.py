@@ -31,8 +31,8 @@ from advantage import (
     token_weights,
     two_grpo_advantages,
 )
-from losses import Tokens, kl3, policy_loss
-from methods import objective
+from losses import Tokens, kl3, loss_name, policy_loss
+from methods import LOSSES
 from methods.mismatch import truncated_is_weights
 
 T = torch.tensor
@@ -40,7 +40,7 @@ T = torch.tensor
 
 def loss_for(tok: Tokens, h) -> tuple[torch.Tensor, dict]:
     """policy_loss with the objective --loss (h.loss, or h.sequence_ratio) names, as the trainer passes it."""
-    return policy_loss(tok, h, objective(h))
+    return policy_loss(tok, h, LOSSES[loss_name(h)])
 
 
 def hp(**kw) -> types.SimpleNamespace:

@@ -20,7 +20,7 @@ from helpers import BUNDLED, SMALL_RUN
 from hf import load_model
 from methods import dagrpo
 from model import token_logprobs
-from pack import Answer, Group, completions, rollouts
+from pack import Answer, Group, completions, per_completion, rollouts
 from sampler import Tree
 from tasks import get_task, no_reference, render_prompt, sft_completion, solution_completion
 from tokenizer import load_tokenizer
@@ -150,7 +150,7 @@ def test_splice_anchors_puts_the_reference_in_the_last_rollout_of_failing_groups
     assert table(trained, "reward") == [[0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 1]]
     assert table(trained, "correct") == table(trained, "reward")
     assert [row[-1] for row in table(trained, "credit")] == [1.0, 0.5, 1.0]
-    _, adv = train.sequence_advantages(run, trained, batch_accuracy=0.0)
+    _, adv = train.sequence_advantages(run, trained, per_completion(trained, "reward"), batch_accuracy=0.0)
     # Dr. GRPO's pairwise form: (1/G) sum_j m_ij (r_i - r_j). Group 0: the rollout credited .95 is within .1 of
     # the anchor's 1.0, so that pair cancels; group 2: plain (G-1)/G and -1/G; group 1 is untouched.
     want = [[-0.25, 0.0, -0.25, 0.5], [0.75, -0.25, -0.25, -0.25], [-0.25, -0.25, -0.25, 0.75]]

@@ -14,7 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from losses import clip, kl3, unbiased_kl
+from config import TrainConfig
+from helpers import BUNDLED
+from losses import KL_ESTIMATORS, clip, kl3, low_var_kl, unbiased_kl
 from methods import batch_std, dual_clip, entropy_bonus, kl, mask_truncated, reinforce_pp, rloo
 
 F64 = torch.float64
@@ -287,7 +289,7 @@ def test_kl_estimators_equal_verl_and_openrlhf():
         close(kl.token_kl(name, logp, ref, old, mask), openrlhf_approx_kl(logp, ref, name))
     close(kl.token_kl("k3", logp, ref, old, mask), kl3(logp, ref))
     close(kl.token_kl("unbiased", logp, ref, old, mask), unbiased_kl(logp, ref, old, mask))
-    assert set(kl.ESTIMATORS) == set(kl.KL_ESTIMATORS)
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "low_var_kl", "unbiased"}  # --kl-estimator's values
 
 
 def test_low_var_kl_clamps_cut_the_gradient():
@@ -297,7 +299,7 @@ def test_low_var_kl_clamps_cut_the_gradient():
     d = 0.5 is plain k3."""
     logp = torch.tensor([[-6.0, 29.0, -0.5, -801.0]], dtype=F64, requires_grad=True)
     ref = torch.tensor([[-1.0, -1.0, -1.0, -1.0]], dtype=F64)
-    out = kl.low_var_kl(logp, ref, logp.detach(), torch.ones(1, 4, dtype=torch.bool))
+    out = low_var_kl(logp, ref, logp.detach(), torch.ones(1, 4, dtype=torch.bool))
     out.sum().backward()
     close(out.detach(), [[10.0, 10.0, math.exp(-0.5) - 0.5, 10.0]])
     close(logp.grad, [[0.0, 0.0, 1 - math.exp(-0.5), 0.0]])
@@ -523,18 +525,20 @@ def test_mask_truncated_with_one_answer_is_trls_row_mask():
 # Flags: presets and refusals
 
 MODULES = (rloo, batch_std, reinforce_pp, kl, dual_clip, entropy_bonus, mask_truncated)
-CORE = dict(advantage="grpo", std_normalize=True, answers=1, thoughts=16, beta=0.0, kl_estimator="k3", loss="clip")
-CORE |= dict(sequence_ratio=False, entropy_gate=False, entropy_gamma=0.0, aggregation="seq_mean_token_mean")
 
 
-def cfg(**kw) -> SimpleNamespace:
-    """The core's defaults and every Flags default of these files, changed by kw."""
-    flags = {f: v for m in MODULES for f, v in vars(m.Flags()).items()}
-    return SimpleNamespace(**{**CORE, **flags, **kw})
+def cfg(**kw) -> dict:
+    """Flags for TrainConfig: its defaults (plain GRPO), changed by kw."""
+    return kw
 
 
-def errors(c: SimpleNamespace) -> list[str]:
-    return [str(e) for m in MODULES for e in m.check(c)]
+def errors(flags: dict) -> list[str]:
+    """The sentence TrainConfig refuses these flags with (every check: the core's and each method's), [] if none."""
+    try:
+        TrainConfig(**flags)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def test_presets_pass_the_checks_with_and_without_the_tree():
@@ -567,7 +571,7 @@ def test_presets_pass_the_checks_with_and_without_the_tree():
         (dict(kl_in_reward=True, beta=0.1, kl_estimator="unbiased", std_normalize=False), "taken at pi_old"),
         (dict(beta=0.1, kl_estimator="k1"), "zero expected gradient"),
         (dict(kl_in_reward=True, beta=0.1), "per-group scale"),
-        (dict(kl_in_reward=True, beta=0.1, advantage="two_grpo", std_normalize=False), "per-group scale"),
+        (dict(kl_in_reward=True, beta=0.1, advantage="two_grpo", thoughts=2, std_normalize=False), "per-group scale"),
         (dict(dual_clip=0.5), "--dual-clip must be > 1"),
         (dict(dual_clip=3.0, loss="gspo"), "needs --loss clip or clip_cov, not gspo"),
         (dict(dual_clip=3.0, sequence_ratio=True), "not gspo"),
@@ -593,3 +597,93 @@ def test_kl_in_reward_is_allowed_where_the_scale_is_the_steps():
         dict(batch_std=True),
     ):
         assert errors(cfg(kl_in_reward=True, beta=0.01, **kw)) == [], kw
+
+
+# ----------------------------------------------------------------------------------------------
+# The wiring: each estimator reaches the trainer's step
+
+
+def test_head_logprobs_entropy_gradient_equals_autograd():
+    """Guards against the chunked head's hand-written backward dropping or mis-scaling the entropy's gradient (the
+    entropy bonus would then train nothing, or the wrong thing): with entropy_grad, d(a*logp + b*H) / d(hidden,
+    weight) equals autograd through the full logits, over several chunks and at two temperatures; without it the
+    entropy carries no gradient and the log-probs' gradient is unchanged."""
+    from model import head_logprobs, token_entropy, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, generator=g, dtype=F64)
+    weight = torch.randn(11, 5, generator=g, dtype=F64)
+    targets = torch.randint(0, 11, (7,), generator=g)
+    a, b = torch.randn(7, generator=g, dtype=F64), torch.randn(7, generator=g, dtype=F64)
+    for temperature in (1.0, 0.7):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        head = torch.nn.Linear(5, 11, bias=False).double()
+        head.weight = torch.nn.Parameter(w)
+        logp, ent = head_logprobs(head, h, targets, temperature, entropy=True, entropy_grad=True, chunk_tokens=3)
+        got = torch.autograd.grad((a * logp + b * ent).sum(), (h, head.weight))
+        h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logits = h2 @ w2.T
+        ref = a * token_logprobs(logits, targets, temperature) + b * token_entropy(logits, temperature)
+        want = torch.autograd.grad(ref.sum(), (h2, w2))
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)  # the head computes in float32
+    logp, ent = head_logprobs(head, hidden.clone().requires_grad_(), targets, entropy=True, chunk_tokens=3)
+    assert logp.requires_grad and not ent.requires_grad
+
+
+def _one_step(tmp_path, flags: dict) -> dict:
+    """One training step of the bundled model with these flags; returns its metrics row."""
+    import json
+    import os
+
+    import train
+
+    base = dict(model=BUNDLED, out=str(tmp_path / "run"), max_steps=1, prompts_per_step=4, thoughts=4)
+    base |= dict(eval_every=0, eval_examples=4, eval_samples=0, samples_every=0, max_thought_tokens=40)
+    train.main(TrainConfig(**{**base, **flags}))
+    return [json.loads(x) for x in open(os.path.join(base["out"], "metrics.jsonl")) if '"loss"' in x][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags, module, function",
+    [
+        (dict(algo="rloo", **rloo.PRESETS["rloo"]), rloo, "grpo_ma_rloo_advantages"),
+        (dict(algo="rloo", **rloo.PRESETS["rloo"], thoughts=2, answers=2), rloo, "grpo_ma_rloo_advantages"),
+        (dict(**reinforce_pp.PRESETS["reinforce_pp"]), reinforce_pp, "whiten"),
+        (dict(**reinforce_pp.PRESETS["reinforce_pp_baseline"]), reinforce_pp, "reinforce_pp_returns"),
+        (dict(batch_std=True, thoughts=2, answers=2), batch_std, "grpo_ma_batch_std_advantages"),
+        (dict(kl_in_reward=True, beta=0.01, std_normalize=False), kl, "shaped_returns"),
+        (dict(beta=0.01, kl_estimator="k2"), None, None),
+        (dict(dual_clip=3.0, mu=2), dual_clip, "dual_clip_objective"),
+        (dict(entropy_coef=0.01), entropy_bonus, "entropy_bonus"),
+        (dict(mask_truncated=True, max_answer_tokens=2), mask_truncated, "keep_untruncated"),
+    ],
+)
+def test_each_estimator_reaches_the_step(tmp_path, monkeypatch, flags, module, function):
+    """Guards against an estimator's flag or preset parsed but never called by the trainer (its seam not wired):
+    its function runs in a real step (spied), the step's loss and gradient are finite, and with the KL in the reward
+    the loss carries no KL term (policy_loss gets beta 0) while the k2 estimator reaches the loss's KL."""
+    import losses
+    import train
+
+    calls = []
+    if module is not None:
+        real = getattr(module, function)
+        monkeypatch.setattr(module, function, lambda *a, **k: calls.append(a) or real(*a, **k))
+    betas, estimators = [], []
+    real_loss = train.policy_loss
+
+    def spy(tok, hp, objective):
+        betas.append(hp.beta if tok.beta is None else tok.beta)
+        return real_loss(tok, hp, objective)
+
+    monkeypatch.setattr(train, "policy_loss", spy)
+    real_k2 = losses.KL_ESTIMATORS["k2"]
+    monkeypatch.setitem(losses.KL_ESTIMATORS, "k2", lambda *a: estimators.append("k2") or real_k2(*a))
+    row = _one_step(tmp_path, flags)
+    assert module is None or calls, f"{function} was never called"
+    assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+    assert set(betas) == ({0.0} if flags.get("kl_in_reward") else {flags.get("beta", 0.0)})
+    if flags.get("kl_estimator") == "k2":
+        assert estimators and row["kl"] is not None
