@@ -25,13 +25,14 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from typing import IO
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from cli import UserError
-from hf import save_model
+from hf import copy_tokenizer, save_model
 
 CONFIG = "train_config.json"  # the run's flags, beside each checkpoint's weights
 STATE = "trainer_state.pt"
@@ -40,14 +41,27 @@ LOCK = ".lock"  # in --out: locked by the process that writes the run
 
 
 def save_checkpoint(
-    path: str, model, tokenizer_dir: str, state: dict, config: dict, weights: dict | None = None, dtype=None
+    path: str,
+    model,
+    tokenizer_dir: str,
+    state: dict,
+    config: dict,
+    weights: dict | None = None,
+    dtype=None,
+    write_model: Callable[[str], None] | None = None,
 ) -> None:
     """Write a checkpoint at `path`. weights: the full state dict when the model's own parameters are
-    sharded (FSDP); dtype: of the written weights (None = the dtype the model was loaded in)."""
+    sharded (FSDP); dtype: of the written weights (None = the dtype the model was loaded in); write_model: writes
+    the model's files into a directory instead (LoRA: the adapters), the tokenizer files are copied beside them."""
     tmp = path.rstrip("/") + ".tmp"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model(model, tmp, tokenizer_dir=tokenizer_dir, state_dict=weights, dtype=dtype)
+        if write_model is None:
+            save_model(model, tmp, tokenizer_dir=tokenizer_dir, state_dict=weights, dtype=dtype)
+        else:
+            os.makedirs(tmp)
+            write_model(tmp)
+            copy_tokenizer(tokenizer_dir, tmp)
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(config, f, indent=2)
         torch.save(state, os.path.join(tmp, STATE))
@@ -109,7 +123,8 @@ def damaged_file(ckpt: str) -> tuple[str, str] | None:
     weights = sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))) or [os.path.join(ckpt, "model.safetensors")]
     checks = [(os.path.join(ckpt, STATE), lambda f: torch.load(f, mmap=True, weights_only=False)["trainer"]["step"])]
     checks += [(os.path.join(ckpt, CONFIG), lambda f: read_run_config(ckpt))]  # older checkpoints: in the state
-    checks += [(os.path.join(ckpt, name), _read_json_object) for name in ("config.json", "tokenizer.json")]
+    model = "adapter_config.json" if os.path.isfile(os.path.join(ckpt, "adapter_config.json")) else "config.json"
+    checks += [(os.path.join(ckpt, name), _read_json_object) for name in (model, "tokenizer.json")]
     checks += [(f, _read_safetensors_header) for f in weights]
     for file, read in checks:
         try:

@@ -17,6 +17,7 @@ from advantage import AGGREGATIONS
 from checkpoint import resume_flags
 from cli import FlagError, first_error, out_of_range
 from hf import BUNDLED
+from lora import TARGETS, parse_targets
 from losses import KL_ESTIMATORS
 from tasks import TASK_NAMES
 
@@ -87,6 +88,10 @@ class CoreFlags:
     fsdp: bool = False  # under torchrun: shard weights, grads, optimizer state with FSDP2
     optimizer_offload: bool = False  # AdamW state and step in CPU memory (saves 8 bytes/param on GPU); same update
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
+    lora_rank: int = 0  # LoRA: train rank-R adapters on the frozen model, the KL reference (0 = full fine-tuning)
+    lora_alpha: float = 16.0  # LoRA: the adapters' scaling is alpha / rank
+    lora_targets: str = "q,k,v,o,gate,up,down"  # LoRA: the linear layers that get adapters (comma-separated)
+    merge: bool = False  # LoRA: also write OUT/merged, a full HF checkpoint with the adapters merged in
     # -- logging and checkpoints
     eval_every: int = 20  # evaluate held-out accuracy every N steps (0 = only at the start and end)
     eval_examples: int = 200  # held-out prompts per evaluation
@@ -128,7 +133,8 @@ class TrainConfig(*(m.Flags for m in reversed(methods.METHODS) if hasattr(m, "Fl
         **dict.fromkeys(("max_steps", "prompts_per_step", "thoughts", "answers", "max_answer_tokens"), ">= 1"),
         **dict.fromkeys(("reward_workers", "mu", "micro_batch_rows", "max_bad_steps", "eval_examples"), ">= 1"),
         **dict.fromkeys(("seed", "max_thought_tokens", "top_k", "thought_weight", "answer_weight", "beta"), ">= 0"),
-        **dict.fromkeys(("warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every"), ">= 0"),
+        **dict.fromkeys(("warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every", "lora_rank"), ">= 0"),
+        **dict(lora_alpha="> 0"),
         **dict.fromkeys(("eval_samples", "save_every", "samples_every"), ">= 0"),
         **dict.fromkeys(("temperature", "top_p", "clip_high", "lr", "grad_clip"), "> 0"),
         **dict(clip_low="[0, 1)"),
@@ -174,6 +180,14 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
     if cfg.kl_estimator != "k3" and cfg.beta == 0:
         subject = f"--kl-estimator {cfg.kl_estimator}"
         yield FlagError(("kl_estimator",), "is the KL penalty's estimator: it needs --beta > 0", subject=subject)
+    if cfg.lora_rank:
+        try:
+            parse_targets(cfg.lora_targets)
+        except ValueError:
+            why = f"must be a comma-separated subset of {','.join(TARGETS)}, got {cfg.lora_targets!r}"
+            yield FlagError(("lora_targets",), why)
+    if cfg.merge and not cfg.lora_rank:
+        yield FlagError(("merge",), "merges LoRA adapters: it needs --lora-rank R", ("lora_rank",))
     if cfg.resume and os.path.abspath(cfg.resume) == os.path.abspath(cfg.model):
         yield FlagError(("resume",), "and --model name the same directory", ("model",))
     yield from methods.check(cfg)
@@ -183,7 +197,7 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
 # decides what the run computes and must equal the run's own (its checkpoint's train_config.json).
 RESUMABLE = (
     *("resume", "out", "overwrite", "max_steps", "device", "reward_workers", "max_bad_steps", "wandb"),
-    *("optimizer_offload",),
+    *("optimizer_offload", "merge"),
     *("eval_every", "eval_examples", "eval_samples", "save_every", "save_optimizer", "save_dtype", "samples_every"),
 )
 

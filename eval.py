@@ -208,6 +208,7 @@ def load_examples(cfg: EvalConfig) -> tuple[Task, list[dict]]:
 
 
 def main(cfg: EvalConfig) -> dict:
+    import lora
     from hf import load_model
     from tokenizer import load_tokenizer
 
@@ -217,7 +218,10 @@ def main(cfg: EvalConfig) -> dict:
         task, examples = load_examples(cfg)
         task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
         tokenizer = load_tokenizer(cfg.model, enable_thinking=cfg.enable_thinking)
-        model = load_model(cfg.model, device=cfg.device)
+        if lora.is_adapter_dir(cfg.model):  # a LoRA run's checkpoint: its base model with the adapters merged in
+            model = lora.merged_copy(lora.load_adapted(cfg.model, device=cfg.device)[0])
+        else:
+            model = load_model(cfg.model, device=cfg.device)
         context = model.config.max_position_embeddings
         if cfg.max_new_tokens >= context:
             raise ValueError(

@@ -220,6 +220,13 @@ TOKENIZER_FILES = (
 )
 
 
+def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """The tokenizer files of the model directory src (those it has) copied into dst."""
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy(Path(src) / name, Path(dst) / name)
+
+
 def save_model(
     model: Transformer,
     path: str | os.PathLike,
@@ -256,9 +263,7 @@ def save_model(
         (tmp / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / name).is_file():
-                    shutil.copy(Path(tokenizer_dir) / name, tmp / name)
+            copy_tokenizer(tokenizer_dir, tmp)
         if not (tmp / "generation_config.json").exists() and config.eos_token_id is not None:
             gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

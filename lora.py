@@ -145,6 +145,15 @@ def parse_targets(text: str) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t in names)
 
 
+def adapter_size(config, rank: int, targets: Sequence[str]) -> int:
+    """The adapters' parameter count for a model config: rank * (in + out) per adapted layer (the memory estimate's
+    trainable parameters under LoRA)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    shapes = dict(q=(h, q), k=(h, kv), v=(h, kv), o=(q, h), gate=(h, i), up=(h, i), down=(i, h))
+    return config.num_hidden_layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
 def add_lora(model: Transformer, rank: int, alpha: float, targets: Sequence[str], seed: int = 0) -> Transformer:
     """Wrap model's target linear layers (names of TARGETS, e.g. ('q', 'v')) with LoRALinear adapters of rank
     `rank` and scaling alpha / rank, in place, and freeze every base parameter. A is drawn from
@@ -306,12 +315,21 @@ def save_adapters(model: nn.Module, path: str | os.PathLike, base_model_path: st
     `peft.PeftModel.from_pretrained(hf_model, path)` and load_adapters read it. Under FSDP2 every rank must
     call this (the adapters are gathered); only the caller decides which rank writes, so call it on all
     ranks and let rank 0 keep the files."""
-    path = Path(path)
-    config = adapter_config(model, str(base_model_path))
+    write_adapters(adapter_tensors(model), adapter_config(model, str(base_model_path)), path)
+
+
+def adapter_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters under PEFT's keys, whole and on the CPU (under FSDP2 a collective: every rank calls it)."""
     tensors = {}
     for name, m in lora_layers(model).items():
         for leaf in ("lora_A", "lora_B"):
             tensors[f"{PEFT_PREFIX}{name}.{leaf}.weight"] = _full(getattr(m, leaf)).detach().cpu().contiguous()
+    return tensors
+
+
+def write_adapters(tensors: dict[str, Tensor], config: dict, path: str | os.PathLike) -> None:
+    """adapter_model.safetensors and adapter_config.json into the directory `path` (one writer: rank 0)."""
+    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _write_atomic(path / ADAPTER_WEIGHTS, lambda f: save_file(tensors, f, metadata={"format": "pt"}))
     _write_atomic(path / ADAPTER_CONFIG, lambda f: f.write_text(json.dumps(config, indent=2) + "\n"))
@@ -395,7 +413,23 @@ def merge_checkpoint(
     """Write a full HF checkpoint to out_dir: the base model (base, default adapter_config.json's
     base_model_name_or_path) with the adapters of adapter_dir merged in, in `dtype` (None: the dtype the base
     checkpoint stores), tokenizer files copied from the base. Merged in float32 whatever the stored dtype."""
-    from hf import bundled, load_model, save_model
+    from hf import save_model
+
+    model, base = load_adapted(adapter_dir, base)
+    save_model(model, out_dir, tokenizer_dir=base, state_dict=merged_state_dict(model), dtype=dtype)
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    """A directory of adapters (a LoRA run's checkpoint), not a full model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def load_adapted(
+    adapter_dir: str | os.PathLike, base: str | os.PathLike | None = None, device: str | torch.device = "cpu"
+) -> tuple[Transformer, str]:
+    """(the base model with adapter_dir's adapters, float32 on device; the base's directory): base defaults to
+    adapter_config.json's base_model_name_or_path."""
+    from hf import bundled, load_model
 
     spec = read_adapter_config(adapter_dir)
     base = base or spec.pop("base_model_name_or_path")
@@ -403,8 +437,8 @@ def merge_checkpoint(
         raise ValueError(f"{Path(adapter_dir) / ADAPTER_CONFIG}: names no base model; pass --base MODEL_DIR.")
     base = bundled(str(base))
     spec.pop("base_model_name_or_path", None)
-    model = load_adapters(add_lora(load_model(base, dtype=torch.float32), **spec), adapter_dir)
-    save_model(model, out_dir, tokenizer_dir=base, state_dict=merged_state_dict(model), dtype=dtype)
+    model = load_adapters(add_lora(load_model(base, dtype=torch.float32, device=device), **spec), adapter_dir)
+    return model, base
 
 
 # ----------------------------------------------------------------------------- command line

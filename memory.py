@@ -42,6 +42,7 @@ import torch
 from cli import UserError
 from config import score_pass_needs
 from hf import config_from_hf
+from lora import adapter_size, parse_targets
 from model import ModelConfig, Transformer
 from tasks import Task, render_prompt
 from tokenizer import load_tokenizer
@@ -70,6 +71,7 @@ class Shape:
     rollout_bytes: int  # bytes per element of the sampler's weights and KV cache
     act_bytes: int  # bytes per element of the matmul outputs in training (2 under bf16 autocast)
     score_pass: bool  # config.score_pass_needs: the policy or the reference runs a no-grad pass
+    trainable: int = 0  # parameters the update trains (0: all of them; LoRA: its adapters)
 
 
 def n_params(config: ModelConfig) -> int:
@@ -159,7 +161,7 @@ def scoring_bytes(c: ModelConfig, shape: Shape) -> int:
 def estimate(c: ModelConfig, shape: Shape, *, fixed: dict[str, int], world: int, fsdp: bool) -> dict[str, dict]:
     """Each phase's peak, by term (bytes). fixed: what every phase holds (weights, optimizer state, on
     CPU the process and the data pool), already divided over the ranks where FSDP shards it."""
-    N, K = n_params(c), shape.thoughts
+    N, K = shape.trainable or n_params(c), shape.thoughts  # the gradients' parameters
     grads = 4 * N // (world if fsdp else 1) + (4 * N if world > 1 and not fsdp else 0)  # DDP: + its buckets
     M, P = shape.answers, shape.prompts
     thought_rows = P * K if shape.thought_tokens else 0
@@ -281,12 +283,16 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
         rollout_bytes=2 if rollout == "bfloat16" else 4,
         act_bytes=2 if bf16 else 4,
         score_pass=any(score_pass_needs(cfg)),
+        trainable=adapter_size(c, cfg.lora_rank, parse_targets(cfg.lora_targets)) if cfg.lora_rank else N,
     )
+    T = shape.trainable  # AdamW's state and the gradients: every parameter, or LoRA's adapters
     shard = world if fsdp else 1
     weights = 4 * N // shard + (4 * N if fsdp else 0)  # FSDP: its shard, and the whole weights while sampling
-    weights += (shape.rollout_bytes * N if rollout != "float32" else 0) + (4 * N if cfg.beta > 0 else 0)
+    weights += (shape.rollout_bytes * N if rollout != "float32" else 0) + (
+        4 * N if cfg.beta and not cfg.lora_rank else 0
+    )
     offloaded = cfg.optimizer_offload and cuda
-    fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * N // shard + 4 * N * cfg.optimizer_offload)
+    fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * T // shard + 4 * T * cfg.optimizer_offload)
     n_pool = cfg.max_steps * cfg.prompts_per_step * (1 + cfg.max_resample_rounds * cfg.dynamic_sampling)
     if not cuda:  # the process and its data share the CPU's memory with the step
         fixed = dict(process=process_bytes(), data_pool=n_pool * per_example, **fixed)

@@ -45,12 +45,13 @@ from tqdm import tqdm
 import advantage
 import checkpoint
 import distributed
+import lora
 import methods
 from cli import Stopped, UserError, end_summary, parse_config, start_line, stop_signals, user_errors
 from config import PRESETS, RESUMABLE, TrainConfig, lr_factor, resume_config, score_pass_needs
 from distributed import all_sum, derive_seed, memory_peak
 from heldout import evaluate
-from hf import bundled, load_model
+from hf import bundled, load_model, save_model
 from losses import Objective, Tokens, policy_loss
 from memory import check_memory
 from metrics import rollout_metrics, update_metrics
@@ -90,7 +91,7 @@ class Run:
     policy: Transformer  # the trained model (its parameters are sharded in place under FSDP)
     model: torch.nn.Module  # what the update runs: the policy, or its DDP wrapper
     sampler: Transformer  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
-    reference: Transformer | None  # frozen starting model for the KL penalty (beta > 0)
+    reference: Transformer | None  # frozen starting model for the KL penalty (beta > 0; None under LoRA: the policy)
     tokenizer: object
     # Set by setup after the constructor: the end-of-thought marker (used when answers > 1), the optimizer
     # (--optimizer-offload: it steps CPU float32 copies of the parameters), its schedule, and the trainer state
@@ -117,6 +118,15 @@ class Run:
     def objective(self) -> Objective:
         """--loss's entry of the loss table (methods.LOSSES)."""
         return methods.objective(self.cfg)
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The KL's reference: the frozen copy, or under LoRA the policy with its adapters off (no second copy)."""
+        if self.reference is not None:
+            yield self.reference
+        else:
+            with lora.adapters_off(self.policy):
+                yield self.policy
 
     def precision(self):
         """The autocast context of every forward (bf16 autocast, or a no-op in float32)."""
@@ -152,11 +162,18 @@ def setup(cfg: TrainConfig) -> Run:
         checkpoint.check_out_dir(cfg.out, resume_dir, cfg.overwrite)
         checkpoint.prepare_out(cfg.out, checkpoint.read_trainer_step(resume_dir) if resume_dir else 0)
     torch.manual_seed(cfg.seed)
-    policy = load_model(resume_dir or cfg.model, dtype=torch.float32, device=device)
+    # LoRA: adapters on the frozen starting model (a LoRA checkpoint holds the adapters only)
+    policy = load_model(cfg.model if cfg.lora_rank else resume_dir or cfg.model, dtype=torch.float32, device=device)
+    if cfg.lora_rank:
+        lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, lora.parse_targets(cfg.lora_targets), seed=cfg.seed)
+        if resume_dir:
+            lora.load_adapters(policy, resume_dir)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     # a checkpoint carries its run's tokenizer files
     tokenizer = load_tokenizer(resume_dir or cfg.model, enable_thinking=cfg.enable_thinking)
-    reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if cfg.beta else None
+    # the KL's frozen starting model: a copy, or under LoRA the policy itself with its adapters off (no copy)
+    own = cfg.beta and not cfg.lora_rank
+    reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if own else None
     # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
     marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
     new, context = cfg.completion_limit + len(marker.ids) * (cfg.answers > 1), policy.config.max_position_embeddings
@@ -170,9 +187,10 @@ def setup(cfg: TrainConfig) -> Run:
     # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too), which
     # optimizer_step copies the gradients to and the new weights back from. fused: one kernel over all parameters
     # (7.6x the per-tensor loop on this CPU, as TRL's default adamw_torch_fused); FSDP's DTensors keep the default.
-    host = [host_copy(p, device) for p in policy.parameters()] if cfg.optimizer_offload else None
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapters
+    host = [host_copy(p, device) for p in trainable] if cfg.optimizer_offload else None
     optimizer = torch.optim.AdamW(
-        host or policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp
+        host or trainable, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0)
@@ -180,9 +198,10 @@ def setup(cfg: TrainConfig) -> Run:
         state = checkpoint.load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
     if host and resume_dir:  # the resumed masters
         with torch.no_grad():
-            for h, p in zip(host, policy.parameters(), strict=True):
+            for h, p in zip(host, trainable, strict=True):
                 h.copy_(p)
-    sampler = policy if rollout == "float32" else cast_copy(policy, getattr(torch, rollout))
+    copy = lora.merged_copy if cfg.lora_rank else cast_copy  # LoRA: the sampler runs the merged weights
+    sampler = policy if rollout == "float32" else copy(policy, getattr(torch, rollout))
     run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
     run.marker, run.optimizer, run.scheduler, run.state = marker, optimizer, scheduler, state
     if cfg.compile:  # the caller compiles the small decode step; the sampler replays it as a CUDA graph
@@ -269,13 +288,15 @@ def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.S
     cfg = run.cfg
     need_policy = score_pass_needs(cfg)[0]  # mu > 1, or a method's (GTPO's entropy, the token selections)
     old_logp, entropy = torch.zeros(shape, device=run.device), torch.zeros(shape, device=run.device)
-    ref_logp = torch.zeros(shape, device=run.device) if run.reference is not None else None
+    need_reference = score_pass_needs(cfg)[1]
+    ref_logp = torch.zeros(shape, device=run.device) if need_reference else None
     with torch.no_grad(), run.precision():
         for rows, mb in micro:
             if need_policy:
                 old_logp[rows], entropy[rows] = token_stats(run.policy, mb, cfg.temperature, entropy=True)
-            if run.reference is not None:
-                ref_logp[rows] = token_stats(run.reference, mb, cfg.temperature)[0]
+            if need_reference:
+                with run.reference_model() as reference:
+                    ref_logp[rows] = token_stats(reference, mb, cfg.temperature)[0]
     return (old_logp, ref_logp, entropy) if need_policy else (None, ref_logp, None)
 
 
@@ -371,25 +392,25 @@ def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
     skips the update, and --max-bad-steps of them in a row end the run. Returns the gradient norm."""
     cfg, state = run.cfg, run.state
     host = run.optimizer.param_groups[0]["params"] if cfg.optimizer_offload else None  # AdamW's CPU copies
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), cfg.grad_clip)
+    names, trainable = zip(*[(n, p) for n, p in run.policy.named_parameters() if p.requires_grad])  # LoRA: adapters
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
     if torch.isfinite(grad_norm) and loss_finite:
         if host:  # --optimizer-offload: gradients to the CPU copies, AdamW there, weights back
-            for h, p in zip(host, run.policy.parameters(), strict=True):
+            for h, p in zip(host, trainable, strict=True):
                 h.grad = p.grad.to("cpu", torch.float32)
-        masters = host or list(run.policy.parameters())
+        masters = host or list(trainable)
         before = run.master_norms if run.master_norms is not None else distributed.weight_norms(masters)
         run.optimizer.step()
         run.scheduler.step()
         # broken weights (NaN, inf, or a 1000-fold jump) stop the run before anything uses or saves them
-        names = [n for n, _ in run.policy.named_parameters()]
         run.master_norms = distributed.weight_norms(masters)  # the next update's "before": one norm pass per update
         distributed.check_update(names, before, run.master_norms, run.world, step + 1, f"lower --lr (now {cfg.lr:g})")
         if host:
             with torch.no_grad():
-                for h, p in zip(host, run.policy.parameters(), strict=True):
+                for h, p in zip(host, trainable, strict=True):
                     p.copy_(h, non_blocking=True)
-        if run.sampler is not run.policy:  # the rollout copy follows the new weights
-            copy_weights_(run.sampler, run.policy)
+        if run.sampler is not run.policy:  # the rollout copy follows the new weights (LoRA: merged)
+            (lora.copy_merged_ if cfg.lora_rank else copy_weights_)(run.sampler, run.policy)
         state["bad_steps"] = 0
     else:
         state["bad_steps"] += 1
@@ -437,16 +458,30 @@ def save(run: Run, path: str) -> None:
     cfg = run.cfg
     fsdp_state = distributed.gather_full_state(run.policy, run.optimizer) if run.fsdp else None
     weights, optim = fsdp_state or (None, run.optimizer.state_dict())
+    write_model = None
+    if cfg.lora_rank:  # the adapters alone, in PEFT's format, in their own float32 (every rank gathers them)
+        adapters, adapter_config = lora.adapter_tensors(run.policy), lora.adapter_config(run.policy, cfg.model)
+        write_model = functools.partial(lora.write_adapters, adapters, adapter_config)
     if run.rank == 0:
         dtype = None if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
-        lossy = (dtype or getattr(torch, run.policy.config.torch_dtype)) != torch.float32
+        lossy = not cfg.lora_rank and (dtype or getattr(torch, run.policy.config.torch_dtype)) != torch.float32
         masters = (run.policy.state_dict() if weights is None else weights) if cfg.save_optimizer and lossy else None
         optim, scheduler = optim if cfg.save_optimizer else None, run.scheduler.state_dict()
         state = dict(optimizer=optim, scheduler=scheduler, trainer=run.state, config=asdict(cfg))
         state["master_weights"] = masters
-        checkpoint.save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), weights=weights, dtype=dtype)
+        kw = dict(weights=weights, dtype=dtype, write_model=write_model)
+        checkpoint.save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), **kw)
     if run.world > 1:
         dist.barrier()
+
+
+def save_merged(run: Run) -> None:
+    """--merge: OUT/merged, a full HF checkpoint of the LoRA run's final weights (adapters merged in)."""
+    merged = lora.merged_state_dict(run.policy)  # every rank: FSDP gathers
+    if run.rank == 0:
+        dtype = None if run.cfg.save_dtype == "auto" else getattr(torch, run.cfg.save_dtype)
+        path = os.path.join(run.cfg.out, "merged")
+        save_model(run.policy, path, tokenizer_dir=run.cfg.model, state_dict=merged, dtype=dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -502,7 +537,7 @@ def main(cfg: TrainConfig) -> dict:
             run.state["step"] = step + 1
             times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
             row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": resampled}
-            lr, kl = run.scheduler.get_last_lr()[0], run.reference is not None
+            lr, kl = run.scheduler.get_last_lr()[0], cfg.beta > 0
             row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr)
             row |= selection | ({} if kl else {"kl": None})
             row |= methods.metrics(run, sums, transformed)
@@ -519,6 +554,8 @@ def main(cfg: TrainConfig) -> dict:
             if all_sum(stop.signum, run.world).item() and step + 1 < cfg.max_steps:  # a SIGINT or SIGTERM came
                 stop_at_boundary(run, step + 1, stop.signum, stop.resume)
     save(run, os.path.join(cfg.out, "final"))
+    if cfg.merge:
+        save_merged(run)
     if run.world > 1:
         dist.destroy_process_group()
     return finish(run, time.perf_counter() - t_start)

@@ -396,3 +396,77 @@ def test_ddp_and_fsdp_wrap_the_adapters(mode, qwen2, tmp_path):
         torch.testing.assert_close(got["ref"], load_model(qwen2)(x[:2]), atol=0, rtol=0)
     back = lora.load_adapters(lora.add_lora(load_model(qwen2), 4, 8, ALL), tmp_path / mode)
     assert all(torch.equal(a, b) for a, b in zip(lora.lora_parameters(back), lora.lora_parameters(m)))
+
+
+# ----------------------------------------------------------------------------- the trainer with --lora-rank
+
+
+def _lora_run(out: str, **flags) -> dict:
+    """A short LoRA run of the bundled model through train.main (KL penalty on: its reference is the base)."""
+    import train
+    from config import TrainConfig
+    from helpers import BUNDLED
+
+    base = dict(model=BUNDLED, out=out, algo="grpo", max_steps=2, prompts_per_step=4, thoughts=4, eval_every=0)
+    base |= dict(eval_examples=4, eval_samples=1, samples_every=0, max_thought_tokens=40, lora_rank=4, beta=0.01)
+    return train.main(TrainConfig(**{**base, "lr": 3e-3, **flags}))
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_the_adapters_only_resumes_bit_for_bit_and_merges(tmp_path, monkeypatch):
+    """Guards against --lora-rank training the base (or loading a second copy of it as the KL reference), writing
+    full weights into its checkpoints, a resume that does not reproduce the uninterrupted adapters bit for bit, and
+    --merge writing something other than the base with the trained adapters merged in: one model is loaded for the
+    whole run, each checkpoint holds the PEFT adapter files and no model.safetensors, the adapters moved, the
+    reference log-probs are the base's (adapters off), and OUT/merged equals lora.merged_copy of the final adapters."""
+    import hf
+    import train
+    from helpers import BUNDLED
+
+    loads = []
+    real_load = train.load_model
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
+    a = str(tmp_path / "a")
+    _lora_run(a, save_every=1, merge=True)
+    assert len(loads) == 1  # the policy; the KL reference is the same weights with the adapters off
+    final = os.path.join(a, "final")
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(final))
+    assert not os.path.exists(os.path.join(final, "model.safetensors"))
+    adapters = load_file(os.path.join(final, "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapters.items())  # trained
+    rows = [json.loads(x) for x in open(os.path.join(a, "metrics.jsonl")) if '"loss"' in x]
+    assert all(r["kl"] is not None and r["kl"] >= 0 for r in rows)
+
+    from config import TrainConfig, resume_config
+
+    c = str(tmp_path / "c")
+    train.main(resume_config(TrainConfig(resume=os.path.join(a, "step-1"), out=c), {"resume", "out"}))
+    resumed = load_file(os.path.join(c, "final", "adapter_model.safetensors"))
+    assert resumed.keys() == adapters.keys() and all(torch.equal(resumed[k], adapters[k]) for k in adapters)
+
+    policy, _ = lora.load_adapted(final)
+    base = hf.load_model(BUNDLED)
+    ids = torch.randint(0, base.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = hf.load_model(os.path.join(a, "merged"))(ids)
+        assert torch.equal(merged, lora.merged_copy(policy)(ids)) and not torch.equal(merged, base(ids))
+        with lora.adapters_off(policy):
+            assert torch.equal(policy(ids), base(ids))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(merge=True), "--merge merges LoRA adapters: it needs --lora-rank R"),
+        (dict(lora_rank=4, lora_targets="q,x"), "--lora-targets must be a comma-separated subset of"),
+        (dict(lora_rank=-1), "--lora-rank must be >= 0"),
+        (dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha must be > 0"),
+    ],
+)
+def test_impossible_lora_flags_are_one_sentence(flags, message):
+    """Guards against --merge without adapters, an unknown target layer, or a negative rank or zero alpha being
+    accepted (and failing mid-run, or training nothing) instead of refused in one sentence naming the flag."""
+    from config import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**flags)
