@@ -154,6 +154,7 @@ def setup(cfg: TrainConfig) -> Run:
     pool, streams = task.train(cfg.max_steps * cfg.prompts_per_step, cfg.seed), methods.streams(task, cfg)
     heldout = task.test(cfg.eval_examples, cfg.seed)
     extra = [ex for stream in streams.values() for ex in stream]
+    methods.check_data(task, cfg, pool + extra)  # DaGRPO's anchors need reference solutions
     resume_dir = checkpoint.find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
         checkpoint.check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)

@@ -3,6 +3,7 @@
     python bench/bench_scale.py                        # Qwen2.5-0.5B, reduced sizes: ~10 min on 2 CPU cores
     python bench/bench_scale.py --models all --new-tokens 128 --prompt-tokens 128   # the full sizes (a GPU, or hours)
     python bench/bench_scale.py --parts load,sample    # skip the GRPO step
+    python bench/bench_scale.py --models qwen2.5-1.5b --parts lora   # a LoRA step at 1.5B within 24 GiB
 
 Random-weight checkpoints with the exact published configurations of Qwen2.5-0.5B-Instruct,
 Qwen3-0.6B and Llama-3.2-1B (random_checkpoint.py builds them into --cache, once). Tokenizer:
@@ -34,6 +35,10 @@ Three comparisons, each printed as a ratio (CPU, float32 unless said, the same -
    completions. Memory: each side's peak RSS in its update (VmHWM, reset when the update begins, as
    train.py's mem/update_gib), whole and above the RSS at the update's start (gradients, activations,
    logits), both sides with train.py's heap setting (MALLOC_MMAP_THRESHOLD_). Without TRL, train.py alone.
+
+4. lora: one train.py step with --lora-rank 16 (every linear layer), the KL reference being the base with its
+   adapters off, --gradient-checkpointing, float32: its time, its peak RSS per phase (metrics.jsonl's
+   mem/*_gib) and the start line's estimate, against the 24 GiB of this machine.
 
 The sizes default to what 2 CPU cores finish in minutes; the header says what was scaled down from the
 issue's sizes (batch 16 and 64, 128 new tokens; GRPO with real lengths).
@@ -278,6 +283,32 @@ def bench_train(path: Path, args, note: str) -> None:
     print(f"(both runs, start-up, warm-up step and train.py's start/end evaluation included: {elapsed:.0f}s)")
 
 
+def bench_lora(path: Path, args, budget_gib: float = 24.0) -> None:
+    """One LoRA step of train.py on this checkpoint (a subprocess, one evaluation prompt), its time and memory."""
+    with tempfile.TemporaryDirectory(prefix="bench_scale-lora-") as out:
+        flags = ["--model", str(path), "--algo", "grpo", "--lora-rank", "16", "--lora-alpha", "32", "--beta", "0.01"]
+        flags += ["--gradient-checkpointing", "--prompts-per-step", str(args.train_prompts), "--thoughts"]
+        flags += [str(args.train_group), "--max-thought-tokens", "0", "--max-answer-tokens", str(args.train_tokens)]
+        flags += ["--max-steps", "1", "--eval-every", "0", "--eval-examples", "1", "--eval-samples", "0"]
+        flags += ["--samples-every", "0", "--lr", "1e-5", "--out", out]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True, env=env)
+        if proc.returncode:
+            raise SystemExit(f"bench_scale: the LoRA run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
+        adapters = os.path.getsize(os.path.join(out, "final", "adapter_model.safetensors"))
+    estimate = next((line for line in proc.stdout.splitlines() if "estimated peak memory" in line), "")
+    row, peak = rows[0], max(v for k, v in rows[0].items() if k.startswith("mem/"))
+    print("\nLoRA rank 16 (q,k,v,o,gate,up,down), KL reference = the base with adapters off, gradient checkpointing")
+    print(f"step {row['time/step_s']:.1f} s (sample {row['time/sample_s']:.1f}, update {row['time/update_s']:.1f});")
+    print("peak RSS by phase: " + ", ".join(f"{k[4:-4]} {v:.2f} GiB" for k, v in row.items() if k.startswith("mem/")))
+    share = f"{peak / budget_gib:.2f}x of {budget_gib:.0f} GiB"
+    print(f"peak {peak:.2f} GiB = {share}; adapters {adapters / 2**20:.1f} MiB")
+    print(f"the start line: {estimate.strip()[:200]}")
+    print(f"(the whole run, start-up and the final evaluation included: {time.perf_counter() - t0:.0f}s)")
+
+
 # -----------------------------------------------------------------------------
 
 
@@ -312,7 +343,7 @@ def main() -> None:
     parser.add_argument("--no-trl", action="store_true", help="GRPO: train.py alone, even if TRL is installed")
     args = parser.parse_args()
     unknown = [m for m in args.models if m not in MODELS]
-    unknown += [p for p in args.parts if p not in ("load", "sample", "train")]
+    unknown += [p for p in args.parts if p not in ("load", "sample", "train", "lora")]
     if unknown or any(b % args.n for b in args.batches) or args.train_group < 2:
         parser.error(f"unknown model/part {unknown}, or a batch not a multiple of --n, or --train-group < 2")
     clock = bench_sampler.setup(args)
@@ -353,6 +384,8 @@ def main() -> None:
             bench_sample(path, args, clock)
         if "train" in args.parts:
             bench_train(path, args, f"{name} random weights, {kind} tokenizer")
+        if "lora" in args.parts:
+            bench_lora(path, args)
 
 
 if __name__ == "__main__":

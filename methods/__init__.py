@@ -6,6 +6,7 @@ holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its prese
   seam (train.py calls it in)     hook                                                   e.g.
   choose the data (setup)         choose_data(task, cfg) -> task                         hard_examples
   extra prompt streams (setup)    streams(task, cfg) -> {name: examples}                 dapo's top-ups
+  check the data (setup)          check_data(task, cfg, examples) -> None                dagrpo's references
   start (setup, models loaded)    start(run) -> None: checks and state                   noise's rates, gtpo's gate
   rewards (score)                 rewards(run, reward [N], step: Scored) -> reward        noise, dagrpo, dapo
   resample (after scoring)        resample(run, groups, step, slots, redraw) -> (groups, n)  dapo
@@ -95,6 +96,12 @@ def choose_data(task, cfg):
 
 def streams(task, cfg) -> dict[str, list[dict]]:
     return {k: v for hook in hooks(cfg, "streams") for k, v in hook(task, cfg).items()}
+
+
+def check_data(task, cfg, examples: list[dict]) -> None:
+    """Refusals that need the training data (every prompt a run may draw), before any model is loaded."""
+    for hook in hooks(cfg, "check_data"):
+        hook(task, cfg, examples)
 
 
 def start(run) -> None:

@@ -59,10 +59,10 @@ def enabled(cfg) -> bool:
     return cfg.pair_delta >= 0 or cfg.anchors
 
 
-def start(run) -> None:
+def check_data(task, cfg, examples: list[dict]) -> None:
     """--anchors: refused when no training prompt (the pool and every stream) has a reference solution."""
-    if run.cfg.anchors:
-        check_references(run.task, run.pool + [ex for stream in run.streams.values() for ex in stream])
+    if cfg.anchors:
+        check_references(task, examples)
 
 
 def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:

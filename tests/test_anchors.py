@@ -189,9 +189,9 @@ def test_anchor_logprobs_in_the_update_equal_a_plain_forward(tmp_path, monkeypat
     calls, wiring = [], []
     real_loss, real_update = train.policy_loss, train.update
 
-    def spy_loss(tok, hp):
+    def spy_loss(tok, hp, objective):
         calls.append(dict(logp=tok.logp.detach().clone(), adv=tok.adv, off=tok.off_policy, gamma=hp.anchor_gamma))
-        return real_loss(tok, hp)
+        return real_loss(tok, hp, objective)
 
     def spy_update(run, step, batch, micro):
         wiring.append((micro, batch.off_policy & batch.mask))  # the anchors' tokens the update trains
