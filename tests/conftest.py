@@ -1,6 +1,7 @@
 """Shared pytest setup: the repo root on sys.path (so `import model` works however pytest is
-started), transformers kept offline and quiet, and a factory fixture for tiny HF checkpoints
-(the plain functions live in tests/helpers.py), and a check that the code sandbox leaves nothing on the host."""
+started), transformers kept offline and quiet, a factory fixture for tiny HF checkpoints (the plain
+functions live in tests/helpers.py), the math checker's two paths (`checker`), and a check that the code
+sandbox leaves nothing on the host."""
 
 import os
 import sys
@@ -25,6 +26,16 @@ def hf_checkpoint(tmp_path):
         return make_hf_checkpoint(tmp_path, family, tied, **kw)
 
     return make
+
+
+@pytest.fixture(params=["built-in", "math-verify"])
+def checker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each math test runs twice: with the built-in checker alone and with math-verify (skipped without it)."""
+    if request.param == "built-in":
+        monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` raise ImportError
+    else:
+        pytest.importorskip("math_verify")
+    return request.param
 
 
 @pytest.fixture(scope="session", autouse=True)

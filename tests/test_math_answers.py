@@ -2,8 +2,6 @@
 scores 0, and the plain right answers around them score 1, with the built-in checker alone and with math-verify.
 (Extraction and equivalence one case at a time: test_rewards.py.)"""
 
-import sys
-
 import pytest
 
 import math_answers
@@ -11,16 +9,6 @@ from math_answers import builtin_verdict, final_answer
 from rewards import math_reward
 
 DASHES = "\u2212\u2013\u2014\u2012\u2010\u2011\ufe63\uff0d"  # minus sign, en/em/figure dash, hyphens, small/full-width
-
-
-@pytest.fixture(params=["built-in", "math-verify"])
-def checker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs twice: with the built-in checker alone and with math-verify (skipped without it)."""
-    if request.param == "built-in":
-        monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` raise ImportError
-    else:
-        pytest.importorskip("math_verify")
-    return request.param
 
 
 def scores(cases: list[tuple[str, str]]) -> list[tuple[str, str, float]]:

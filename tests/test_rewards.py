@@ -191,16 +191,6 @@ def test_parse_number_values() -> None:
     assert parse_number("32, 349") is None and parse_number("20 or more") is None
 
 
-@pytest.fixture(params=["built-in", "math-verify"])
-def checker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each math test runs twice: with the built-in checker alone and with math-verify (skipped without it)."""
-    if request.param == "built-in":
-        monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` raise ImportError
-    else:
-        pytest.importorskip("math_verify")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def gsm8k_reference(tmp_path_factory: pytest.TempPathFactory):
     """gsm8k_reference(N) -> the reference the real GSM8K loader (tasks.get_task) makes of `#### N`."""
