@@ -125,6 +125,19 @@ CONFIGS = {
     "gtpo_t8": (["--algo", "gtpo", *T8], 300),
     "grpo_ma_t4a2": (["--algo", "grpo_ma", "--answers", "2"], 300),
     "two_grpo_p64": (["--algo", "two_grpo", "--prompts-per-step", "64", "--lr", "3e-4"], 300),
+    # the estimators the big frameworks ship, at their presets' (references') defaults, and LoRA at two ranks
+    "rloo_t8": (["--algo", "rloo", *T8], 300),
+    "reinforce_pp_t8": (["--algo", "reinforce_pp", *T8], 300),
+    "reinforce_pp_baseline_t8": (["--algo", "reinforce_pp_baseline", *T8], 300),
+    "lite_ppo_t8": (["--algo", "lite_ppo", *T8], 300),
+    "k2_t8": (["--algo", "grpo", *T8, "--beta", "0.01", "--kl-estimator", "k2"], 300),
+    "kl_in_reward_t8": (["--algo", "dr_grpo", *T8, "--beta", "0.01", "--kl-in-reward"], 300),
+    "dual_clip_t8": (["--algo", "grpo", *T8, "--mu", "2", "--dual-clip", "3"], 300),
+    "entropy_bonus_t8": (["--algo", "grpo", *T8, "--entropy-coef", "0.001"], 300),
+    "mask_truncated_t8": (["--algo", "grpo", *T8, "--mask-truncated"], 300),
+    # LoRA on every linear layer, alpha = 2 x rank, lr x10 (adapters start at zero and move little at 3e-4)
+    "lora_r1_t8": (["--algo", "grpo", *T8, "--lora-rank", "1", "--lora-alpha", "2", "--lr", "3e-3"], 300),
+    "lora_r16_t8": (["--algo", "grpo", *T8, "--lora-rank", "16", "--lora-alpha", "32", "--lr", "3e-3"], 300),
     "select_hardest10": (["--algo", "grpo", "--select", "hardest", *SELECT], 100),
     "select_random10": (["--algo", "grpo", "--select", "random", *SELECT], 100),
     "gtpo": (["--algo", "gtpo"], 100),
@@ -147,6 +160,8 @@ LOSS_RANKING = (
     ("sapo_t8", "gmpo_t8", "clip_cov_t8", "kl_cov_t8", "dppo_t8", "gpg_t8", "dsv32_t8", "top_entropy20_t8")
     + ("cispo_t8", "grpo_t8_mu2", "grpo_t8_bf16", "tis_t8_bf16", "is_token_mask_t8_bf16", "is_seq_truncate_t8_bf16")
     + ("is_seq_mask_t8_bf16", "icepop_t8_bf16", "dapo_t8", "gspo_t8", "gtpo_t8", "grpo_ma_t4a2", "two_grpo_p64")
+    + ("rloo_t8", "reinforce_pp_t8", "reinforce_pp_baseline_t8", "lite_ppo_t8", "k2_t8", "kl_in_reward_t8")
+    + ("dual_clip_t8", "entropy_bonus_t8", "mask_truncated_t8", "lora_r1_t8", "lora_r16_t8")
 )
 # evaluations of the end models (eval.py on the same held-out prompts for every checkpoint): kind -> (configs, flags)
 EVALS = {
