@@ -57,8 +57,8 @@ pytestmark = [  # every test here runs torchrun: the slow tier
 ]
 
 
-def torchrun(out: str, port: int, *extra: str) -> None:
-    """2 ranks of train.py --fsdp; a hang (ranks out of step in a collective) fails after 150 s."""
+def torchrun(out: str, port: int, *extra: str, fsdp: bool = True) -> None:
+    """2 ranks of train.py --fsdp (fsdp=False: DDP); a hang (ranks out of step in a collective) fails after 150 s."""
     p = subprocess.Popen(
         [
             sys.executable,
@@ -69,7 +69,7 @@ def torchrun(out: str, port: int, *extra: str) -> None:
             "--master-port",
             str(port),
             "train.py",
-            "--fsdp",
+            *(["--fsdp"] if fsdp else []),
             *ARGS,
             *extra,
             "--out",
@@ -204,3 +204,36 @@ def test_fsdp_with_bf16_rollouts_equals_one_process(tmp_path):
     # wrong copy would change the step-2 rollouts above and every weight by whole steps.
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=3e-4, rtol=0)
+
+
+def adapters(out: str, ckpt: str = "final") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, ckpt, "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_lora_runs_under_torchrun_equal_one_process_and_resume_bit_for_bit(mode, tmp_path):
+    """Guards --lora-rank through the whole trainer on 2 ranks: DDP over a frozen base and FSDP2 over layers
+    holding frozen and trainable parameters must train the one-process adapters (the KL reference being the
+    base with its adapters off on every rank), every rank's checkpoint must be the PEFT adapter files gathered
+    whole (no model.safetensors), and resuming step-1 under torchrun must continue bit for bit."""
+    extra = ["--lora-rank", "4", "--lora-alpha", "8", "--beta", "0.01", "--lr", "3e-3"]
+    one, two, resumed = (str(tmp_path / n) for n in ("one", "two", "resumed"))
+    subprocess.run(
+        [sys.executable, "train.py", *ARGS, *extra, "--out", one], cwd=ROOT, env=ENV, check=True, capture_output=True
+    )
+    port = {"ddp": 29539, "fsdp": 29540}[mode]
+    torchrun(two, port, *extra, fsdp=mode == "fsdp")
+    start = adapters(two, "step-1")
+    for ckpt in ("step-1", "step-2", "final"):
+        a, b = adapters(one, ckpt), adapters(two, ckpt)
+        assert not os.path.exists(os.path.join(two, ckpt, "model.safetensors"))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0)
+    assert any(not torch.equal(start[k], adapters(two)[k]) for k in start)  # the second step moved them
+    assert [r["kl"] for r in steps(two)] == pytest.approx([r["kl"] for r in steps(one)], abs=1e-6)
+    torchrun(resumed, port + 2, "--resume", os.path.join(two, "step-1"), fsdp=mode == "fsdp")
+    a, b = adapters(two), adapters(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -375,7 +375,7 @@ def test_ddp_and_fsdp_wrap_the_adapters(mode, qwen2, tmp_path):
     script = tmp_path / "run.py"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script.write_text(textwrap.dedent(DIST_SCRIPT).format(root=root, path=str(qwen2), out=str(tmp_path)))
-    port = {"ddp": "29611", "fsdp": "29612"}[mode]  # test_fsdp.py and test_train.py use 29533-29538
+    port = {"ddp": "29611", "fsdp": "29612"}[mode]  # test_fsdp.py and test_train.py use 29533-29542
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", port]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*cmd, str(script), mode], check=True, timeout=300, env=env, capture_output=True)
