@@ -1,5 +1,5 @@
 """Calls from the tests' interpreter to the solution's: the two programs the sandbox runs (sandbox.py
-starts and confines them), and the plain data that is all that crosses between them.
+starts them, confine.py shuts each in), and the plain data that is all that crosses between them.
 
 The SOLUTION's program (`serve`) runs `setup` (e.g. HumanEval's prompt: its imports and helpers), then the
 code, then sends what the tests may bind (its functions' names, its plain-data globals, the standard modules

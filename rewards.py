@@ -12,17 +12,17 @@ fork bombs. Every reward returns in bounded time and never raises on any complet
   code block in the scratchpad earns nothing. Of that text only the last `MAX_ANSWER_CHARS` (code:
   `MAX_CODE_CHARS`) are searched, so a 10 MB completion costs one `rfind`.
 - Regexes have no nested quantifiers (no catastrophic backtracking); numbers longer than
-  `math_answers.MAX_NUMBER_CHARS` are not parsed (Python refuses or crawls on huge int strings); Countdown has no
+  `math_equal.MAX_NUMBER_CHARS` are not parsed (Python refuses or crawls on huge int strings); Countdown has no
   `**` and bounds expression length and parenthesis depth.
 - Failures are caught by class, only where they can happen: ValueError (a malformed Countdown
   equation, or nesting past MAX_EXPR_DEPTH: that explicit counter is why RecursionError cannot
   occur), ZeroDivisionError (x/0 in Countdown); sandbox.py catches its own (a process that cannot start).
   Floats and powers are never evaluated, so OverflowError cannot occur; math-verify catches its
-  own errors and runs under a deadline (math_answers.py). A reward raises only for a malformed *example* (a
+  own errors and runs under a deadline (math_equal.py). A reward raises only for a malformed *example* (a
   missing "answer"), which is a bug in the task, not model output.
 
 Math answers: `math_reward` is `final_answer` of the graded text against `reference_answer`, compared by
-`answers_match`; math_answers.py holds those rules, with math-verify behind them when it is installed.
+`answers_match`; math_answers.py and math_equal.py hold those rules, with math-verify behind them when it is installed.
 """
 
 import re
@@ -59,7 +59,7 @@ def strip_end_tokens(text: str) -> str:
             return text
 
 
-# ---------------------------------------------------------------- math answers (rules: math_answers.py)
+# ---------------------------------------------------------------- math answers (rules: math_answers.py, math_equal.py)
 
 
 def extract_answer(completion: str) -> str | None:

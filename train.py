@@ -17,8 +17,8 @@ One step is the README's numbered algorithm, one function each, called in this o
 
 Each paper's extension enters at one seam, one call into its file in methods/ (skip the file, skip the paper):
 choose the data (hard_examples), transform rewards (noise, dapo), transform rollouts (dapo's dynamic sampling,
-dagrpo's anchors), advantages and weights (noise, dagrpo, gtpo), the policy loss (losses.LOSSES). The flags,
-presets and their checks live in config.py.
+dagrpo's anchors), advantages and weights (noise, dagrpo, gtpo), the policy loss (methods.LOSSES). config.py
+gathers the core's flags and the methods'; setup(cfg) in run.py builds the run's long-lived objects.
 Left out on purpose: one optimizer step per epoch over the whole batch (mu = 1 is fully on-policy, no
 mini-batches); rows of a micro-batch are padded to its longest row; evaluation runs on rank 0 only.
 """
@@ -28,15 +28,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import json
 import math
 import os
 import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -47,15 +45,14 @@ import checkpoint
 import distributed
 import lora
 import methods
-from cli import Stopped, UserError, end_summary, parse_config, start_line, stop_signals, user_errors
-from config import PRESETS, RESUMABLE, TrainConfig, lr_factor, resume_config, score_pass_needs
+from cli import Stopped, end_summary, parse_config, stop_signals, user_errors
+from config import PRESETS, TrainConfig, resume_config, score_pass_needs
 from distributed import all_sum, derive_seed, memory_peak
 from heldout import evaluate
-from hf import bundled, load_model, save_model
-from losses import Objective, Tokens, policy_loss
-from memory import check_memory
+from hf import bundled, save_model
+from losses import Tokens, policy_loss
 from metrics import rollout_metrics, update_metrics
-from model import Transformer, cast_copy, copy_weights_
+from model import copy_weights_
 from pack import (
     Batch,
     Group,
@@ -68,165 +65,10 @@ from pack import (
     token_stats,
 )
 from rewards import score_batch
-from sampler import StopText, Tree, decode_step_static, sample_tree
-from tasks import Task, check_prompt_lengths, check_sizes, get_task, render_prompt
-from tokenizer import decode_completion, load_tokenizer
-
-# -----------------------------------------------------------------------------
-# Setup: the long-lived objects of a run
-
-
-@dataclass
-class Run:
-    """Everything a step needs that outlives the step, passed to each step function."""
-
-    cfg: TrainConfig
-    rank: int
-    world: int
-    device: torch.device
-    task: Task
-    pool: list[dict]  # training examples in order: step s, global slot i uses pool[s * P + i]
-    streams: dict[str, list[dict]]  # the methods' prompt streams of their own (dapo's top-ups), by name
-    heldout: list[dict]
-    policy: Transformer  # the trained model (its parameters are sharded in place under FSDP)
-    model: torch.nn.Module  # what the update runs: the policy, or its DDP wrapper
-    sampler: Transformer  # what sampling and evaluation run: the policy, or its --rollout-dtype copy
-    reference: Transformer | None  # frozen starting model for the KL penalty (beta > 0; None under LoRA: the policy)
-    tokenizer: object
-    # Set by setup after the constructor: the end-of-thought marker (used when answers > 1), the optimizer
-    # (--optimizer-offload: it steps CPU float32 copies of the parameters), its schedule, and the trainer state
-    # saved with each checkpoint: step, grad_norms, bad_steps, skipped_steps, and the extensions' state.
-    marker: StopText = field(init=False)
-    optimizer: torch.optim.Optimizer = field(init=False)
-    scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
-    state: dict = field(init=False)
-    wandb: object | None = None
-    static_step: Callable | None = None  # --compile: the compiled decode step sampling and evaluation run
-    master_norms: torch.Tensor | None = None  # weight_norms after the last update (weights change only there)
-
-    @property
-    def fsdp(self) -> bool:
-        return self.world > 1 and self.cfg.fsdp
-
-    @property
-    def autocast(self) -> torch.dtype | None:
-        """bf16 autocast (None = plain float32)."""
-        bf16 = self.cfg.dtype == "bfloat16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
-        return torch.bfloat16 if bf16 else None
-
-    @property
-    def objective(self) -> Objective:
-        """--loss's entry of the loss table (methods.LOSSES)."""
-        return methods.objective(self.cfg)
-
-    @contextlib.contextmanager
-    def reference_model(self):
-        """The KL's reference: the frozen copy, or under LoRA the policy with its adapters off (no second copy)."""
-        if self.reference is not None:
-            yield self.reference
-        else:
-            with lora.adapters_off(self.policy):
-                yield self.policy
-
-    def precision(self):
-        """The autocast context of every forward (bf16 autocast, or a no-op in float32)."""
-        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
-
-    def rollout_weights(self):
-        """Around sampling and evaluation. FSDP: whole weights while ranks run different numbers of
-        forwards (full_params); not needed when the sampler is its own --rollout-dtype copy."""
-        return distributed.full_params(self.policy, self.fsdp and self.sampler is self.policy)
-
-
-def setup(cfg: TrainConfig) -> Run:
-    """Distributed init; then data, output directory and checkpoint are checked before any model is
-    loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
-    rank, world, device = distributed.setup_distributed(cfg)
-    rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
-    methods.check_rollout_dtype(cfg, rollout)
-    distributed.fixed_mmap_threshold()  # CPU: freed activations go back to the OS (heap fragments cost GiBs at 0.5B)
-    task = methods.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
-    check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
-    task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
-    memory = check_memory(cfg, task, device, world)  # a step that cannot fit is refused here, before the data pool
-    # The data order: a deterministic stream of training examples (prefix-stable in --max-steps); a method may draw
-    # prompts from streams of its own (dapo's top-ups)
-    pool, streams = task.train(cfg.max_steps * cfg.prompts_per_step, cfg.seed), methods.streams(task, cfg)
-    heldout = task.test(cfg.eval_examples, cfg.seed)
-    extra = [ex for stream in streams.values() for ex in stream]
-    methods.check_data(task, cfg, pool + extra)  # DaGRPO's anchors need reference solutions
-    resume_dir = checkpoint.find_checkpoint(cfg.resume) if cfg.resume else ""
-    if resume_dir:
-        checkpoint.check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
-    if rank == 0:
-        checkpoint.lock_run_dir(cfg.out)  # one writer per run directory: a second train.py on it is refused
-        checkpoint.check_out_dir(cfg.out, resume_dir, cfg.overwrite)
-        checkpoint.prepare_out(cfg.out, checkpoint.read_trainer_step(resume_dir) if resume_dir else 0)
-    torch.manual_seed(cfg.seed)
-    # LoRA: adapters on the frozen starting model (a LoRA checkpoint holds the adapters only)
-    policy = load_model(cfg.model if cfg.lora_rank else resume_dir or cfg.model, dtype=torch.float32, device=device)
-    if cfg.lora_rank:
-        lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, lora.parse_targets(cfg.lora_targets), seed=cfg.seed)
-        if resume_dir:
-            lora.load_adapters(policy, resume_dir)
-    policy.gradient_checkpointing = cfg.gradient_checkpointing
-    # a checkpoint carries its run's tokenizer files
-    tokenizer = load_tokenizer(resume_dir or cfg.model, enable_thinking=cfg.enable_thinking)
-    # the KL's frozen starting model: a copy, or under LoRA the policy itself with its adapters off (no copy)
-    own = cfg.beta and not cfg.lora_rank
-    reference = load_model(cfg.model, dtype=torch.float32, device=device).requires_grad_(False) if own else None
-    # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
-    marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
-    new, context = cfg.completion_limit + len(marker.ids) * (cfg.answers > 1), policy.config.max_position_embeddings
-    if new >= context:
-        room = f"leave no room for a prompt in the model's context of {context} tokens"
-        raise UserError(f"--max-thought-tokens + --max-answer-tokens ({new}) {room}")
-    limit = f"the model's context of {context} tokens minus the completion limit of {new}"
-    check_prompt_lengths(tokenizer, pool + extra + heldout, task.system_prompt, context - new, limit)
-    fsdp = world > 1 and cfg.fsdp
-    model = distributed.wrap(policy, world, device, fsdp)
-    # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too), which
-    # optimizer_step copies the gradients to and the new weights back from. fused: one kernel over all parameters
-    # (7.6x the per-tensor loop on this CPU, as TRL's default adamw_torch_fused); FSDP's DTensors keep the default.
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapters
-    host = [host_copy(p, device) for p in trainable] if cfg.optimizer_offload else None
-    optimizer = torch.optim.AdamW(
-        host or trainable, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-    state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0)
-    if resume_dir:
-        state = checkpoint.load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
-    if host and resume_dir:  # the resumed masters
-        with torch.no_grad():
-            for h, p in zip(host, trainable, strict=True):
-                h.copy_(p)
-    copy = lora.merged_copy if cfg.lora_rank else cast_copy  # LoRA: the sampler runs the merged weights
-    sampler = policy if rollout == "float32" else copy(policy, getattr(torch, rollout))
-    run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
-    run.marker, run.optimizer, run.scheduler, run.state = marker, optimizer, scheduler, state
-    if cfg.compile:  # the caller compiles the small decode step; the sampler replays it as a CUDA graph
-        run.static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
-    methods.start(run)  # the methods' checks and state (a resumed run keeps its own)
-    if rank == 0:
-        with checkpoint.writing(path := os.path.join(cfg.out, "config.json")), open(path, "w") as f:
-            json.dump(asdict(cfg), f, indent=2)
-        if cfg.wandb:
-            import wandb  # optional extra
-
-            run.wandb = wandb.init(project=cfg.wandb, config=asdict(cfg))
-        preset = {k: v for k, v in PRESETS[cfg.algo].items() if getattr(cfg, k) == v}
-        where = f"{device}, {'bf16 autocast' if run.autocast else 'float32'}"
-        kw = dict(algo=cfg.algo, preset=preset, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
-        print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory, **kw))
-    return run
-
-
-def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """--optimizer-offload: a CPU float32 copy of parameter p (pinned, for fast copies, when p is on a GPU)."""
-    h = p.detach().to("cpu", torch.float32, copy=True)
-    return h.pin_memory() if device.type == "cuda" else h
-
+from run import Run, setup
+from sampler import Tree, sample_tree
+from tasks import render_prompt
+from tokenizer import decode_completion
 
 # -----------------------------------------------------------------------------
 # Steps 1-2: sample and score

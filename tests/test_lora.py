@@ -420,12 +420,13 @@ def test_a_lora_run_trains_the_adapters_only_resumes_bit_for_bit_and_merges(tmp_
     whole run, each checkpoint holds the PEFT adapter files and no model.safetensors, the adapters moved, the
     reference log-probs are the base's (adapters off), and OUT/merged equals lora.merged_copy of the final adapters."""
     import hf
+    import run as run_py  # setup() loads the models
     import train
     from helpers import BUNDLED
 
     loads = []
-    real_load = train.load_model
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
+    real_load = run_py.load_model
+    monkeypatch.setattr(run_py, "load_model", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
     a = str(tmp_path / "a")
     _lora_run(a, save_every=1, merge=True)
     assert len(loads) == 1  # the policy; the KL reference is the same weights with the adapters off

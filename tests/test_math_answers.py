@@ -4,7 +4,7 @@ scores 0, and the plain right answers around them score 1, with the built-in che
 
 import pytest
 
-import math_answers
+import math_equal
 from math_answers import builtin_verdict, final_answer
 from rewards import math_reward
 
@@ -354,7 +354,7 @@ def test_math_verify_is_handed_only_vetted_answers(monkeypatch: pytest.MonkeyPat
     """Guards against math-verify turning an answer the built-in rules refuse into credit: a fake that says yes
     to everything must not move one of them, because the built-in check is sure of each."""
     pytest.importorskip("math_verify")
-    monkeypatch.setattr(math_answers, "_math_verify_equal", lambda pred, ref: True)
+    monkeypatch.setattr(math_equal, "_math_verify_equal", lambda pred, ref: True)
     hostile = SCALED + UNITS + HEDGED + CANDIDATE_LINES + TWO_FINALS + RESTATED + NESTED + RELATIONS
     assert paid(hostile) == []
 

@@ -84,22 +84,22 @@ def test_dynamic_sampling_redraws_flat_groups_from_their_slots():
 
 
 def test_the_loop_reads_no_methods_flag_and_the_core_imports_no_method():
-    """Guards against a paper woven back into the loop: train.py reading a flag that a method file owns (cfg.X or
-    run.cfg.X for a field of some methods/*.py Flags: it must go through a seam instead), or the model, the sampler
-    and the RL core (advantage.py, losses.py, pack.py) importing methods/, which would make the core depend on
-    the papers built on it."""
+    """Guards against a paper woven back into the loop: train.py or its setup (run.py) reading a flag that a method
+    file owns (cfg.X or run.cfg.X for a field of some methods/*.py Flags: it must go through a seam instead), or the
+    model, the sampler and the RL core (advantage.py, losses.py, pack.py) importing methods/, which would make the
+    core depend on the papers built on it."""
     import ast
     import dataclasses
 
     owned = {f.name for m in methods.METHODS if hasattr(m, "Flags") for f in dataclasses.fields(m.Flags)}
-    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
     reads = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in owned:
-            base = node.value
-            name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
-            if name in ("cfg", "config", "hp"):
-                reads.append(f"train.py:{node.lineno} reads --{node.attr.replace('_', '-')}")
+    for loop in ("train.py", "run.py"):  # the loop and its setup
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, loop)).read())):
+            if isinstance(node, ast.Attribute) and node.attr in owned:
+                base = node.value
+                name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+                if name in ("cfg", "config", "hp"):
+                    reads.append(f"{loop}:{node.lineno} reads --{node.attr.replace('_', '-')}")
     assert not reads, reads
     assert owned >= {"gtpo_conflict", "dynamic_sampling", "top_entropy_fraction", "kl_in_reward", "tis_cap"}
     for core in ("model.py", "sampler.py", "advantage.py", "losses.py", "pack.py", "hf.py", "tokenizer.py"):

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 from residue import key_users, remove_keys
 
-import sandbox
+import confine
 from calls import PLAIN_DEPTH, from_plain, to_plain
+from confine import root_plan
 from rewards import code_reward, code_rewards
-from sandbox import CODE_OUTPUT_BYTES, CODE_TMPFS_INODES, _root_plan, run_sandboxed
+from sandbox import CODE_OUTPUT_BYTES, CODE_TMPFS_INODES, run_sandboxed
 
 FAST = {"timeout_s": 2.0, "cpu_s": 2}
 
@@ -99,7 +100,7 @@ def test_root_holds_only_what_python_needs() -> None:
     """Guards against the code's filesystem showing more than running Python needs: the top level holds only the
     system's directories, the way to the Python installation (pyenv's under /root), /etc with two files, /dev,
     /proc and /tmp; the standard library is read-only and its site-packages empty."""
-    tops = {path.split("/")[1] for kind, path, *_ in _root_plan() if kind != "cover"} | {"dev", "proc", "tmp"}
+    tops = {path.split("/")[1] for kind, path, *_ in root_plan() if kind != "cover"} | {"dev", "proc", "tmp"}
     code = textwrap.dedent(f"""
         import os
         print(sorted(os.listdir("/")), sorted(os.listdir("/etc")))
@@ -924,12 +925,12 @@ def test_refuses_without_the_seccomp_library(monkeypatch: pytest.MonkeyPatch) ->
     """Guards against code run with less confinement than documented: without the seccomp library the sandbox
     raises one sentence that says what to install, rather than run the code unfiltered."""
     monkeypatch.setitem(sys.modules, "pyseccomp", None)  # `import pyseccomp` now raises ImportError
-    sandbox._seccomp_program.cache_clear()
+    confine.seccomp_program.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"code tasks need pyseccomp and libseccomp \(pip install"):
             run("def f():\n    return 1")
     finally:
-        sandbox._seccomp_program.cache_clear()
+        confine.seccomp_program.cache_clear()
 
 
 def test_refuses_where_namespaces_are_refused() -> None:
