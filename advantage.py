@@ -7,13 +7,9 @@ Conventions:
 - A degenerate group (all rewards equal, which includes G == 1) gets advantage exactly 0, set by an
   explicit mask, never by trusting 0 / (0 + eps).
 
-How the trainer uses this file, one step:
-  rewards -> group advantages (section 1; DAPO keep/overlong in 2; GTPO controls in 3)
-  -> per-token adv [B, T] and weight [B, T] for the WHOLE step (section 4)
-  -> micro-batches: losses.policy_loss(logp, old_logp, adv, weight, hp), gradients summed
-  -> diagnostics (section 5).
-Because the weight carries the loss normaliser, summing micro-batch losses gives the full-batch
-loss whatever the micro-batch split or world size.
+One step of the trainer: rewards -> group advantages (section 1; DAPO in 2; GTPO's controls in 3) -> per-token
+adv [B, T] and weight [B, T] for the WHOLE step (4), whose weight carries the loss normaliser, so summing the
+micro-batches' losses.policy_loss gives the full-batch loss whatever the split or world size -> diagnostics (5).
 """
 
 import math
@@ -446,7 +442,7 @@ def grpo_ma_token_advantages(
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Diagnostics: gradient spikes, GRPO-MA's variance claim, hard-example selection
+# 5. Diagnostics and data: gradient spikes, hard-example selection
 
 
 def gradient_spike_score(grad_norms: list[float] | Tensor, tau: float = 10.0) -> tuple[Tensor, float]:
@@ -459,24 +455,6 @@ def gradient_spike_score(grad_norms: list[float] | Tensor, tau: float = 10.0) ->
     running_mean = g.cumsum(0) / torch.arange(1, g.numel() + 1, dtype=torch.float64)
     gss = torch.where(running_mean > 0, g / running_mean, torch.zeros_like(g))
     return gss, float((gss > tau).double().mean()) if g.numel() else 0.0
-
-
-def thought_advantage_variance(
-    k: int, m: int, *, n_trials: int = 1000, q_low: float = 0.1, q_high: float = 0.9, seed: int = 0
-) -> float:
-    """Monte-Carlo check of GRPO-MA's variance claim (reference doc §1.6): E[(A_hat_i - z_i)^2].
-
-    Per trial: K thoughts with true success probability q_i ~ U(q_low, q_high), M answers per
-    thought with reward ~ Bernoulli(q_i). A_hat = grpo_ma_advantages' thought advantage; z = the
-    same normalisation applied to the true q (noise-free). Returns the mean squared error over trials
-    and thoughts. Claim: flat in K (a floor), falling ~1/M (limit E[q(1-q)] / (M Var q) as K, M grow).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    q = q_low + (q_high - q_low) * torch.rand(n_trials, k, generator=gen, dtype=torch.float64)  # (N, K)
-    rewards = (torch.rand(n_trials, k, m, generator=gen, dtype=torch.float64) < q[..., None]).double()
-    a_hat, _ = grpo_ma_advantages(rewards)  # (N, K): trials play the role of prompts
-    z = group_advantages(q)
-    return float(((a_hat - z) ** 2).mean())
 
 
 SELECTIONS = ("hardest", "medium", "easiest", "random")

@@ -28,8 +28,8 @@ from checkpoint import hold_lock
 from cli import user_errors
 from heldout import evaluate
 from hf import BUNDLED, bundled
+from kvcache import decode_step_static
 from methods.hard_examples import pass_rate_examples, resume_pass_rates, write_pass_rates
-from sampler import decode_step_static
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task
 
 # -----------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def n_params(config: ModelConfig) -> int:
 
 
 def kv_bytes(c: ModelConfig, rows: int, slots: int, nbytes: int) -> int:
-    """sampler.KVCache: keys and values (L, rows, Hkv, slots, hd)."""
+    """kvcache.KVCache: keys and values (L, rows, Hkv, slots, hd)."""
     return 2 * c.num_hidden_layers * rows * c.num_key_value_heads * slots * c.head_dim * nbytes
 
 

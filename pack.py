@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache import chunk_mask
 from model import head_logprobs
-from sampler import chunk_mask
 
 
 @dataclass

@@ -23,10 +23,11 @@ import methods
 from cli import UserError, start_line
 from config import PRESETS, RESUMABLE, TrainConfig, lr_factor
 from hf import load_model
+from kvcache import decode_step_static
 from losses import Objective
 from memory import check_memory
 from model import Transformer, cast_copy
-from sampler import StopText, decode_step_static
+from sampler import StopText
 from tasks import Task, check_prompt_lengths, check_sizes, get_task
 from tokenizer import load_tokenizer
 

@@ -1,6 +1,6 @@
-"""Sampling from the policy: the KV cache, prefill/decode, temperature / top-k / top-p / greedy
-sampling with per-prompt seeds, prefix-shared tree sampling (K thoughts x M answers) and the
-per-token log-probs of every returned token. Knows nothing about tasks or rewards.
+"""Sampling from the policy over a KV cache (kvcache.py: the cache and the prefill/extend/decode steps):
+temperature / top-k / top-p / greedy sampling with per-prompt seeds, prefix-shared tree sampling (K thoughts x M
+answers) and the per-token log-probs of every returned token. Knows nothing about tasks or rewards.
 
 One mechanism handles padding, finished rows and forks :
 * every row writes its next token into the same cache slot ("lockstep"); RoPE positions are
@@ -46,108 +46,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcache import KVCache, chunk_mask, decode_step, decode_step_static, extend, prefill  # noqa: F401  (still sampler.X)
 from model import Transformer, token_logprobs
 from stop_text import StopText, TextWatch, text_hits, watch_text
 
 COMPACT_WHEN_DONE = 0.5  # compact the batch once this fraction of the active rows has finished
 SYNC_EVERY = 8  # on GPU, look at the done flags (a host sync) only every this many steps
-STATIC_SLOTS = 64  # a static cache's slots are padded to a multiple of this: few shapes to compile
-
-
-class KVCache:
-    """Preallocated keys/values (L, B, Hkv, max_len, hd) for every layer, plus per-row state."""
-
-    def __init__(
-        self,
-        n_layers: int,
-        batch: int,
-        n_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros: never NaN garbage behind a mask
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # slot holds a real token
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)  # RoPE position of the next token
-        self.rows = torch.arange(batch, device=device)  # caller's row id held by each cache row
-        self.length = 0  # slots written so far, the same for every row
-        self.batch = batch  # forwards run on the active cache rows [:batch]
-        self.slot: Tensor | None = None  # static mode: write at this (1,) slot, return all slots
-
-    @classmethod
-    def for_model(cls, model: Transformer, batch: int, max_len: int) -> "KVCache":
-        c, dev = model.config, model.lm_head.weight.device
-        # under autocast the keys/values arrive in the autocast dtype: store them in it
-        dtype = (
-            torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.lm_head.weight.dtype
-        )
-        return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, dtype=dtype, device=dev)
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size() + self.key_valid.numel()
-
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new k, v (b, Hkv, T, hd) of one layer; return all keys/values (b, Hkv, S, hd)."""
-        b, T = k.shape[0], k.shape[2]
-        if self.slot is not None:  # static shapes (compiled decode): in-place write, full width
-            self.k[layer_idx, :b].index_copy_(2, self.slot, k)
-            self.v[layer_idx, :b].index_copy_(2, self.slot, v)
-            return self.k[layer_idx, :b], self.v[layer_idx, :b]
-        s = self.length
-        self.k[layer_idx, :b, :, s : s + T] = k
-        self.v[layer_idx, :b, :, s : s + T] = v
-        return self.k[layer_idx, :b, :, : s + T], self.v[layer_idx, :b, :, : s + T]
-
-    def reorder(self, perm: Tensor) -> None:
-        """Permute the first len(perm) cache rows: new row i = old row perm[i]."""
-        b, s = len(perm), self.length
-        self.k[:, :b, :, :s] = self.k[:, perm, :, :s]
-        self.v[:, :b, :, :s] = self.v[:, perm, :, :s]
-        for name in ("key_valid", "next_pos", "rows"):
-            getattr(self, name)[:b] = getattr(self, name)[perm]
-
-    def compact(self, alive: Tensor) -> Tensor:
-        """Move the live active rows first and make only them active; returns the permutation."""
-        perm = torch.cat([alive.nonzero()[:, 0], (~alive).nonzero()[:, 0]])
-        self.reorder(perm)
-        self.batch = int(alive.sum())
-        return perm
-
-    def restore_order(self) -> None:
-        """Make every row active again, in the caller's row order (undoes compactions)."""
-        self.batch = len(self.rows)
-        if not torch.equal(self.rows, torch.arange(len(self.rows), device=self.rows.device)):
-            self.reorder(torch.argsort(self.rows))
-
-    def fork(self, rows: Tensor, max_len: int) -> "KVCache":
-        """A new cache of len(rows) rows; row i copies the caller's row rows[i] (prefix sharing)."""
-        src, s, (L, _, Hkv, _, hd) = torch.argsort(self.rows)[rows], self.length, self.k.shape
-        new = KVCache(L, len(rows), Hkv, max_len, hd, dtype=self.k.dtype, device=self.k.device)
-        new.k[:, :, :, :s] = self.k[:, src, :, :s]
-        new.v[:, :, :, :s] = self.v[:, src, :, :s]
-        new.key_valid[:, :s] = self.key_valid[src, :s]
-        new.next_pos[:] = self.next_pos[src]
-        new.length = s
-        return new
-
-    def make_static(self) -> None:
-        """Static shapes for a compiled decode step: writes go to the tensor slot `self.slot`,
-        attention covers all slots, and the buffers keep fixed addresses (CUDA graphs). The slots
-        are padded (never valid) to a multiple of STATIC_SLOTS, so prompts of varying lengths share
-        a few compiled shapes (and recorded CUDA graphs) instead of one per length."""
-        pad = -self.k.shape[3] % STATIC_SLOTS
-        if pad:
-            self.k, self.v = (torch.cat([x, x.new_zeros(*x.shape[:3], pad, x.shape[4])], 3) for x in (self.k, self.v))
-            self.key_valid = torch.cat([self.key_valid, self.key_valid.new_zeros(len(self.key_valid), pad)], 1)
-        self.slot = torch.tensor([self.length], device=self.k.device)
-        if self.k.is_cuda:  # only CUDA graphs care (and it costs a dynamo import)
-            for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
-                torch._dynamo.mark_static_address(t)
 
 
 @dataclass
@@ -165,70 +69,6 @@ class Tree:
     answers: list[list[int]]  # P*K*M, (p, i, j) at (p*K+i)*M+j; stop id included when hit
     answer_logprobs: list[list[float]]
     answer_finish: list[str]  # "stop" | "length"
-
-
-# ----------------------------------------------------------------------------- model steps
-
-
-def chunk_mask(key_valid: Tensor, T: int) -> Tensor:
-    """Attention mask (b, 1, T, S) for the last T of S key slots as queries: bottom-right causal
-    over valid keys (never is_causal: earlier slots may hold cached keys); a padding query sees
-    only itself, so no row is fully masked."""
-    S = key_valid.shape[1]
-    q = torch.arange(S - T, S, device=key_valid.device)[:, None]
-    kpos = torch.arange(S, device=key_valid.device)[None, :]
-    return ((key_valid[:, None, :] | (kpos == q)) & (kpos <= q))[:, None]
-
-
-def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logits_to_keep: int = 1) -> Tensor:
-    """Append a chunk ids (b, T) to the active cache rows; valid (b, T) is False for left padding
-    and for finished rows. Returns logits (b, logits_to_keep, V) in the model dtype."""
-    b, T = ids.shape
-    s = cache.length
-    cache.key_valid[:b, s : s + T] = valid
-    positions = cache.next_pos[:b, None] + (valid.cumsum(1) - 1).clamp(min=0)  # (b, T); pads: junk
-    mask = chunk_mask(cache.key_valid[:b, : s + T], T)
-    logits = model(ids, positions=positions, cache=cache, attn_mask=mask, logits_to_keep=logits_to_keep)
-    cache.length += T
-    cache.next_pos[:b] += valid.sum(1)
-    return logits
-
-
-def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, Tensor]:
-    """Run the left-padded prompts through the model once (one batch: padding costs compute when
-    lengths differ a lot); returns their cache and the logits (P, V) of each prompt's next token."""
-    P, T = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(P, T, dtype=torch.long)
-    valid = torch.zeros(P, T, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p) :] = torch.tensor(p)
-        valid[i, T - len(p) :] = True
-    cache = KVCache.for_model(model, P, T)
-    dev = cache.k.device
-    return cache, extend(model, cache, ids.to(dev), valid.to(dev))[:, -1]
-
-
-def decode_step(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
-    """Feed one token (b,) per active row; returns the logits (b, V) of each row's next token.
-    extend() for T = 1, minus the ops a single query does not need (the hot path)."""
-    b, s = len(tok), cache.length
-    cache.key_valid[:b, s] = alive  # a finished row's slot is a hole
-    mask = cache.key_valid[:b, None, None, : s + 1]  # (b, 1, 1, S): one query needs no causal part
-    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask)
-    cache.length += 1
-    cache.next_pos[:b] += alive
-    return logits[:, -1]
-
-
-def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
-    """decode_step with static shapes (for torch.compile / CUDA graphs): the slot is a tensor and
-    attention spans all max_len slots; unwritten slots are invalid. All rows are active."""
-    cache.key_valid.index_copy_(1, cache.slot, alive[:, None])
-    logits = model(
-        tok[:, None], positions=cache.next_pos[:, None], cache=cache, attn_mask=cache.key_valid[:, None, None, :]
-    )
-    cache.next_pos += alive
-    return logits[:, -1]
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -52,7 +52,7 @@ class TextWatch:
 
 
 def watch_text(stop: StopText, vocab_size: int, cache) -> TextWatch:
-    """A TextWatch for the active rows of `cache` (a sampler.KVCache), about to sample their first token."""
+    """A TextWatch for the active rows of `cache` (a kvcache.KVCache), about to sample their first token."""
     can_end = torch.zeros(vocab_size, dtype=torch.bool)  # the model's vocab may be padded
     n = min(vocab_size, len(stop.candidates))
     can_end[:n] = stop.candidates[:n]

@@ -2,7 +2,7 @@
 
     python experiments/variance.py --models assets/tiny-model runs/exp/grpo_ma_t4a4-s0/final --out variance.json
 
-1. Simulation (advantage.thought_advantage_variance): the error of the standardised thought
+1. Simulation (thought_advantage_variance): the error of the standardised thought
    advantage against its noise-free value, for K thoughts x M answers. The claim: a floor in K,
    falling about as 1/M.
 2. Real rollouts of each model on held-out prompts: K thoughts x M answers per prompt with
@@ -22,11 +22,29 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from advantage import grpo_ma_advantages, thought_advantage_variance  # noqa: E402
+from advantage import group_advantages, grpo_ma_advantages  # noqa: E402
 from hf import load_model  # noqa: E402
 from sampler import sample_tree  # noqa: E402
 from tasks import get_task, render_prompt  # noqa: E402
 from tokenizer import decode_completion, load_tokenizer  # noqa: E402
+
+
+def thought_advantage_variance(
+    k: int, m: int, *, n_trials: int = 1000, q_low: float = 0.1, q_high: float = 0.9, seed: int = 0
+) -> float:
+    """Monte-Carlo check of GRPO-MA's variance claim (reference doc §1.6): E[(A_hat_i - z_i)^2].
+
+    Per trial: K thoughts with true success probability q_i ~ U(q_low, q_high), M answers per
+    thought with reward ~ Bernoulli(q_i). A_hat = grpo_ma_advantages' thought advantage; z = the
+    same normalisation applied to the true q (noise-free). Returns the mean squared error over trials
+    and thoughts. Claim: flat in K (a floor), falling ~1/M (limit E[q(1-q)] / (M Var q) as K, M grow).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q = q_low + (q_high - q_low) * torch.rand(n_trials, k, generator=gen, dtype=torch.float64)  # (N, K)
+    rewards = (torch.rand(n_trials, k, m, generator=gen, dtype=torch.float64) < q[..., None]).double()
+    a_hat, _ = grpo_ma_advantages(rewards)  # (N, K): trials play the role of prompts
+    z = group_advantages(q)
+    return float(((a_hat - z) ** 2).mean())
 
 
 def simulate(ks=(4, 16, 64), ms=(1, 2, 4, 8, 16), trials: int = 2000) -> dict:

@@ -27,7 +27,6 @@ from advantage import (
     pairwise_distinct_advantages,
     select_hard_examples,
     splice_anchor_rewards,
-    thought_advantage_variance,
     token_weights,
     two_grpo_advantages,
 )
@@ -784,6 +783,8 @@ def test_thought_advantage_variance_floor_in_k_and_one_over_m():
     must not fall with K (a floor) and must fall as 1/M, toward the delta-method limit
     M * err -> E[q(1-q)] / Var(q) * (K-1)/K, with q ~ U(.1,.9): E[q(1-q)] = .25 - .8**2/12 = .196667,
     Var(q) = .053333, ratio 3.6875 (reference §1.6; the (K-1)/K is torch.std's unbiased rescale)."""
+    from experiments.variance import thought_advantage_variance  # the simulation of experiments/variance.py
+
     err = {
         (k, m): thought_advantage_variance(k, m, n_trials=32768 // k, seed=0) for k in (16, 64, 256) for m in (1, 8, 64)
     }

@@ -81,7 +81,7 @@ def test_layer_saved_bytes_equal_what_autograd_saves(family, rows, T, Lp):
 
 
 def test_kv_cache_bytes_equal_the_sampler_cache():
-    """Guards against the sampling estimate counting another cache than sampler.KVCache allocates."""
+    """Guards against the sampling estimate counting another cache than kvcache.KVCache allocates."""
     c = config("qwen2")
     cache = KVCache(1, 6, c.num_key_value_heads, 40, c.head_dim, dtype=torch.bfloat16, device=torch.device("cpu"))
     assert memory.kv_bytes(c, 6, 40, 2) == cache.k.nbytes + cache.v.nbytes

@@ -3,6 +3,7 @@ redraws exactly the flat groups from their own slot's top-ups and seeds (so the 
 
 from __future__ import annotations
 
+import ast
 import os
 import types
 
@@ -107,3 +108,49 @@ def test_the_loop_reads_no_methods_flag_and_the_core_imports_no_method():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 assert not any(n.split(".")[0] == "methods" for n in names), f"{core} imports methods"
+
+
+def imports(path: str) -> set[str]:
+    """The top-level names of the modules a file imports."""
+    found = set()
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+LANGUAGE_MODEL = ("model", "hf", "tokenizer", "kvcache", "sampler", "stop_text")
+RL_CORE = ("advantage", "losses", "pack", "lora")
+TASKS_AND_REWARDS = ("tasks", "data", "rewards", "math_answers", "math_equal", "sandbox", "confine", "calls")
+LOOP = ("train", "run", "config", "methods", "eval", "heldout")
+INFRASTRUCTURE = ("checkpoint", "distributed", "memory", "metrics", "cli", "sft")  # any layer may use these
+
+
+@pytest.mark.parametrize(
+    "layer, below",
+    [(LANGUAGE_MODEL, LANGUAGE_MODEL), (RL_CORE, LANGUAGE_MODEL + RL_CORE), (TASKS_AND_REWARDS, TASKS_AND_REWARDS)],
+)
+def test_each_layer_imports_only_the_layers_below_it(layer, below):
+    """Guards the README's layout: the language model imports nothing of the RL core, the tasks or the loop; the RL
+    core only the language model; the tasks and rewards (pure functions of text) nothing of the model or the loop
+    (the run infrastructure is open to all). A module imported across these lines makes a file that cannot be
+    read, or forked, without the other; a new top-level file must be given a layer."""
+    layered = set(LANGUAGE_MODEL + RL_CORE + TASKS_AND_REWARDS + LOOP)
+    for name in layer:
+        crossing = (imports(f"{name}.py") & layered) - set(below)
+        assert not crossing, f"{name}.py imports {sorted(crossing)}"
+    everything = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")} | {"methods"}
+    unplaced = everything - layered - set(INFRASTRUCTURE)
+    assert not unplaced, f"a top-level file in no layer: {sorted(unplaced)}"
+
+
+def test_no_source_file_is_over_500_lines():
+    """Guards the readability budget: a project source file (top level, methods/) past 500 lines holds more than
+    one concept and should be split along them, as model/kvcache/sampler and math_answers/math_equal are."""
+    files = [f for f in os.listdir(ROOT) if f.endswith(".py")]
+    files += [os.path.join("methods", f) for f in os.listdir(os.path.join(ROOT, "methods")) if f.endswith(".py")]
+    long = {f: n for f in files if (n := len(open(os.path.join(ROOT, f)).read().splitlines())) > 500}
+    assert not long, long
+    assert len(files) > 40

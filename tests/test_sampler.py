@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+import kvcache
 import sampler
 from helpers import make_char_tokenizer, make_hf_checkpoint
 from hf import load_model
@@ -215,7 +216,7 @@ def test_static_cache_pads_its_slots():
     cache.key_valid[:, :5], cache.length = True, 5
     k, v, valid = cache.k.clone(), cache.v.clone(), cache.key_valid.clone()
     cache.make_static()
-    assert sampler.STATIC_SLOTS == 64 and cache.k.shape == cache.v.shape == (2, 3, 2, 128, 4)
+    assert kvcache.STATIC_SLOTS == 64 and cache.k.shape == cache.v.shape == (2, 3, 2, 128, 4)
     assert cache.key_valid.shape == (3, 128)
     assert torch.equal(cache.k[:, :, :, :70], k) and torch.equal(cache.v[:, :, :, :70], v)
     assert torch.equal(cache.key_valid[:, :70], valid) and not cache.key_valid[:, 70:].any()
