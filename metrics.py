@@ -29,6 +29,34 @@ def rollout_metrics(groups: list[Group], world: int, m: int) -> dict:
     }
 
 
+SUMS = ("loss", "clip_frac", "kl", "logp_gap", "entropy", "off_tokens", "off_p")  # the update's sums of diagnostics
+
+
+def add_micro_batch(
+    sums: dict,
+    loss: torch.Tensor,
+    metrics: dict,
+    logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    mask: torch.Tensor,
+    sampled: torch.Tensor,
+    entropy: torch.Tensor,
+    off: torch.Tensor | None,
+) -> None:
+    """Adds one micro-batch of the first epoch to the update's sums: its loss, and per trained token its clip
+    fraction, KL and entropy; per sampled token the log-prob gap to the sampler; per off-policy token its count and
+    probability. update_metrics divides them by the step's token counts."""
+    n = mask.float().sum().item()
+    sums["loss"] += loss.item()
+    sums["clip_frac"] += metrics["clip_frac"] * n
+    sums["kl"] += metrics.get("kl", 0.0) * n
+    sums["logp_gap"] += ((logp.detach() - sampler_logp).abs() * sampled).sum().item()
+    sums["entropy"] += (entropy * mask.float()).sum().item()
+    if off is not None:
+        sums["off_tokens"] += off.sum().item()
+        sums["off_p"] += (logp.detach().exp() * off).sum().item()
+
+
 def update_metrics(
     sums: dict, trained: torch.Tensor, grad_norm: torch.Tensor, state: dict, world: int, **fields
 ) -> dict:

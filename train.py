@@ -51,7 +51,7 @@ from distributed import all_sum, derive_seed, memory_peak
 from heldout import evaluate
 from hf import bundled, save_model
 from losses import Tokens, policy_loss
-from metrics import rollout_metrics, update_metrics
+from metrics import SUMS, add_micro_batch, rollout_metrics, update_metrics
 from model import copy_weights_
 from pack import (
     Batch,
@@ -192,7 +192,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     then one clipped AdamW step. Tokens the policy did not sample (batch.off_policy) get policy_loss's off-policy
     shaping. Returns the first epoch's sums of loss and token-weighted diagnostics, and the last gradient norm."""
     cfg, world = run.cfg, run.world
-    sums = dict(loss=0.0, clip_frac=0.0, kl=0.0, logp_gap=0.0, entropy=0.0, off_tokens=0.0, off_p=0.0)
+    sums = dict.fromkeys(SUMS, 0.0)
     entropy_grad = methods.needs_entropy_grad(cfg)  # a loss term on the token entropy (the entropy bonus)
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
@@ -217,15 +217,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 loss = methods.loss_terms(run, tok, ent, loss)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
-                n = mask.float().sum().item()
-                sums["loss"] += loss.item()
-                sums["clip_frac"] += metrics["clip_frac"] * n
-                sums["kl"] += metrics.get("kl", 0.0) * n
-                sums["logp_gap"] += ((logp.detach() - mb.sampler_logp).abs() * sampled).sum().item()
-                sums["entropy"] += ((ent if ent is not None else batch.entropy[rows]) * mask.float()).sum().item()
-                if off is not None:
-                    sums["off_tokens"] += off.sum().item()
-                    sums["off_p"] += (logp.detach().exp() * off).sum().item()
+                ent = ent if ent is not None else batch.entropy[rows]
+                add_micro_batch(sums, loss, metrics, logp, mb.sampler_logp, mask, sampled, ent, off)
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 
