@@ -34,7 +34,7 @@ class CoreFlags:
     """The core loop's flags: plain GRPO with GRPO-MA's tree, the run, the optimiser and the checkpoints."""
 
     # -- run
-    algo: str = "grpo_ma"  # preset of the flags below (the flags you type win)
+    algo: str = "grpo_ma" if "grpo_ma" in methods.PRESETS else "grpo"  # preset of the flags below (yours win)
     model: str = BUNDLED  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
     task: str = "synthetic"  # built-in generator or file format (file tasks read --data)
     data: str = ""  # JSONL file for file-based tasks

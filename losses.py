@@ -184,6 +184,7 @@ class Tokens:
     is_weight: Tensor | None = None  # importance weights of the policy-gradient term (rollout mismatch); None = 1
     ref_logp: Tensor | None = None  # the reference model's log-probs (beta > 0)
     off_policy: Tensor | None = None  # bool, tokens not sampled from pi_old (an injected reference solution)
+    off_gamma: float = 0.1  # their objective's f(p) = p / (p + off_gamma) (LUFFY's 0.1; DaGRPO's --anchor-gamma)
     selected: Tensor | None = None  # bool, KL-Cov's tokens (its objective takes them)
     beta: float | None = None  # the KL penalty's coefficient (None: hp.beta; 0: the KL is in the reward instead)
 
@@ -203,7 +204,7 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     policy-gradient term only and add the KL after (TRL _compute_loss; verl's dp_actor and slime compute the KL loss
     apart), so a dropped token keeps its KL pull.
     off_policy: there LUFFY's policy shaping (arXiv 2504.14945; its code's off_policy_reshape="p_div_p_0.1")
-    replaces the objective: obj = f(p) * A with f(p) = p / (p + hp.anchor_gamma), p = exp(logp), gradient through p
+    replaces the objective: obj = f(p) * A with f(p) = p / (p + tok.off_gamma), p = exp(logp), gradient through p
     (d f / d logp = gamma p / (p + gamma)^2, so low-probability expert tokens still learn), no clip and no old_logp
     (unused there, may be garbage). The objective sees only the other tokens (they are left out of GSPO's sequence
     mean); the KL term, if any, still covers them. None (default) is the plain loss, bit for bit.
@@ -216,8 +217,8 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     beta = hp.beta if tok.beta is None else tok.beta
     if beta != 0.0 and tok.ref_logp is None:
         raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
-    if tok.off_policy is not None and not hp.anchor_gamma > 0:
-        raise ValueError(f"policy_loss: anchor_gamma (off-policy shaping) must be > 0, got {hp.anchor_gamma}.")
+    if tok.off_policy is not None and not tok.off_gamma > 0:
+        raise ValueError(f"policy_loss: off_gamma (off-policy shaping) must be > 0, got {tok.off_gamma}.")
     mask = tok.weight != 0 if tok.mask is None else tok.mask.bool()
     off = None if tok.off_policy is None else tok.off_policy.bool() & mask
     on = mask if off is None else mask & ~off  # tokens sampled from pi_old: the objective's ratio applies
@@ -225,7 +226,7 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     obj, cut = objective.fn(logp, old_logp, adv, on, hp, **extra)
     if off is not None:
         p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
-        obj = torch.where(off, p / (p + hp.anchor_gamma) * adv, obj)
+        obj = torch.where(off, p / (p + tok.off_gamma) * adv, obj)
     zero = torch.zeros_like(logp)
     weight = tok.weight if tok.keep is None or "keep" in extra else tok.weight * tok.keep.to(tok.weight.dtype)
     weight = weight if tok.is_weight is None else weight * tok.is_weight

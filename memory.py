@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+import methods
 from cli import UserError
 from config import score_pass_needs
 from hf import config_from_hf
@@ -293,7 +294,7 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
     )
     offloaded = cfg.optimizer_offload and cuda
     fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * T // shard + 4 * T * cfg.optimizer_offload)
-    n_pool = cfg.max_steps * cfg.prompts_per_step * (1 + cfg.max_resample_rounds * cfg.dynamic_sampling)
+    n_pool = cfg.max_steps * cfg.prompts_per_step + methods.stream_size(cfg)  # the pool and the methods' streams
     if not cuda:  # the process and its data share the CPU's memory with the step
         fixed = dict(process=process_bytes(), data_pool=n_pool * per_example, **fixed)
     phases = estimate(c, shape, fixed=fixed, world=world, fsdp=fsdp)

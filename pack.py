@@ -128,10 +128,8 @@ def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: b
     rows = [(p, g.prompt, t) for p, g in enumerate(groups) for t in g.thoughts]
     B, m = len(rows), len(groups[0].thoughts[0].answers)
     T = max(len(t.tokens) + sum(len(a.tokens) for a in t.answers) for _, _, t in rows)
-    packs, off = (
-        [],
-        [],
-    )  # per packed row: ids, positions, answer index (-1 none), sampler log-prob, logical index, jumps
+    # per packed row: ids, positions, answer index (-1 none), sampler log-prob, logical index, jumps
+    packs, off = [], []  # off: (row, start, end) of the answers the policy did not sample
     for b, (_, prompt, thought) in enumerate(rows):
         lead = [] if share_prompt else list(prompt)  # the prompt tokens this row runs itself
         row = (lead, list(range(len(lead))), [-1] * len(lead), [0.0] * len(lead), [-1] * len(lead), [])

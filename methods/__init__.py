@@ -6,6 +6,7 @@ holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its prese
   seam (train.py calls it in)     hook                                                   e.g.
   choose the data (setup)         choose_data(task, cfg) -> task                         hard_examples
   extra prompt streams (setup)    streams(task, cfg) -> {name: examples}                 dapo's top-ups
+                                  stream_size(cfg) -> int: their examples, before drawing  dapo (memory.py)
   check the data (setup)          check_data(task, cfg, examples) -> None                dagrpo's references
   start (setup, models loaded)    start(run) -> None: checks and state                   noise's rates, gtpo's gate
   rewards (score)                 rewards(run, reward [N], step: Scored) -> reward        noise, dagrpo, dapo
@@ -22,7 +23,7 @@ holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its prese
   selections (over the step)      select(run, batch, adv, mask) -> (keep, selected, metrics)  cov, entropy_mask
   the loss                        LOSSES = {--loss value: losses.Objective}              gspo, gmpo, ...
                                   objective(cfg, entry) -> entry                         dual_clip
-  micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch) -> tok  mismatch, dsv32
+  micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch) -> tok  mismatch, dsv32, dagrpo
   extra loss terms (update)       loss_terms(run, tok, entropy, loss) -> loss; needs_entropy_grad(cfg)  entropy_bonus
   score pass                      needs_scores(cfg) -> bool                              gtpo, cov, entropy_mask, kl
   metrics (log)                   metrics(run, sums, rollouts) -> dict                   noise, dagrpo
@@ -96,6 +97,11 @@ def choose_data(task, cfg):
 
 def streams(task, cfg) -> dict[str, list[dict]]:
     return {k: v for hook in hooks(cfg, "streams") for k, v in hook(task, cfg).items()}
+
+
+def stream_size(cfg) -> int:
+    """How many examples the methods' streams will hold (the memory estimate counts them before they are drawn)."""
+    return sum(hook(cfg) for hook in hooks(cfg, "stream_size"))
 
 
 def check_data(task, cfg, examples: list[dict]) -> None:

@@ -135,6 +135,12 @@ def splice_anchors(groups: list[Group], task, tokenizer, limit: int) -> tuple[li
     return out, counts
 
 
+def micro_batch(run, tok, mb, sampled, sums: dict, epoch: int):
+    """The anchors' tokens (tok.off_policy) take LUFFY's shaping with --anchor-gamma."""
+    tok.off_gamma = run.cfg.anchor_gamma
+    return tok
+
+
 def metrics(run, sums: dict, counts: dict[str, int]) -> dict:
     """The step's anchor counts over ranks, and anchors/p_mean: the anchor tokens' mean probability under the
     policy (the update's sums over its off-policy tokens)."""

@@ -42,13 +42,14 @@ def enabled(cfg) -> bool:
     return cfg.dynamic_sampling or cfg.overlong_buffer > 0
 
 
+def stream_size(cfg) -> int:
+    """--max-resample-rounds replacement prompts per global slot of each step (with --dynamic-sampling)."""
+    return cfg.max_steps * cfg.prompts_per_step * cfg.max_resample_rounds if cfg.dynamic_sampling else 0
+
+
 def streams(task, cfg) -> dict[str, list[dict]]:
-    """The replacement prompts: --max-resample-rounds per global slot of each step, a training stream of its own."""
-    if not cfg.dynamic_sampling:
-        return {}
-    return {
-        "topups": task.train(cfg.max_steps * cfg.prompts_per_step * cfg.max_resample_rounds, derive_seed(cfg.seed, 1))
-    }
+    """The replacement prompts, a training stream of their own."""
+    return {"topups": task.train(stream_size(cfg), derive_seed(cfg.seed, 1))} if cfg.dynamic_sampling else {}
 
 
 def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:

@@ -44,9 +44,7 @@ def loss_for(tok: Tokens, h) -> tuple[torch.Tensor, dict]:
 
 def hp(**kw) -> types.SimpleNamespace:
     """policy_loss's hyperparameters: the trainer's defaults (TrainConfig), changed by kw."""
-    return types.SimpleNamespace(
-        **{"loss": "clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.0, "anchor_gamma": 0.1, **kw}
-    )
+    return types.SimpleNamespace(**{"loss": "clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.0, **kw})
 
 
 def close(a, b, tol=1e-5):
@@ -697,10 +695,10 @@ def test_policy_loss_off_policy_shaping_value_and_gradient():
     assert m["clip_frac"] == 0.0
     # gamma is a knob: g = .5 at p = .5 -> f = .5, df/dlogp = .25/1 = .25
     logp = T([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
-    loss, _ = loss_for(Tokens(logp, T([[0.0]]), T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(anchor_gamma=0.5))
+    loss, _ = loss_for(Tokens(logp, T([[0.0]]), T([[1.0]]), T([[1.0]]), off_policy=T([[True]]), off_gamma=0.5), hp())
     assert close(loss, -0.5, 1e-12) and close(torch.autograd.grad(loss, logp)[0], [[-0.25]], 1e-12)
     with pytest.raises(ValueError):
-        loss_for(Tokens(logp, logp, T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(anchor_gamma=0.0))
+        loss_for(Tokens(logp, logp, T([[1.0]]), T([[1.0]]), off_policy=T([[True]]), off_gamma=0.0), hp())
 
 
 def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():

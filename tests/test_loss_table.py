@@ -81,8 +81,8 @@ def test_policy_loss_hands_the_objective_its_tokens_and_hyperparameters(monkeypa
     monkeypatch.setitem(LOSSES, "probe", Objective(probe))
     logp = T([[math.log(0.5), -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
     adv, w = T([[1.0, 1.0, -1.0]], dtype=torch.float64), T([[0.5, 0.25, 0.25]], dtype=torch.float64)
-    h = hp(loss="probe", anchor_gamma=0.5)
-    loss, m = loss_for(Tokens(logp, logp.detach(), adv, w, off_policy=T([[True, False, False]])), h)
+    h = hp(loss="probe")
+    loss, m = loss_for(Tokens(logp, logp.detach(), adv, w, off_policy=T([[True, False, False]]), off_gamma=0.5), h)
     assert seen["mask"].tolist() == [[False, True, True]] and seen["h"] is h
     # the anchor token: f(.5) = .5 / (.5 + .5) = .5 times A = 1; the others: 3 * A
     assert math.isclose(loss.item(), -(0.5 * 0.5 + 0.25 * 3.0 - 0.25 * 3.0), abs_tol=1e-12)

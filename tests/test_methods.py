@@ -4,6 +4,7 @@ redraws exactly the flat groups from their own slot's top-ups and seeds (so the 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import types
 
@@ -85,8 +86,9 @@ def test_dynamic_sampling_redraws_flat_groups_from_their_slots():
 
 
 def test_the_loop_reads_no_methods_flag_and_the_core_imports_no_method():
-    """Guards against a paper woven back into the loop: train.py or its setup (run.py) reading a flag that a method
-    file owns (cfg.X or run.cfg.X for a field of some methods/*.py Flags: it must go through a seam instead), or the
+    """Guards against a paper woven back into the loop: train.py, its setup or any file outside methods/ (the memory
+    estimate, the loss) reading a flag that a method file owns (cfg.X, run.cfg.X or hp.X for a field of some
+    methods/*.py Flags: it must go through a seam, or a field of losses.Tokens, instead), or the
     model, the sampler and the RL core (advantage.py, losses.py, pack.py) importing methods/, which would make the
     core depend on the papers built on it."""
     import ast
@@ -94,7 +96,9 @@ def test_the_loop_reads_no_methods_flag_and_the_core_imports_no_method():
 
     owned = {f.name for m in methods.METHODS if hasattr(m, "Flags") for f in dataclasses.fields(m.Flags)}
     reads = []
-    for loop in ("train.py", "run.py"):  # the loop and its setup
+    # every file but config.py (it gathers the flags) and eval.py (its own EvalConfig has a --pass-rates too)
+    trainer = [f for f in os.listdir(ROOT) if f.endswith(".py") and f not in ("config.py", "eval.py")]
+    for loop in trainer:
         for node in ast.walk(ast.parse(open(os.path.join(ROOT, loop)).read())):
             if isinstance(node, ast.Attribute) and node.attr in owned:
                 base = node.value
@@ -154,3 +158,41 @@ def test_no_source_file_is_over_500_lines():
     long = {f: n for f in files if (n := len(open(os.path.join(ROOT, f)).read().splitlines())) > 500}
     assert not long, long
     assert len(files) > 40
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_with_every_method_file_deleted(tmp_path):
+    """Guards "deleting a method's file leaves a working trainer" at its limit: a copy of the project with
+    methods/ reduced to __init__.py trains plain GRPO end to end (its default --algo), offers only that preset,
+    and the copy with one method deleted (dapo.py, whose flags the memory estimate once read) still runs another."""
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import BUNDLED
+
+    def copy(keep) -> str:
+        d = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        (d / "methods").mkdir(parents=True)
+        for f in os.listdir(ROOT):
+            if f.endswith(".py"):
+                shutil.copy(os.path.join(ROOT, f), d / f)
+        for f in os.listdir(os.path.join(ROOT, "methods")):
+            if f == "__init__.py" or f[:-3] in keep:
+                shutil.copy(os.path.join(ROOT, "methods", f), d / "methods" / f)
+        return str(d)
+
+    flags = ["--model", BUNDLED, "--max-steps", "1", "--prompts-per-step", "2", "--thoughts", "2"]
+    flags += ["--max-thought-tokens", "16", "--max-answer-tokens", "8", "--eval-examples", "2", "--eval-samples", "0"]
+    bare = copy(keep=())
+    run = subprocess.run([sys.executable, "train.py", *flags, "--out", "out"], cwd=bare, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert os.path.isfile(os.path.join(bare, "out", "final", "model.safetensors"))
+    assert json.load(open(os.path.join(bare, "out", "config.json")))["algo"] == "grpo"
+    err = subprocess.run([sys.executable, "train.py", "--algo", "dapo"], cwd=bare, capture_output=True, text=True)
+    assert err.returncode == 2 and "--algo must be one of grpo," in err.stderr
+    others = {m.__name__.split(".")[-1] for m in methods.METHODS} - {"dapo"}
+    no_dapo = copy(keep=others)
+    cmd = [sys.executable, "train.py", *flags, "--algo", "gtpo", "--out", "out"]
+    run = subprocess.run(cmd, cwd=no_dapo, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
