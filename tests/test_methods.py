@@ -196,3 +196,14 @@ def test_the_trainer_runs_with_every_method_file_deleted(tmp_path):
     cmd = [sys.executable, "train.py", *flags, "--algo", "gtpo", "--out", "out"]
     run = subprocess.run(cmd, cwd=no_dapo, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_every_top_level_module_is_installed():
+    """Guards `pip install .` against a new top-level file missing from pyproject.toml's py-modules (the installed
+    project would fail on its first import of it), or a listed module that no longer exists."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    files = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    assert set(setuptools["py-modules"]) == files and setuptools["packages"] == ["methods"]
