@@ -14,6 +14,7 @@ import config
 import methods
 from distributed import derive_seed
 from methods import dapo
+from model import ModelConfig
 from pack import Answer, Group, Thought
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +108,15 @@ def test_the_loop_reads_no_methods_flag_and_the_core_imports_no_method():
                     reads.append(f"{loop}:{node.lineno} reads --{node.attr.replace('_', '-')}")
     assert not reads, reads
     assert owned >= {"gtpo_conflict", "dynamic_sampling", "top_entropy_fraction", "kl_in_reward", "tis_cap"}
+    # and positively: the loop and its setup read the core's flags (config.CoreFlags) and nothing else
+    core = {f.name for f in dataclasses.fields(config.CoreFlags)} | {"completion_limit"}  # a property of them
+    model = {f.name for f in dataclasses.fields(ModelConfig)}  # policy.config.X: the model's, not a flag
+    for loop in ("train.py", "run.py"):
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, loop)).read())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
+                base = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+                allowed = core | (model if base == "config" else set())
+                assert base not in ("cfg", "config") or node.attr in allowed, f"{loop}:{node.lineno} .{node.attr}"
     for core in ("model.py", "sampler.py", "advantage.py", "losses.py", "pack.py", "hf.py", "tokenizer.py"):
         for node in ast.walk(ast.parse(open(os.path.join(ROOT, core)).read())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
