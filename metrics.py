@@ -43,12 +43,11 @@ def add_micro_batch(
     entropy: torch.Tensor,
     off: torch.Tensor | None,
 ) -> None:
-    """Adds one micro-batch of the first epoch to the update's sums: its loss, and per trained token its clip
-    fraction, KL and entropy; per sampled token the log-prob gap to the sampler; per off-policy token its count and
-    probability. update_metrics divides them by the step's token counts."""
+    """Adds one micro-batch of the first epoch to the update's sums: its loss, and per trained token its KL and
+    entropy (update() adds the clip fraction of every epoch); per sampled token the log-prob gap to the sampler;
+    per off-policy token its count and probability. update_metrics divides them by the step's token counts."""
     n = mask.float().sum().item()
     sums["loss"] += loss.item()
-    sums["clip_frac"] += metrics["clip_frac"] * n
     sums["kl"] += metrics.get("kl", 0.0) * n
     sums["logp_gap"] += ((logp.detach() - sampler_logp).abs() * sampled).sum().item()
     sums["entropy"] += (entropy * mask.float()).sum().item()

@@ -190,7 +190,8 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
 def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -> tuple[dict, torch.Tensor]:
     """6. mu epochs; each accumulates policy_loss over every micro-batch (row indices into `batch`, the rows),
     then one clipped AdamW step. Tokens the policy did not sample (batch.off_policy) get policy_loss's off-policy
-    shaping. Returns the first epoch's sums of loss and token-weighted diagnostics, and the last gradient norm."""
+    shaping. Returns the first epoch's sums of loss and token-weighted diagnostics (the clip fraction: over every
+    epoch, as TRL and verl log it; the first epoch's ratio is 1 when mu > 1), and the last gradient norm."""
     cfg, world = run.cfg, run.world
     sums = dict.fromkeys(SUMS, 0.0)
     entropy_grad = methods.needs_entropy_grad(cfg)  # a loss term on the token entropy (the entropy bonus)
@@ -216,6 +217,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 loss, metrics = policy_loss(tok, cfg, run.objective)
                 loss = methods.loss_terms(run, tok, ent, loss)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
+            sums["clip_frac"] += metrics["clip_frac"] * mask.float().sum().item() / cfg.mu  # the mean over epochs
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 ent = ent if ent is not None else batch.entropy[rows]
                 add_micro_batch(sums, loss, metrics, logp, mb.sampler_logp, mask, sampled, ent, off)

@@ -333,6 +333,20 @@ def test_interrupted_save_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch)
     load_model(os.path.join(out, "step-2"))
 
 
+def test_the_clip_fraction_counts_every_epoch(tmp_path):
+    """Guards against clip_frac being measured in the first epoch only, where the ratio is exactly 1: with mu = 2
+    every logged value was 0 whatever the second epoch clipped. A large step moves the ratio past the clip in the
+    second epoch, so clip_frac must be > 0 there (and stays 0 for mu = 1, whose only ratio is 1)."""
+    rows = {}
+    for mu in (1, 2):
+        out = str(tmp_path / f"mu{mu}")
+        kw = dict(mu=mu, lr=0.01, max_steps=1, eval_examples=4, eval_samples=0, thoughts=8, max_thought_tokens=24)
+        train.main(small(BUNDLED, out, **kw))  # the bundled model: rewards that differ, so advantages that move it
+        rows[mu] = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x][0]
+    assert rows[1]["clip_frac"] == 0.0
+    assert 0.0 < rows[2]["clip_frac"] <= 0.5  # the mean over the epochs: the first one's is 0
+
+
 def test_non_finite_steps_are_skipped_then_stop(tiny, tmp_path, monkeypatch):
     """Guards against silently applying NaN updates: each is skipped and counted, and a run of them stops."""
     import losses
