@@ -34,6 +34,7 @@ SUMS = ("loss", "clip_frac", "kl", "logp_gap", "entropy", "off_tokens", "off_p")
 
 def add_micro_batch(
     sums: dict,
+    n: float,
     loss: torch.Tensor,
     metrics: dict,
     logp: torch.Tensor,
@@ -43,10 +44,10 @@ def add_micro_batch(
     entropy: torch.Tensor,
     off: torch.Tensor | None,
 ) -> None:
-    """Adds one micro-batch of the first epoch to the update's sums: its loss, and per trained token its KL and
-    entropy (update() adds the clip fraction of every epoch); per sampled token the log-prob gap to the sampler;
-    per off-policy token its count and probability. update_metrics divides them by the step's token counts."""
-    n = mask.float().sum().item()
+    """Adds one micro-batch of the first epoch to the update's sums: its loss, and per trained token (n of them, the
+    mask's) its KL and entropy (update() adds the clip fraction of every epoch); per sampled token the log-prob gap
+    to the sampler; per off-policy token its count and probability. update_metrics divides them by the step's
+    token counts."""
     sums["loss"] += loss.item()
     sums["kl"] += metrics.get("kl", 0.0) * n
     sums["logp_gap"] += ((logp.detach() - sampler_logp).abs() * sampled).sum().item()

@@ -217,10 +217,11 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 loss, metrics = policy_loss(tok, cfg, run.objective)
                 loss = methods.loss_terms(run, tok, ent, loss)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
-            sums["clip_frac"] += metrics["clip_frac"] * mask.float().sum().item() / cfg.mu  # the mean over epochs
+            n = mask.float().sum().item()  # the micro-batch's trained tokens: its diagnostics' weight
+            sums["clip_frac"] += metrics["clip_frac"] * n / cfg.mu  # the mean over epochs
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 ent = ent if ent is not None else batch.entropy[rows]
-                add_micro_batch(sums, loss, metrics, logp, mb.sampler_logp, mask, sampled, ent, off)
+                add_micro_batch(sums, n, loss, metrics, logp, mb.sampler_logp, mask, sampled, ent, off)
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 
