@@ -206,7 +206,7 @@ def score_pass_needs(cfg: TrainConfig) -> tuple[bool, bool]:
     """What the no-grad score pass before the update runs: (the policy, for old log-probs when mu > 1 and the token
     entropies and log-probs of GTPO's controls and the step's token selections; the reference, when beta > 0).
     The trainer's score pass and the memory estimate both ask here."""
-    policy = cfg.mu > 1 or methods.needs_scores(cfg)
+    policy = cfg.mu > 1 or methods.needs(cfg, "needs_scores")
     return policy, cfg.beta > 0
 
 

@@ -23,11 +23,21 @@ import torch.distributed as dist
 from cli import UserError
 
 
+def wants_cuda(cfg) -> bool:
+    """--device names a CUDA device, or is auto on a machine with one."""
+    return cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def rollout_dtype(cfg) -> str:
+    """--rollout-dtype resolved: auto is bfloat16 on CUDA, else float32 (the policy itself samples)."""
+    return cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if wants_cuda(cfg) else "float32"
+
+
 def setup_distributed(cfg) -> tuple[int, int, torch.device]:
     """Rank, world size and device from torchrun's environment (one process: 0, 1, --device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    want_cuda = wants_cuda(cfg)
     if want_cuda and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but torch sees no CUDA device")
     device = torch.device("cpu")
@@ -154,6 +164,19 @@ def check_update(
             f"step {step}: the update took {names[i]}'s norm from {before[i]:.3g} to {after[i]:.3g}; the run "
             f"stopped before these weights were used or saved (the last checkpoint is intact): {advice}"
         )
+
+
+class WeightGuard:
+    """check_update after every update, with one norm pass per update: the norms after an update are the next
+    one's "before" (weights change only in updates). params: what the optimizer steps (the masters), by name."""
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], world: int, advice: str) -> None:
+        self.names, self.params, self.world, self.advice = names, params, world, advice
+        self.norms = weight_norms(params)
+
+    def check(self, step: int) -> None:
+        before, self.norms = self.norms, weight_norms(self.params)
+        check_update(self.names, before, self.norms, self.world, step, self.advice)
 
 
 def memory_peak(device: torch.device) -> float:

@@ -3,10 +3,12 @@ update's sums: every figure global over ranks (distributed.all_sum) unless its c
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from advantage import dynamic_sampling_keep, gradient_spike_score
-from distributed import all_sum
+from distributed import all_sum, memory_peak
 from pack import Group, completions, per_completion
 
 
@@ -85,3 +87,23 @@ def update_metrics(
 
 # per sampled token: --tis-cap's correction (capped_frac: weights at a bound), DeepSeek-V3.2's mask
 METRIC_TIS = {"tis/mean": "tis", "tis/capped_frac": "tis_capped", "opsm/masked_frac": "opsm_masked"}
+
+
+class StepClock:
+    """A step's phases, each with its seconds and peak memory (distributed.memory_peak: the peak RSS on CPU, the
+    allocated memory on CUDA): lap(name) ends the phase that began at the last lap (or at the clock's start)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.start, self.times, self.mem = device, time.perf_counter(), {}, {}
+        self.last = self.start
+        memory_peak(device)  # the peaks are measured from here
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name], self.mem[name], self.last = now - self.last, memory_peak(self.device), now
+
+    def row(self, generated: float) -> dict:
+        """time/<phase>_s, time/step_s, tokens_per_s (of sampling: `generated` tokens), mem/<phase>_gib."""
+        times = self.times | {"step": time.perf_counter() - self.start}
+        row = {f"time/{k}_s": v for k, v in times.items()} | {"tokens_per_s": generated / max(times["sample"], 1e-9)}
+        return row | {f"mem/{k}_gib": v for k, v in self.mem.items()}

@@ -122,90 +122,49 @@ class Batch:
 
 
 def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: bool = False) -> Batch:
-    """Build the packed rows segment by segment (prompt unless shared, thought, each answer); each
-    segment records its logical position and the slot that predicts its first token. The logical
-    layout is then a scatter of the packed one."""
-    rows = [(p, g.prompt, t) for p, g in enumerate(groups) for t in g.thoughts]
-    B, m = len(rows), len(groups[0].thoughts[0].answers)
-    T = max(len(t.tokens) + sum(len(a.tokens) for a in t.answers) for _, _, t in rows)
-    # per packed row: ids, positions, answer index (-1 none), sampler log-prob, logical index, jumps
-    packs, off = [], []  # off: (row, start, end) of the answers the policy did not sample
-    for b, (_, prompt, thought) in enumerate(rows):
-        lead = [] if share_prompt else list(prompt)  # the prompt tokens this row runs itself
-        row = (lead, list(range(len(lead))), [-1] * len(lead), [0.0] * len(lead), [-1] * len(lead), [])
-
-        n = len(prompt)
-        _add_segment(row, thought.tokens, list(thought.logprobs), n, -1, b * T, len(lead) - 1)
-        source, col = len(row[0]) - 1, len(thought.tokens)  # the slot that predicts each answer's first token
-        for j, a in enumerate(thought.answers):
-            _add_segment(row, a.tokens, list(a.logprobs), n + len(thought.tokens), j, b * T + col, source)
-            off += [] if a.sampled else [(b, col, col + len(a.tokens))]
-            col += len(a.tokens)
-        packs.append(row)
-    Tp = max(len(p[0]) for p in packs)
-
-    def packed(field: int, fill, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.full((B, Tp), fill, dtype=dtype)
-        for r, p in enumerate(packs):
-            out[r, : len(p[field])] = torch.tensor(p[field], dtype=dtype)
-        return out
-
-    ids, pos, ans = (packed(f, fill, torch.long) for f, fill in ((0, pad_id), (1, 0), (2, -1)))
-    lp, to_logical = packed(3, 0.0, torch.float32), packed(4, -1, torch.long)
-    used = to_logical >= 0
-
-    def logical(x: torch.Tensor, fill) -> torch.Tensor:
-        return torch.full((B * T,), fill, dtype=x.dtype).index_put_((to_logical[used],), x[used]).view(B, T)
-
+    """The step's rows, one per thought. A row's completion tokens are thought | answer_1 .. answer_M in both
+    layouts: from column 0 in the logical one, after the row's prompt (none when shared) in the packed one. Each
+    segment's positions continue its own sequence, prompt | thought | answer_j; a segment not predicted by the
+    slot before it (answer j > 0, a row after a shared prompt) records where its first token's predictor is."""
+    rows = [(g.prompt, t) for g in groups for t in g.thoughts]
+    lead = [0 if share_prompt else len(prompt) for prompt, _ in rows]  # the prompt tokens each row runs itself
+    n = [len(t.tokens) + sum(len(a.tokens) for a in t.answers) for _, t in rows]  # completion tokens
+    B, T, Tp = len(rows), max(n), max(map(sum, zip(lead, n)))
+    ids, answer_id = torch.full((B, T), pad_id), torch.full((B, T), -1)
+    sampler_logp, off = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
+    packed_ids, packed_pos = torch.full((B, Tp), pad_id), torch.zeros(B, Tp, dtype=torch.long)
+    to_logical, jumps = torch.full((B, Tp), -1), []
+    for b, (prompt, t) in enumerate(rows):
+        col, L = 0, lead[b]
+        for j, seg in enumerate([t, *t.answers]):  # j = 0: the thought; j > 0: answer j - 1
+            k = len(seg.tokens)
+            start, src = (0, L - 1) if j == 0 else (len(t.tokens), L + len(t.tokens) - 1)  # its predictor's slot
+            ids[b, col : col + k], sampler_logp[b, col : col + k] = torch.tensor(seg.tokens), torch.tensor(seg.logprobs)
+            answer_id[b, col : col + k], off[b, col : col + k] = j - 1, j > 0 and not seg.sampled
+            packed_pos[b, L + col : L + col + k] = torch.arange(len(prompt) + start, len(prompt) + start + k)
+            jumps += [(b, L + col, src)] if k and (src != L + col - 1 or src < 0) else []
+            col += k
+        packed_ids[b, :L], packed_pos[b, :L] = torch.tensor(prompt[:L], dtype=torch.long), torch.arange(L)
+        packed_ids[b, L : L + col], to_logical[b, L : L + col] = ids[b, :col], b * T + torch.arange(col)
+    used = torch.arange(T) < torch.tensor(n)[:, None]
     attn = None
-    if m > 1:  # tree attention: causal, and an answer token sees no other answer's tokens
+    if len(rows[0][1].answers) > 1:  # tree attention: causal, and an answer token sees no other answer's tokens
+        ans = torch.where(to_logical >= 0, answer_id.flatten()[to_logical.clamp(min=0)], -1)
         causal = torch.ones(Tp, Tp, dtype=torch.bool).tril()
         attn = (causal & ((ans[:, None, :] == -1) | (ans[:, None, :] == ans[:, :, None])))[:, None].to(device)
-    jumps = tuple(
-        torch.tensor([(r, t, src) for r, p in enumerate(packs) for t, src in p[5]], dtype=torch.long)
-        .view(-1, 3)
-        .T.to(device)
-    )
-    batch = Batch(
-        logical(ids, pad_id).to(device),
-        logical(used & (ans == -1), False).to(device),
-        logical(ans, -1).to(device),
-        logical(lp, 0.0).to(device),
-        ids.to(device),
-        pos.to(device),
-        attn,
-        jumps,
-        to_logical.to(device),
-        group=torch.tensor([p for p, _, _ in rows], device=device),
-    )
-    if off:  # the tokens of answers the policy did not sample
-        batch.off_policy = torch.zeros(B, T, dtype=torch.bool)
-        for b, start, end in off:
-            batch.off_policy[b, start:end] = True
-        batch.off_policy = batch.off_policy.to(device)
+    group = torch.tensor([p for p, g in enumerate(groups) for _ in g.thoughts], device=device)
+    jumps = tuple(torch.tensor(jumps, dtype=torch.long).view(-1, 3).T.to(device))
+    tensors = [x.to(device) for x in (ids, used & (answer_id == -1), answer_id, sampler_logp, packed_ids, packed_pos)]
+    batch = Batch(*tensors, attn, jumps, to_logical.to(device), group=group)
+    if not all(a.sampled for _, t in rows for a in t.answers):  # the tokens of answers the policy did not sample
+        batch.off_policy = off.to(device)
     if share_prompt:
         prompts = [g.prompt for g in groups]
         Lp = max(map(len, prompts))
         batch.prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts], device=device)
-        batch.prompt_valid = (
-            torch.arange(Lp, device=device) >= torch.tensor([Lp - len(p) for p in prompts], device=device)[:, None]
-        )
-        batch.prompt_of = batch.group
+        batch.prompt_valid = torch.arange(Lp) >= torch.tensor([Lp - len(p) for p in prompts])[:, None]
+        batch.prompt_valid, batch.prompt_of = batch.prompt_valid.to(device), group
     return batch
-
-
-def _add_segment(
-    row: tuple, tokens: list[int], logprobs: list[float], start_pos: int, j: int, logical: int, source: int
-) -> None:
-    """Append one segment (a thought, or answer j) to a packed row under construction."""
-    ids, pos, ans, lp, to, jumps = row
-    if tokens and (source != len(ids) - 1 or source < 0):  # predicted from elsewhere than the slot before
-        jumps.append((len(ids), source))
-    ids += tokens
-    pos += range(start_pos, start_pos + len(tokens))
-    ans += [j] * len(tokens)
-    lp += logprobs
-    to += range(logical, logical + len(tokens))
 
 
 def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -58,7 +59,7 @@ class Run:
     state: dict = field(init=False)
     wandb: object | None = None
     static_step: Callable | None = None  # --compile: the compiled decode step sampling and evaluation run
-    master_norms: torch.Tensor | None = None  # weight_norms after the last update (weights change only there)
+    guard: distributed.WeightGuard | None = None  # refuses weights an update broke (set by setup)
 
     @property
     def fsdp(self) -> bool:
@@ -88,6 +89,15 @@ class Run:
         """The autocast context of every forward (bf16 autocast, or a no-op in float32)."""
         return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
+    def skip_update(self, step: int) -> None:
+        """A non-finite loss or gradient: the update is skipped with a warning; --max-bad-steps in a row end the run."""
+        self.state["bad_steps"] += 1
+        self.state["skipped_steps"] += 1
+        warnings.warn(f"step {step}: non-finite loss or gradient, update skipped", stacklevel=3)
+        if self.state["bad_steps"] >= self.cfg.max_bad_steps:
+            n = self.cfg.max_bad_steps
+            raise SystemExit(f"{n} consecutive non-finite steps at step {step}: lower --lr or check the rewards")
+
     def rollout_weights(self):
         """Around sampling and evaluation. FSDP: whole weights while ranks run different numbers of
         forwards (full_params); not needed when the sampler is its own --rollout-dtype copy."""
@@ -98,7 +108,7 @@ def setup(cfg: TrainConfig) -> Run:
     """Distributed init; then data, output directory and checkpoint are checked before any model is
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
     rank, world, device = distributed.setup_distributed(cfg)
-    rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    rollout = distributed.rollout_dtype(cfg)  # float32: the policy samples itself; else a cast copy does
     methods.check_rollout_dtype(cfg, rollout)
     distributed.fixed_mmap_threshold()  # CPU: freed activations go back to the OS (heap fragments cost GiBs at 0.5B)
     task = methods.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
@@ -141,26 +151,23 @@ def setup(cfg: TrainConfig) -> Run:
     check_prompt_lengths(tokenizer, pool + extra + heldout, task.system_prompt, context - new, limit)
     fsdp = world > 1 and cfg.fsdp
     model = distributed.wrap(policy, world, device, fsdp)
-    # --optimizer-offload: AdamW steps CPU float32 copies of the parameters (its state lives there too), which
-    # optimizer_step copies the gradients to and the new weights back from. fused: one kernel over all parameters
-    # (7.6x the per-tensor loop on this CPU, as TRL's default adamw_torch_fused); FSDP's DTensors keep the default.
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # every weight, or the LoRA adapters
-    host = [host_copy(p, device) for p in trainable] if cfg.optimizer_offload else None
-    optimizer = torch.optim.AdamW(
-        host or trainable, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp
-    )
+    # fused: one kernel over all parameters (7.6x the per-tensor loop on this CPU, as TRL's default
+    # adamw_torch_fused); FSDP's DTensors keep the default. --optimizer-offload: AdamW on CPU copies (OffloadedAdamW).
+    names, trainable = zip(*[(n, p) for n, p in policy.named_parameters() if p.requires_grad])  # LoRA: adapters
+    kw = dict(lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, fused=not fsdp)
+    optimizer = OffloadedAdamW(trainable, device, **kw) if cfg.optimizer_offload else torch.optim.AdamW(trainable, **kw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     state = dict(step=0, grad_norms=[], bad_steps=0, skipped_steps=0)
     if resume_dir:
         state = checkpoint.load_trainer_state(resume_dir, policy, optimizer, scheduler, fsdp)
-    if host and resume_dir:  # the resumed masters
-        with torch.no_grad():
-            for h, p in zip(host, trainable, strict=True):
-                h.copy_(p)
+        if cfg.optimizer_offload:  # the resumed masters
+            optimizer.copy_from_params()
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    guard = distributed.WeightGuard(list(names), masters, world, f"lower --lr (now {cfg.lr:g})")
     copy = lora.merged_copy if cfg.lora_rank else cast_copy  # LoRA: the sampler runs the merged weights
     sampler = policy if rollout == "float32" else copy(policy, getattr(torch, rollout))
     run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
-    run.marker, run.optimizer, run.scheduler, run.state = marker, optimizer, scheduler, state
+    run.marker, run.optimizer, run.scheduler, run.state, run.guard = marker, optimizer, scheduler, state, guard
     if cfg.compile:  # the caller compiles the small decode step; the sampler replays it as a CUDA graph
         run.static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
     methods.start(run)  # the methods' checks and state (a resumed run keeps its own)
@@ -176,6 +183,37 @@ def setup(cfg: TrainConfig) -> Run:
         kw = dict(algo=cfg.algo, preset=preset, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
         print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory, **kw))
     return run
+
+
+class OffloadedAdamW(torch.optim.AdamW):
+    """--optimizer-offload: AdamW over CPU float32 copies of the parameters, its state there too (8 bytes per
+    parameter off the GPU). step() copies the gradients to the copies, steps them, and copies the new weights back:
+    the same update as AdamW on the parameters."""
+
+    def __init__(self, params, device: torch.device, **kw) -> None:
+        self.params = list(params)
+        super().__init__([host_copy(p, device) for p in self.params], **kw)
+
+    def copy_from_params(self) -> None:
+        """The copies from the parameters (a resumed run's float32 masters were loaded into them)."""
+        with torch.no_grad():
+            for h, p in zip(self.param_groups[0]["params"], self.params, strict=True):
+                h.copy_(p)
+
+    def step(self, closure=None):
+        host = self.param_groups[0]["params"]
+        for h, p in zip(host, self.params, strict=True):
+            h.grad = p.grad.to("cpu", torch.float32)
+        loss = super().step(closure)
+        with torch.no_grad():
+            for h, p in zip(host, self.params, strict=True):
+                p.copy_(h, non_blocking=True)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.params:
+            p.grad = None
 
 
 def host_copy(p: torch.Tensor, device: torch.device) -> torch.Tensor:

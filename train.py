@@ -33,7 +33,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from dataclasses import asdict, replace
 
 import torch
@@ -47,11 +46,11 @@ import lora
 import methods
 from cli import Stopped, end_summary, parse_config, stop_signals, user_errors
 from config import PRESETS, TrainConfig, resume_config, score_pass_needs
-from distributed import all_sum, derive_seed, memory_peak
+from distributed import all_sum, derive_seed
 from heldout import evaluate
 from hf import bundled, save_model
 from losses import Tokens, policy_loss
-from metrics import SUMS, add_micro_batch, rollout_metrics, update_metrics
+from metrics import SUMS, StepClock, add_micro_batch, rollout_metrics, update_metrics
 from model import copy_weights_
 from pack import (
     Batch,
@@ -103,7 +102,7 @@ def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, 
         a.text, a.correct = text, c
     lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done])
     step = methods.Scored([a for _, _, a in done], texts, exs, lengths, seeds, len(groups))
-    reward = methods.rewards(run, reward, step)
+    reward = methods.chain(run, "rewards", reward, step)
     for (_, _, a), r in zip(done, reward.tolist()):
         a.reward = r
     return groups
@@ -160,16 +159,16 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     micro-batch split nor the world size can change the gradient."""
     cfg, world, dev = run.cfg, run.world, run.device
     # the rewards the advantages see: noise-corrected, the KL in the reward (methods' advantage_rewards)
-    reward = methods.advantage_rewards(run, per_completion(groups, "reward"), batch)
+    reward = methods.chain(run, "advantage_rewards", per_completion(groups, "reward"), batch)
     adv_thought, adv_answer = sequence_advantages(run, groups, reward, batch_accuracy)
     mask = batch.thought | (batch.answer_id >= 0)
     raw = adv_answer.flatten()  # (P*K*M,) = one per row when M == 1: the group advantage
-    seq_adv = methods.sequence_advantages(run, raw, batch, mask)  # GTPO's entropy control
-    mask = methods.trained_mask(run, groups, batch, mask)  # DAPO: groups still flat after the top-ups drop out
+    seq_adv = methods.chain(run, "sequence_advantages", raw, batch, mask)  # GTPO's entropy control
+    mask = methods.chain(run, "trained_mask", mask, groups, batch)  # DAPO: groups still flat after the top-ups drop out
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
     seq_adv = seq_adv.view(adv_answer.shape).to(dev)
     adv = advantage.grpo_ma_token_advantages(adv_thought.to(dev), seq_adv, batch.thought, batch.answer_id)
-    adv = methods.token_advantages(run, groups, batch, mask, adv, reward)  # REINFORCE++: token returns, whitened
+    adv = methods.chain(run, "token_advantages", adv, groups, batch, mask, reward)  # REINFORCE++: token returns
     rows, M = all_sum(batch.ids.shape[0], world).item(), cfg.answers  # thoughts over all ranks
     if M > 1 and cfg.aggregation == "seq_mean_token_mean":
         kw = dict(thought_weight=cfg.thought_weight, answer_weight=cfg.answer_weight, num_thoughts=rows)
@@ -181,7 +180,8 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
         kw = dict(max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
         weight = advantage.token_weights(m, cfg.aggregation, **kw)
     # GTPO's conflict tokens, GPG's alpha: the step's weight, the KL penalty's too
-    weight, metrics = methods.token_weights(run, groups, batch, weight, raw.to(dev), mask)
+    metrics = {}
+    weight = methods.chain(run, "token_weights", weight, groups, batch, raw.to(dev), mask, metrics)
     # Clip-Cov, KL-Cov, the 80/20 entropy mask: selections over the whole step's tokens, for the surrogate only
     batch.keep, batch.selected, selected = methods.select(run, batch, adv, mask)
     return adv, weight, mask, metrics | selected
@@ -194,7 +194,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     epoch, as TRL and verl log it; the first epoch's ratio is 1 when mu > 1), and the last gradient norm."""
     cfg, world = run.cfg, run.world
     sums = dict.fromkeys(SUMS, 0.0)
-    entropy_grad = methods.needs_entropy_grad(cfg)  # a loss term on the token entropy (the entropy bonus)
+    entropy_grad = methods.needs(cfg, "needs_entropy_grad")  # a loss term on the token entropy (the entropy bonus)
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
@@ -213,9 +213,9 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 tok.ref_logp = None if batch.ref_logp is None else batch.ref_logp[rows]
                 tok.selected = None if batch.selected is None else batch.selected[rows]
                 # the rollout-mismatch weights, V3.2's sequence mask: per micro-batch, on the current log-probs
-                tok = methods.micro_batch(run, tok, mb, sampled, sums, epoch)
+                tok = methods.chain(run, "micro_batch", tok, mb, sampled, sums, epoch)
                 loss, metrics = policy_loss(tok, cfg, run.objective)
-                loss = methods.loss_terms(run, tok, ent, loss)
+                loss = methods.chain(run, "loss_terms", loss, tok, ent)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
             n = mask.float().sum().item()  # the micro-batch's trained tokens: its diagnostics' weight
             sums["clip_frac"] += metrics["clip_frac"] * n / cfg.mu  # the mean over epochs
@@ -227,40 +227,21 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
 
 
 def optimizer_step(run: Run, step: int, loss_finite: bool) -> torch.Tensor:
-    """Clip the global gradient norm and step AdamW and the schedule; a non-finite loss or gradient
-    skips the update, and --max-bad-steps of them in a row end the run. Returns the gradient norm."""
-    cfg, state = run.cfg, run.state
-    host = run.optimizer.param_groups[0]["params"] if cfg.optimizer_offload else None  # AdamW's CPU copies
-    names, trainable = zip(*[(n, p) for n, p in run.policy.named_parameters() if p.requires_grad])  # LoRA: adapters
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+    """Clip the global gradient norm, step AdamW and the schedule, and refuse weights the update broke (NaN, inf,
+    a 1000-fold jump: run.guard stops the run before anything uses or saves them). A non-finite loss or gradient
+    skips the update (Run.skip_update). Returns the gradient norm."""
+    trainable = [p for p in run.policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, run.cfg.grad_clip)
     if torch.isfinite(grad_norm) and loss_finite:
-        if host:  # --optimizer-offload: gradients to the CPU copies, AdamW there, weights back
-            for h, p in zip(host, trainable, strict=True):
-                h.grad = p.grad.to("cpu", torch.float32)
-        masters = host or list(trainable)
-        before = run.master_norms if run.master_norms is not None else distributed.weight_norms(masters)
-        run.optimizer.step()
+        run.optimizer.step()  # --optimizer-offload: on CPU copies of the weights (run.OffloadedAdamW)
         run.scheduler.step()
-        # broken weights (NaN, inf, or a 1000-fold jump) stop the run before anything uses or saves them
-        run.master_norms = distributed.weight_norms(masters)  # the next update's "before": one norm pass per update
-        distributed.check_update(names, before, run.master_norms, run.world, step + 1, f"lower --lr (now {cfg.lr:g})")
-        if host:
-            with torch.no_grad():
-                for h, p in zip(host, trainable, strict=True):
-                    p.copy_(h, non_blocking=True)
+        run.guard.check(step + 1)
         if run.sampler is not run.policy:  # the rollout copy follows the new weights (LoRA: merged)
-            (lora.copy_merged_ if cfg.lora_rank else copy_weights_)(run.sampler, run.policy)
-        state["bad_steps"] = 0
+            (lora.copy_merged_ if run.cfg.lora_rank else copy_weights_)(run.sampler, run.policy)
+        run.state["bad_steps"] = 0
     else:
-        state["bad_steps"] += 1
-        state["skipped_steps"] += 1
-        warnings.warn(f"step {step}: non-finite loss or gradient, update skipped", stacklevel=2)
-        if state["bad_steps"] >= cfg.max_bad_steps:
-            why = f"{cfg.max_bad_steps} consecutive non-finite steps at step {step}: lower --lr or check the rewards"
-            raise SystemExit(why)
+        run.skip_update(step)
     run.optimizer.zero_grad(set_to_none=True)
-    if host:  # AdamW steps the CPU copies: the model's own gradients are cleared here
-        run.policy.zero_grad(set_to_none=True)
     return grad_norm
 
 
@@ -336,26 +317,27 @@ def main(cfg: TrainConfig) -> dict:
     resume = ("python" if run.world == 1 else "torchrun ...") + f" train.py --resume {cfg.out}"
     with stop_signals(resume) as stop:  # SIGINT, SIGTERM: stop at the next step boundary, with a checkpoint
         for step in bar:
-            t0, _ = time.perf_counter(), memory_peak(run.device)  # each phase's peak memory is measured from here
+            clock = StepClock(run.device)  # each phase's time and peak memory
             slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
             examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
             with run.rollout_weights():  # FSDP: whole weights while ranks run different numbers of forwards
                 # 1. sample: K thoughts x M answers for this rank's share of the global batch
                 seeds = [derive_seed(cfg.seed, step, s) for s in slots]
                 prompts, tree = sample(run, examples, seeds)
-                t_sample = time.perf_counter() - t0
+                clock.lap("sample")
                 # 2. score: the step's record, rewards [P, K, M]
                 groups = score(run, examples, prompts, tree, seeds)
                 correct = per_completion(groups, "correct")
                 batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
+                counts = {"resampled": 0}  # this rank's counts of the resample and rollouts seams, for the metrics
                 # resample: DAPO's dynamic sampling redraws the groups whose rewards are all equal
-                groups, resampled = methods.resample(run, groups, step, slots, functools.partial(draw, run))
+                groups = methods.chain(run, "resample", groups, step, slots, functools.partial(draw, run), counts)
             sampled = rollout_metrics(groups, run.world, cfg.answers)
             if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
                 log_samples(run, step + 1, groups)
             # transform rollouts (after their metrics): DaGRPO's anchors, a reference in groups with no correct rollout
-            groups, transformed = methods.rollouts(run, groups)
-            t_score, mem = time.perf_counter() - t0 - t_sample, dict(sample=memory_peak(run.device))
+            groups = methods.chain(run, "rollouts", groups, counts)
+            clock.lap("score")
 
             # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
             batch = pack(groups, run.tokenizer.pad_id, run.device, cfg.share_prompt)
@@ -364,25 +346,19 @@ def main(cfg: TrainConfig) -> dict:
             # 4. score pass (no grad): old log-probs, reference log-probs, entropy
             batch.score_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
             batch.old_logp = batch.score_logp if cfg.mu > 1 else None
-            mem["score_pass"] = memory_peak(run.device)
+            clock.lap("score_pass")
             # 5. advantages: per sequence, then per-token adv and weight for the whole step
             batch.adv, batch.weight, batch.mask, selection = advantages(run, groups, batch, batch_accuracy)
             # 6. update: mu epochs, each one optimizer step over all micro-batches
-            t1 = time.perf_counter()
             sums, grad_norm = update(run, step, batch, micro)
-            t_update, mem["update"] = time.perf_counter() - t1, memory_peak(run.device)
+            clock.lap("update")
 
             # 7. log, evaluate, save
             run.state["step"] = step + 1
-            times = dict(sample=t_sample, score=t_score, update=t_update, step=time.perf_counter() - t0)
-            row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": resampled}
-            lr, kl = run.scheduler.get_last_lr()[0], cfg.beta > 0
-            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr)
-            row |= selection | ({} if kl else {"kl": None})
-            row |= methods.metrics(run, sums, transformed)
-            row |= {f"time/{k}_s": v for k, v in times.items()}
-            row |= {"tokens_per_s": sampled["tokens/generated"] / max(t_sample, 1e-9)}
-            row |= {f"mem/{k}_gib": v for k, v in mem.items()}  # peak RSS (CPU) or allocated (CUDA) per phase
+            row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": counts["resampled"]}
+            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=run.scheduler.get_last_lr()[0])
+            row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
+            row["kl"] = row["kl"] if cfg.beta > 0 else None
             log(run, row)
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
             # the last step's evaluation too: every row of a step is logged before its checkpoint is written

@@ -42,7 +42,7 @@ LAYERS = {
 }
 LANGUAGE_MODEL = ("model.py", "hf.py", "tokenizer.py", "kvcache.py", "sampler.py", "stop_text.py")
 STEP = ("sample", "score", "pack", "split_rows", "select_rows", "score_pass", "advantages", "update")
-SEAMS = ("resample", "rollouts", "metrics")  # the seams main() calls itself
+SEAMS = ("chain", "metrics")  # the seams main() calls itself
 
 
 def code_lines(path: str) -> dict[int, tuple[int, str]]:
@@ -67,16 +67,18 @@ def trace_step(algo: str, out: str) -> set[tuple[str, int]]:
 
     def profile(frame, event, arg):
         path = frame.f_code.co_filename
-        if event == "call" and path.startswith(ROOT) and not path.startswith(os.path.join(ROOT, ".venv")):
+        skip = path.startswith(os.path.join(ROOT, ".venv")) or path == os.path.abspath(__file__)
+        if event == "call" and path.startswith(ROOT) and not skip:
             seen.add((os.path.relpath(frame.f_code.co_filename, ROOT), frame.f_code.co_firstlineno))
 
     def traced(fn):
         def call(*a, **k):
+            before = sys.getprofile()  # a traced seam called inside a traced step leaves the step traced
             sys.setprofile(profile)  # the calls this function makes, at any depth
             try:
                 return fn(*a, **k)
             finally:
-                sys.setprofile(None)
+                sys.setprofile(before)
 
         return call
 

@@ -3,31 +3,38 @@ step only through the seams below, each an explicit call chain over the enabled 
 holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its presets (`PRESETS`), its flag checks
 (`check(cfg)`), `enabled(cfg)`, and the hooks it needs, each a module-level function of the name below:
 
-  seam (train.py calls it in)     hook                                                   e.g.
+  seam (where it is called)       hook                                                   e.g.
   choose the data (setup)         choose_data(task, cfg) -> task                         hard_examples
   extra prompt streams (setup)    streams(task, cfg) -> {name: examples}                 dapo's top-ups
                                   stream_size(cfg) -> int: their examples, before drawing  dapo (memory.py)
   check the data (setup)          check_data(task, cfg, examples) -> None                dagrpo's references
   start (setup, models loaded)    start(run) -> None: checks and state                   noise's rates, gtpo's gate
-  rewards (score)                 rewards(run, reward [N], step: Scored) -> reward        noise, dagrpo, dapo
-  resample (after scoring)        resample(run, groups, step, slots, redraw) -> (groups, n)  dapo
-  rollouts (before packing)       rollouts(run, groups) -> (groups, metrics)             dagrpo's anchors
-  advantage rewards (advantages)  advantage_rewards(run, reward [P, K, M], batch) -> reward  noise, kl in the reward
+  the sampler's dtype (setup)     check_rollout_dtype(cfg, rollout) -> None              mismatch
+  score pass (needs)              needs_scores(cfg) -> bool                              gtpo, cov, entropy_mask, kl
+
+The step's seams that transform one value are each one call, chain(run, seam, value, *context), which passes the
+value through every enabled method's hook(run, value, *context) -> value in ORDER. counts: a dict the hook adds its
+counts to (this rank's), for its metrics; metrics: a dict of the step's row.
+
+  rewards (score)                 rewards(run, reward [N], step: Scored)                 noise, dagrpo, dapo
+  resample (after scoring)        resample(run, groups, step, slots, redraw, counts)     dapo ("resampled")
+  rollouts (before packing)       rollouts(run, groups, counts)                          dagrpo's anchors
+  advantage rewards (advantages)  advantage_rewards(run, reward [P, K, M], batch)        noise, kl in the reward
+  sequence advantages             sequence_advantages(run, adv [B], batch, mask)         gtpo's entropy control
+  trained tokens                  trained_mask(run, mask [B, T], groups, batch)          dapo, mask_truncated
+  token advantages                token_advantages(run, adv [B, T], groups, batch, mask, reward)  reinforce_pp
+  token weights                   token_weights(run, weight [B, T], groups, batch, raw [B], mask, metrics)  gtpo, gpg
+  micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch)        mismatch, dsv32, dagrpo, kl
+  extra loss terms (update)       loss_terms(run, loss, tok, entropy); needs_entropy_grad(cfg) -> bool  entropy_bonus
+
+The rest have functions of their own here:
   advantages (advantages)         ADVANTAGES = {--advantage value: fn(run, groups, reward [P, K, M], batch_accuracy)
                                   -> (thought [P, K] or None, answer [P, K, M] or None)}  two_grpo, agrae, rloo
                                   advantages(run, groups, reward, batch_accuracy) -> the same  dagrpo, batch_std
-  sequence advantages             sequence_advantages(run, adv [B], batch, mask) -> [B]   gtpo's entropy control
-  token advantages                token_advantages(run, groups, batch, mask, adv, reward) -> adv [B, T]  reinforce_pp
-  trained tokens                  trained_mask(run, groups, batch, mask) -> mask          dapo's flat groups
-  token weights                   token_weights(run, groups, batch, weight, raw [B], mask) -> (weight, metrics)
   selections (over the step)      select(run, batch, adv, mask) -> (keep, selected, metrics)  cov, entropy_mask
   the loss                        LOSSES = {--loss value: losses.Objective}              gspo, gmpo, ...
                                   objective(cfg, entry) -> entry                         dual_clip
-  micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch) -> tok  mismatch, dsv32, dagrpo
-  extra loss terms (update)       loss_terms(run, tok, entropy, loss) -> loss; needs_entropy_grad(cfg)  entropy_bonus
-  score pass                      needs_scores(cfg) -> bool                              gtpo, cov, entropy_mask, kl
-  metrics (log)                   metrics(run, sums, rollouts) -> dict                   noise, dagrpo
-  the sampler's dtype (setup)     check_rollout_dtype(cfg, rollout) -> None              mismatch
+  metrics (log)                   metrics(run, sums, counts) -> dict                     noise, dagrpo
 
 Deleting a method's file (and its tests) leaves a working trainer: ORDER names the files, and those missing are
 skipped. The model, the sampler and the RL core (advantage.py, losses.py, pack.py) never import this package.
@@ -115,32 +122,18 @@ def start(run) -> None:
         hook(run)
 
 
-def rewards(run, reward: torch.Tensor, step: Scored) -> torch.Tensor:
-    for hook in hooks(run.cfg, "rewards"):
-        reward = hook(run, reward, step)
-    return reward
+def chain(run, seam: str, value, *context):
+    """`value` through the enabled methods' hooks `seam`, in ORDER: value = hook(run, value, *context). The step's
+    seams that transform one thing are each this call (the table above: rewards, resample, rollouts, advantage
+    rewards, sequence and token advantages, the trained mask, token weights, a micro-batch's Tokens, the loss)."""
+    for hook in hooks(run.cfg, seam):
+        value = hook(run, value, *context)
+    return value
 
 
-def resample(run, groups: list, step: int, slots: list[int], redraw) -> tuple[list, int]:
-    n = 0
-    for hook in hooks(run.cfg, "resample"):
-        groups, k = hook(run, groups, step, slots, redraw)
-        n += k
-    return groups, n
-
-
-def rollouts(run, groups: list) -> tuple[list, dict]:
-    metrics = {}
-    for hook in hooks(run.cfg, "rollouts"):
-        groups, m = hook(run, groups)
-        metrics |= m
-    return groups, metrics
-
-
-def advantage_rewards(run, reward: torch.Tensor, batch) -> torch.Tensor:
-    for hook in hooks(run.cfg, "advantage_rewards"):
-        reward = hook(run, reward, batch)
-    return reward
+def needs(cfg, seam: str) -> bool:
+    """Whether an enabled method's predicate `seam` says yes (needs_scores, needs_entropy_grad)."""
+    return any(hook(cfg) for hook in hooks(cfg, seam))
 
 
 def advantages(run, groups: list, reward: torch.Tensor, batch_accuracy: float) -> tuple:
@@ -151,33 +144,6 @@ def advantages(run, groups: list, reward: torch.Tensor, batch_accuracy: float) -
     for hook in hooks(run.cfg, "advantages"):
         return hook(run, groups, reward, batch_accuracy)
     return None, None
-
-
-def token_advantages(run, groups: list, batch, mask: torch.Tensor, adv: torch.Tensor, reward: torch.Tensor):
-    """Token-level estimators (REINFORCE++) replace the per-token advantages [B, T] outright."""
-    for hook in hooks(run.cfg, "token_advantages"):
-        adv = hook(run, groups, batch, mask, adv, reward)
-    return adv
-
-
-def sequence_advantages(run, adv: torch.Tensor, batch, mask: torch.Tensor) -> torch.Tensor:
-    for hook in hooks(run.cfg, "sequence_advantages"):
-        adv = hook(run, adv, batch, mask)
-    return adv
-
-
-def trained_mask(run, groups: list, batch, mask: torch.Tensor) -> torch.Tensor:
-    for hook in hooks(run.cfg, "trained_mask"):
-        mask = hook(run, groups, batch, mask)
-    return mask
-
-
-def token_weights(run, groups: list, batch, weight: torch.Tensor, raw: torch.Tensor, mask: torch.Tensor):
-    metrics = {}
-    for hook in hooks(run.cfg, "token_weights"):
-        weight, m = hook(run, groups, batch, weight, raw, mask)
-        metrics |= m
-    return weight, metrics
 
 
 def select(run, batch, adv: torch.Tensor, mask: torch.Tensor):
@@ -194,37 +160,17 @@ def select(run, batch, adv: torch.Tensor, mask: torch.Tensor):
     return keep, selected, metrics
 
 
-def micro_batch(run, tok, mb, sampled: torch.Tensor, sums: dict, epoch: int):
-    for hook in hooks(run.cfg, "micro_batch"):
-        tok = hook(run, tok, mb, sampled, sums, epoch)
-    return tok
-
-
-def needs_entropy_grad(cfg) -> bool:
-    """A loss term of a method needs the token entropy with its gradient in every epoch (the entropy bonus)."""
-    return any(hook(cfg) for hook in hooks(cfg, "needs_entropy_grad"))
-
-
-def loss_terms(run, tok, entropy: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
-    """The policy loss plus the methods' own terms on this micro-batch (the entropy bonus)."""
-    for hook in hooks(run.cfg, "loss_terms"):
-        loss = hook(run, tok, entropy, loss)
-    return loss
-
-
-def needs_scores(cfg) -> bool:
-    return any(hook(cfg) for hook in hooks(cfg, "needs_scores"))
-
-
-def metrics(run, sums: dict, rollouts: dict) -> dict:
-    """The methods' entries of the step's row; rollouts: what the rollouts seam returned (this rank's counts)."""
-    return {k: v for hook in hooks(run.cfg, "metrics") for k, v in hook(run, sums, rollouts).items()}
+def metrics(run, sums: dict, counts: dict) -> dict:
+    """The methods' entries of the step's row; counts: what the resample and rollouts hooks counted (this rank's)."""
+    return {k: v for hook in hooks(run.cfg, "metrics") for k, v in hook(run, sums, counts).items()}
 
 
 def check_rollout_dtype(cfg, rollout: str) -> None:
-    """Refusals that need the sampler's dtype (known once the device is): before anything is loaded."""
-    for hook in hooks(cfg, "check_rollout_dtype"):
-        hook(cfg, rollout)
+    """Refusals that need the sampler's dtype (known once the device is), before anything is loaded; like check(),
+    every method's, on or off (a mode of a correction that has nothing to correct is refused)."""
+    for m in METHODS:
+        if hasattr(m, "check_rollout_dtype"):
+            m.check_rollout_dtype(cfg, rollout)
 
 
 def objective(cfg):

@@ -76,11 +76,13 @@ def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:
     return reward
 
 
-def rollouts(run, groups: list[Group]) -> tuple[list[Group], dict[str, int]]:
+def rollouts(run, groups: list[Group], counts: dict) -> list[Group]:
     """--anchors: the groups with no correct rollout train on the reference solution (this rank's counts)."""
     if not run.cfg.anchors:
-        return groups, {}
-    return splice_anchors(groups, run.task, run.tokenizer, run.cfg.completion_limit)
+        return groups
+    groups, anchors = splice_anchors(groups, run.task, run.tokenizer, run.cfg.completion_limit)
+    counts.update(anchors)
+    return groups
 
 
 def advantages(run, groups: list[Group], reward: torch.Tensor, batch_accuracy: float) -> tuple:

@@ -57,14 +57,15 @@ def rewards(run, reward: torch.Tensor, step) -> torch.Tensor:
     return overlong(reward, step.lengths, run.cfg) if run.cfg.overlong_buffer else reward
 
 
-def resample(run, groups: list[Group], step: int, slots: list[int], redraw: Callable) -> tuple[list[Group], int]:
-    """--dynamic-sampling: the flat groups redrawn from the top-up stream."""
+def resample(run, groups: list[Group], step: int, slots: list[int], redraw: Callable, counts: dict) -> list[Group]:
+    """--dynamic-sampling: the flat groups redrawn from the top-up stream (their number to counts["resampled"])."""
     if not run.cfg.dynamic_sampling:
-        return groups, 0
-    return dynamic_sampling(groups, step, slots, run.streams["topups"], run.cfg, redraw)
+        return groups
+    groups, counts["resampled"] = dynamic_sampling(groups, step, slots, run.streams["topups"], run.cfg, redraw)
+    return groups
 
 
-def trained_mask(run, groups: list[Group], batch, mask: torch.Tensor) -> torch.Tensor:
+def trained_mask(run, mask: torch.Tensor, groups: list[Group], batch) -> torch.Tensor:
     """--dynamic-sampling: the groups still flat after the top-ups drop out of the loss."""
     if not run.cfg.dynamic_sampling:
         return mask

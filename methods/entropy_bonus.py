@@ -71,7 +71,7 @@ def entropy_logit_grad(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return -p * (logp + H) / temperature
 
 
-def loss_terms(run, tok, entropy: Tensor, loss: Tensor) -> Tensor:
+def loss_terms(run, loss: Tensor, tok, entropy: Tensor) -> Tensor:
     """The policy loss minus the bonus on this micro-batch's trained tokens, with the step's plain token weights."""
     mask = tok.weight != 0 if tok.mask is None else tok.mask
     return loss - entropy_bonus(entropy, tok.weight, run.cfg.entropy_coef, mask)

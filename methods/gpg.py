@@ -37,14 +37,14 @@ def check(cfg) -> Iterator[FlagError]:
     return iter(())
 
 
-def token_weights(run, groups: list, batch, weight: Tensor, raw: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+def token_weights(run, weight: Tensor, groups: list, batch, raw: Tensor, mask: Tensor, metrics: dict) -> Tensor:
     """--gpg-alpha: the step's token weights times alpha, over every rank's groups (the gradient becomes the mean
     over the groups whose rewards differ)."""
     if not run.cfg.gpg_alpha:
-        return weight, {}
+        return weight
     rewards = per_completion(groups, "reward").view(len(groups), -1).to(weight.device)
-    alpha = gpg_alpha(gather_rows(rewards, run.rank, run.world)[0])
-    return weight * alpha, {"gpg/alpha": alpha}
+    metrics["gpg/alpha"] = alpha = gpg_alpha(gather_rows(rewards, run.rank, run.world)[0])
+    return weight * alpha
 
 
 def gpg_alpha(rewards: Tensor) -> float:

@@ -64,11 +64,11 @@ def sequence_advantages(run, adv: torch.Tensor, batch, mask: torch.Tensor) -> to
     return entropy_control(adv, batch.entropy, mask.float(), run.cfg, run.state, run.world)
 
 
-def token_weights(run, groups: list, batch, weight: torch.Tensor, raw: torch.Tensor, mask: torch.Tensor):
+def token_weights(run, weight: torch.Tensor, groups: list, batch, raw: torch.Tensor, mask: torch.Tensor, metrics: dict):
     """--gtpo-conflict: the step's token weights times the conflict tokens' weights."""
     if not run.cfg.gtpo_conflict:
-        return weight, {}
-    return weight * conflict_weights(batch.ids, mask.float(), raw, run.cfg), {}
+        return weight
+    return weight * conflict_weights(batch.ids, mask.float(), raw, run.cfg)
 
 
 def entropy_control(seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, cfg, state: dict, world: int):

@@ -66,7 +66,7 @@ def keep_untruncated(answer_truncated: Tensor, answer_id: Tensor) -> Tensor:
     return ~(is_answer & cut.gather(1, answer_id.clamp(min=0).long()))
 
 
-def trained_mask(run, groups: list, batch, mask: Tensor) -> Tensor:
+def trained_mask(run, mask: Tensor, groups: list, batch) -> Tensor:
     """The answers that hit their length limit leave the trained tokens (their thoughts stay)."""
     cut = truncated([a.finish for g in groups for t in g.thoughts for a in t.answers]).to(mask.device)
     return mask & keep_untruncated(cut.view(len(groups), run.cfg.thoughts, run.cfg.answers), batch.answer_id)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from cli import FlagError, UserError, out_of_range
+from distributed import rollout_dtype
 from losses import Tokens, need
 
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -34,7 +35,8 @@ CHOICES = dict(rollout_is=ROLLOUT_IS_MODES)
 
 
 def enabled(cfg) -> bool:
-    return cfg.tis_cap > 0
+    """On when a --rollout-dtype copy samples (bfloat16 on CUDA by default) and --tis-cap is not 0."""
+    return cfg.tis_cap > 0 and rollout_dtype(cfg) != "float32"
 
 
 def check(cfg) -> Iterator[FlagError]:
@@ -55,8 +57,6 @@ def check_rollout_dtype(cfg, rollout: str) -> None:
 def micro_batch(run, tok: Tokens, mb, sampled: Tensor, sums: dict, epoch: int) -> Tokens:
     """With a sampler copy: the micro-batch's importance weights (the first epoch's go to the tis/ metrics)."""
     cfg = run.cfg
-    if run.sampler is run.policy:  # sampled by the float32 policy itself: nothing to correct
-        return tok
     kw = dict(mode=cfg.rollout_is, low=cfg.tis_floor, high=cfg.tis_cap)
     tok.is_weight = w = mismatch_is_weights(tok.old_logp, mb.sampler_logp, sampled, **kw)
     if epoch == 0:

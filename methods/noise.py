@@ -124,6 +124,6 @@ def corrected(reward: torch.Tensor, state: dict) -> torch.Tensor:
     return noise_corrected_rewards(reward, *state["noise_rates"])
 
 
-def metrics(run, sums: dict, rollouts: dict) -> dict:
+def metrics(run, sums: dict, counts: dict) -> dict:
     """The correction's rates, logged every step (none without --noise-correct)."""
     return dict(zip(("noise/rho_plus", "noise/rho_minus"), run.state.get("noise_rates") or ()))
