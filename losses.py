@@ -183,8 +183,7 @@ class Tokens:
     keep: Tensor | None = None  # bool, the tokens the step's selections keep (entropy mask, Clip-Cov, V3.2); None = all
     is_weight: Tensor | None = None  # importance weights of the policy-gradient term (rollout mismatch); None = 1
     ref_logp: Tensor | None = None  # the reference model's log-probs (beta > 0)
-    off_policy: Tensor | None = None  # bool, tokens not sampled from pi_old (an injected reference solution)
-    off_gamma: float = 0.1  # their objective's f(p) = p / (p + off_gamma) (LUFFY's 0.1; DaGRPO's --anchor-gamma)
+    off_policy: Tensor | None = None  # bool, tokens not sampled from pi_old (DaGRPO's anchors): an objective takes it
     selected: Tensor | None = None  # bool, KL-Cov's tokens (its objective takes them)
     beta: float | None = None  # the KL penalty's coefficient (None: hp.beta; 0: the KL is in the reward instead)
 
@@ -203,30 +202,19 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     The KL penalty takes the plain weight: the references apply the selections and importance weights to the
     policy-gradient term only and add the KL after (TRL _compute_loss; verl's dp_actor and slime compute the KL loss
     apart), so a dropped token keeps its KL pull.
-    off_policy: there LUFFY's policy shaping (arXiv 2504.14945; its code's off_policy_reshape="p_div_p_0.1")
-    replaces the objective: obj = f(p) * A with f(p) = p / (p + tok.off_gamma), p = exp(logp), gradient through p
-    (d f / d logp = gamma p / (p + gamma)^2, so low-probability expert tokens still learn), no clip and no old_logp
-    (unused there, may be garbage). The objective sees only the other tokens (they are left out of GSPO's sequence
-    mean); the KL term, if any, still covers them. None (default) is the plain loss, bit for bit.
-    Metrics (floats, no grad) are means over this call's tokens with a non-zero surrogate weight, i.e. partial for
-    one micro-batch: the trainer averages them weighted by metrics["num_tokens"]. clip_frac_low / clip_frac_high
-    split clip_frac by the sign of the advantage. Off-policy tokens are never clipped; with off_policy given,
-    "off_policy_frac" (of those tokens) and "off_policy_p_mean" (mean p over this call's off-policy tokens) are added.
+    Tokens the policy did not sample (tok.off_policy) are the objective's to treat: an objective whose `takes` lists
+    "off_policy" receives them (DaGRPO's anchors: methods/dagrpo.py's luffy_shaped); for any other they are tokens
+    like the rest. Metrics (floats, no grad) are means over this call's tokens with a non-zero surrogate weight,
+    i.e. partial for one micro-batch: the trainer averages them weighted by metrics["num_tokens"]. clip_frac_low /
+    clip_frac_high split clip_frac by the sign of the advantage.
     """
     objective, logp, old_logp, adv = objective or CLIP, tok.logp, tok.old_logp, tok.adv
     beta = hp.beta if tok.beta is None else tok.beta
     if beta != 0.0 and tok.ref_logp is None:
         raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
-    if tok.off_policy is not None and not tok.off_gamma > 0:
-        raise ValueError(f"policy_loss: off_gamma (off-policy shaping) must be > 0, got {tok.off_gamma}.")
     mask = tok.weight != 0 if tok.mask is None else tok.mask.bool()
-    off = None if tok.off_policy is None else tok.off_policy.bool() & mask
-    on = mask if off is None else mask & ~off  # tokens sampled from pi_old: the objective's ratio applies
     extra = {f: getattr(tok, f) for f in objective.takes if getattr(tok, f) is not None}
-    obj, cut = objective.fn(logp, old_logp, adv, on, hp, **extra)
-    if off is not None:
-        p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
-        obj = torch.where(off, p / (p + tok.off_gamma) * adv, obj)
+    obj, cut = objective.fn(logp, old_logp, adv, mask, hp, **extra)
     zero = torch.zeros_like(logp)
     weight = tok.weight if tok.keep is None or "keep" in extra else tok.weight * tok.keep.to(tok.weight.dtype)
     weight = weight if tok.is_weight is None else weight * tok.is_weight
@@ -240,6 +228,7 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     with torch.no_grad():
         cut = cut & counted
         n_tok = counted.sum().clamp(min=1)
+        on = mask if tok.off_policy is None else mask & ~tok.off_policy.bool()  # the tokens with a ratio (1 elsewhere)
         r = (sequence_ratio if objective.sequence_level else token_ratio)(logp, old_logp, on)
         names = ["clip_frac_low", "clip_frac_high", "clip_frac", "ratio_mean", "num_tokens"]
         vals = [(cut & (adv < 0)).sum() / n_tok, (cut & (adv > 0)).sum() / n_tok, cut.sum() / n_tok]
@@ -247,8 +236,5 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
         if kl is not None:
             names.append("kl")
             vals.append((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-        if off is not None:
-            names += ["off_policy_frac", "off_policy_p_mean"]
-            vals += [(off & counted).sum() / n_tok, (p.detach() * off).sum() / off.sum().clamp(min=1)]
         metrics = dict(zip(names, torch.stack([v.float() for v in vals]).tolist()))  # one device sync
     return loss, metrics

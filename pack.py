@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -119,6 +120,13 @@ class Batch:
     keep: torch.Tensor | None = None  # bool: the tokens the step's selections keep (Clip-Cov, 80/20), else None
     mask: torch.Tensor | None = None  # bool: the tokens the update trains
     selected: torch.Tensor | None = None  # bool: KL-Cov's tokens for its objective (--loss kl_cov), else None
+
+    TOKENS: ClassVar[tuple[str, ...]] = ("adv", "weight", "keep", "ref_logp", "selected", "off_policy")
+
+    def per_token(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows `rows` of the per-token fields the loss reads (losses.Tokens has them by these names): the
+        advantages and weights, and those the methods and the score pass filled (None ones left out)."""
+        return {k: getattr(self, k)[rows] for k in self.TOKENS if getattr(self, k) is not None}
 
 
 def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: bool = False) -> Batch:

@@ -128,9 +128,8 @@ def score_pass(run: Run, micro: list[tuple[torch.Tensor, Batch]], shape: torch.S
     policy's log-probs and token entropy (mu > 1: the old log-probs; GTPO; the step's token selections), the
     reference's log-probs (beta > 0)."""
     cfg = run.cfg
-    need_policy = score_pass_needs(cfg)[0]  # mu > 1, or a method's (GTPO's entropy, the token selections)
+    need_policy, need_reference = score_pass_needs(cfg)  # mu > 1 or a method's (GTPO, the selections); beta > 0
     old_logp, entropy = torch.zeros(shape, device=run.device), torch.zeros(shape, device=run.device)
-    need_reference = score_pass_needs(cfg)[1]
     ref_logp = torch.zeros(shape, device=run.device) if need_reference else None
     with torch.no_grad(), run.precision():
         for rows, mb in micro:
@@ -153,7 +152,7 @@ def sequence_advantages(run: Run, groups: list[Group], reward: torch.Tensor, bat
 
 def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: float) -> tuple:
     """5. Per-token advantage and weight (B, T) for the whole global step, the trained-token mask (B, T), and the
-    methods' metrics (their token selections go to batch.keep and batch.selected).
+    methods' metrics (their token selections are the batch's to carry to the update).
 
     The weight carries the loss normaliser of the WHOLE step (summed over ranks), so neither the
     micro-batch split nor the world size can change the gradient."""
@@ -183,15 +182,15 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     metrics = {}
     weight = methods.chain(run, "token_weights", weight, groups, batch, raw.to(dev), mask, metrics)
     # Clip-Cov, KL-Cov, the 80/20 entropy mask: selections over the whole step's tokens, for the surrogate only
-    batch.keep, batch.selected, selected = methods.select(run, batch, adv, mask)
-    return adv, weight, mask, metrics | selected
+    metrics |= methods.select(run, batch, adv, mask)
+    return adv, weight, mask, metrics
 
 
 def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -> tuple[dict, torch.Tensor]:
     """6. mu epochs; each accumulates policy_loss over every micro-batch (row indices into `batch`, the rows),
-    then one clipped AdamW step. Tokens the policy did not sample (batch.off_policy) get policy_loss's off-policy
-    shaping. Returns the first epoch's sums of loss and token-weighted diagnostics (the clip fraction: over every
-    epoch, as TRL and verl log it; the first epoch's ratio is 1 when mu > 1), and the last gradient norm."""
+    then one clipped AdamW step. Returns the first epoch's sums of loss and token-weighted diagnostics (the clip
+    fraction: over every epoch, as TRL and verl log it; the first epoch's ratio is 1 when mu > 1), and the last
+    gradient norm."""
     cfg, world = run.cfg, run.world
     sums = dict.fromkeys(SUMS, 0.0)
     entropy_grad = methods.needs(cfg, "needs_entropy_grad")  # a loss term on the token entropy (the entropy bonus)
@@ -205,13 +204,9 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 entropy = epoch == 0 and batch.entropy is None
                 logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=entropy, entropy_grad=entropy_grad)
                 mask = batch.mask[rows]
-                off = None if batch.off_policy is None else batch.off_policy[rows] & mask
-                sampled = mask if off is None else mask & ~off  # the tokens with sampler log-probs
                 old = logp.detach() if batch.old_logp is None else batch.old_logp[rows]
-                tok = Tokens(logp, old, batch.adv[rows], batch.weight[rows], off_policy=off)
-                tok.keep = None if batch.keep is None else batch.keep[rows]
-                tok.ref_logp = None if batch.ref_logp is None else batch.ref_logp[rows]
-                tok.selected = None if batch.selected is None else batch.selected[rows]
+                tok = Tokens(logp, old, **batch.per_token(rows))  # advantages, weights, the methods' fields
+                sampled = mask if tok.off_policy is None else mask & ~tok.off_policy  # the tokens the sampler drew
                 # the rollout-mismatch weights, V3.2's sequence mask: per micro-batch, on the current log-probs
                 tok = methods.chain(run, "micro_batch", tok, mb, sampled, sums, epoch)
                 loss, metrics = policy_loss(tok, cfg, run.objective)
@@ -221,7 +216,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
             sums["clip_frac"] += metrics["clip_frac"] * n / cfg.mu  # the mean over epochs
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 ent = ent if ent is not None else batch.entropy[rows]
-                add_micro_batch(sums, n, loss, metrics, logp, mb.sampler_logp, mask, sampled, ent, off)
+                add_micro_batch(sums, n, loss, metrics, logp, mb.sampler_logp, mask, sampled, ent)
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 

@@ -88,7 +88,7 @@ def main() -> None:
     print(f"\n{time.perf_counter() - t0:.0f} s in all (load, evaluations and final save included)")
     print(f"{'step':>4} {'sample':>8} {'score':>8} {'update':>8} {'peak':>8} {'budget':>8}  (GiB, peak RSS per phase)")
     for i, r in enumerate(rows, 1):
-        peak = max(r["mem/sample_gib"], r["mem/score_pass_gib"], r["mem/update_gib"])
+        peak = max(v for k, v in r.items() if k.startswith("mem/"))
         budget = BUDGET[min(i, 2)]
         print(
             f"{i:4d} {r['mem/sample_gib']:8.2f} {r['mem/score_pass_gib']:8.2f} {r['mem/update_gib']:8.2f} "
@@ -98,7 +98,7 @@ def main() -> None:
         )
     # Not the process's ru_maxrss: train.py resets the high-water mark per phase (Linux clear_refs), and
     # ru_maxrss follows it, so after a run it only holds the peak since the last reset.
-    peaks = [max(r["mem/sample_gib"], r["mem/score_pass_gib"], r["mem/update_gib"]) for r in rows]
+    peaks = [max(v for k, v in r.items() if k.startswith("mem/")) for r in rows]
     print(f"peak RSS over every step's phases: {max(peaks):.2f} GiB")
 
 

@@ -2,6 +2,7 @@
 
     python bench/read_path.py              # --algo grpo on the bundled model: one step, a table per file
     python bench/read_path.py --algo dapo  # the same for a preset: what its methods add
+    python bench/read_path.py --rollout-dtype bfloat16  # as on CUDA by default: a bf16 copy samples (mismatch.py)
 
 Runs one training step of `python train.py --algo ALGO` (the bundled model, 16 prompts x 8 completions) under
 a profiler and records every function of the project that the step enters, from sampling to the optimizer
@@ -23,6 +24,7 @@ import argparse
 import ast
 import collections
 import os
+import re
 import sys
 import tempfile
 
@@ -43,10 +45,15 @@ LAYERS = {
 LANGUAGE_MODEL = ("model.py", "hf.py", "tokenizer.py", "kvcache.py", "sampler.py", "stop_text.py")
 STEP = ("sample", "score", "pack", "split_rows", "select_rows", "score_pass", "advantages", "update")
 SEAMS = ("chain", "metrics")  # the seams main() calls itself
+# The fields of the step's record (pack.Batch, losses.Tokens) that only methods fill: the tokens the policy did not
+# sample (DaGRPO's anchors) and their LUFFY shaping, the selections (80/20, Clip-Cov, KL-Cov; GMPO's geometric
+# mean), the rollout-mismatch weights. A core line that reads one carries a method into the plain path.
+METHOD_FIELDS = re.compile(r"\b(off_policy|is_weight|selected)\b|\.keep\b|\"keep\"|\boff\b")
 
 
-def code_lines(path: str) -> dict[int, tuple[int, str]]:
-    """{first line of each function: (its code lines, its name)}: docstrings, comments and blank lines left out."""
+def code_lines(path: str, only: re.Pattern | None = None) -> dict[int, tuple[int, str]]:
+    """{first line of each function: (its code lines, its name)}: docstrings, comments and blank lines left out;
+    with `only`, the code lines that match it (comments stripped)."""
     src = open(path).read()
     lines, tree = src.splitlines(), ast.parse(src)
     doc = set()
@@ -57,11 +64,13 @@ def code_lines(path: str) -> dict[int, tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef):
             text = [lines[i - 1].strip() for i in range(node.lineno, node.end_lineno + 1) if i not in doc]
-            spans[node.lineno] = (sum(1 for t in text if t and not t.startswith("#")), node.name)
+            text = [t for t in text if t and not t.startswith("#")]
+            text = [t for t in text if only.search(t.split("  #")[0])] if only else text
+            spans[node.lineno] = (len(text), node.name)
     return spans
 
 
-def trace_step(algo: str, out: str) -> set[tuple[str, int]]:
+def trace_step(algo: str, out: str, rollout_dtype: str = "auto") -> set[tuple[str, int]]:
     """(file, first line) of every project function entered by the step functions of one step of `algo`."""
     seen = set()
 
@@ -87,7 +96,8 @@ def trace_step(algo: str, out: str) -> set[tuple[str, int]]:
     for name in SEAMS:
         setattr(methods, name, traced(getattr(methods, name)))
     preset = PRESETS[algo]
-    cfg = TrainConfig(**{**preset, "algo": algo, "max_steps": 1, "out": out, "eval_every": 0, "save_every": 0})
+    run = dict(algo=algo, max_steps=1, out=out, eval_every=0, save_every=0, rollout_dtype=rollout_dtype)
+    cfg = TrainConfig(**{**preset, **run})
     train.main(TrainConfig(**{**cfg.__dict__, "model": bundled(cfg.model), "eval_examples": 4}))
     first = next(line for line, (_, name) in code_lines(os.path.join(ROOT, "train.py")).items() if name == "main")
     return seen | {("train.py", first)}
@@ -97,16 +107,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algo", default="grpo", choices=sorted(PRESETS))
     parser.add_argument("--functions", action="store_true", help="list each file's functions with their lines")
+    parser.add_argument("--rollout-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        seen = trace_step(args.algo, os.path.join(out, "run"))
+        seen = trace_step(args.algo, os.path.join(out, "run"), args.rollout_dtype)
     by_file = collections.defaultdict(list)
     for path, first in seen:
         spans = code_lines(os.path.join(ROOT, path))
         if first in spans:
             by_file[path].append(spans[first])
     counts = {p: sum(n for n, _ in fns) for p, fns in by_file.items()}
-    print(f"\none step of --algo {args.algo}: the code lines of every function it enters\n")
+    dtype = "" if args.rollout_dtype == "auto" else f" --rollout-dtype {args.rollout_dtype}"
+    print(f"\none step of --algo {args.algo}{dtype}: the code lines of every function it enters\n")
     total = 0
     for layer, files in LAYERS.items():
         n = sum(counts.get(f, 0) for f in files)
@@ -124,6 +136,14 @@ def main() -> None:
     )
     print(f"{'':20s} {checks:4d}  enabled(cfg) of {len(paper)} methods (each: is the method on?)")
     print(f"{'READ PATH':20s} {total + ran:4d}  (the loop + the RL core + tasks and rewards + the seams + the hooks)")
+    core = [f for layer in ("the loop", "the RL core") for f in LAYERS[layer]]
+    fields = collections.Counter()
+    for path, first in seen:
+        if path in core:
+            n, name = code_lines(os.path.join(ROOT, path), METHOD_FIELDS).get(first, (0, ""))
+            fields[f"{path}:{name}"] += n
+    listed = ", ".join(f"{k} {n}" for k, n in sorted(fields.items()) if n)
+    print(f"{'':20s} {sum(fields.values()):4d}  of them read the methods' fields of the step's record: {listed}")
     lm = sum(counts.get(f, 0) for f in LANGUAGE_MODEL)
     rest = sorted(set(counts) - {f for fs in LAYERS.values() for f in fs} - set(LANGUAGE_MODEL) - set(paper))
     print(

@@ -24,16 +24,18 @@ counts to (this rank's), for its metrics; metrics: a dict of the step's row.
   trained tokens                  trained_mask(run, mask [B, T], groups, batch)          dapo, mask_truncated
   token advantages                token_advantages(run, adv [B, T], groups, batch, mask, reward)  reinforce_pp
   token weights                   token_weights(run, weight [B, T], groups, batch, raw [B], mask, metrics)  gtpo, gpg
-  micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch)        mismatch, dsv32, dagrpo, kl
+  micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch)        mismatch, dsv32, kl
   extra loss terms (update)       loss_terms(run, loss, tok, entropy); needs_entropy_grad(cfg) -> bool  entropy_bonus
 
 The rest have functions of their own here:
   advantages (advantages)         ADVANTAGES = {--advantage value: fn(run, groups, reward [P, K, M], batch_accuracy)
                                   -> (thought [P, K] or None, answer [P, K, M] or None)}  two_grpo, agrae, rloo
                                   advantages(run, groups, reward, batch_accuracy) -> the same  dagrpo, batch_std
-  selections (over the step)      select(run, batch, adv, mask) -> (keep, selected, metrics)  cov, entropy_mask
+  selections (over the step)      select(run, batch, adv, mask) -> (keep, selected, metrics): into batch.keep,
+                                  batch.selected                                         cov, entropy_mask
   the loss                        LOSSES = {--loss value: losses.Objective}              gspo, gmpo, ...
                                   objective(cfg, entry) -> entry                         dual_clip
+                                  off_policy_objective(cfg, entry) -> entry: after them  dagrpo (LUFFY)
   metrics (log)                   metrics(run, sums, counts) -> dict                     noise, dagrpo
 
 Deleting a method's file (and its tests) leaves a working trainer: ORDER names the files, and those missing are
@@ -146,9 +148,9 @@ def advantages(run, groups: list, reward: torch.Tensor, batch_accuracy: float) -
     return None, None
 
 
-def select(run, batch, adv: torch.Tensor, mask: torch.Tensor):
-    """The step's token selections: (keep (B, T) bool or None, KL-Cov's selected or None, metrics), with the
-    share of the step's trained tokens they keep (token_select/kept_frac)."""
+def select(run, batch, adv: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The step's token selections, into batch.keep ((B, T) bool, or None) and batch.selected (KL-Cov's, or None);
+    returns their metrics, with the share of the step's trained tokens they keep (token_select/kept_frac)."""
     keep, selected, metrics = None, None, {}
     for hook in hooks(run.cfg, "select"):
         k, s, m = hook(run, batch, adv, mask)
@@ -157,7 +159,8 @@ def select(run, batch, adv: torch.Tensor, mask: torch.Tensor):
     if keep is not None:
         kept, trained = all_sum((keep & mask).sum(), run.world), all_sum(mask.sum(), run.world)
         metrics["token_select/kept_frac"] = (kept.float() / trained.float().clamp(min=1)).item()
-    return keep, selected, metrics
+    batch.keep, batch.selected = keep, selected
+    return metrics
 
 
 def metrics(run, sums: dict, counts: dict) -> dict:
@@ -174,9 +177,10 @@ def check_rollout_dtype(cfg, rollout: str) -> None:
 
 
 def objective(cfg):
-    """--loss's entry of the loss table (--sequence-ratio: GSPO's), as a method may modify it (the dual clip)."""
+    """--loss's entry of the loss table (--sequence-ratio: GSPO's), as a method may modify it (the dual clip); then
+    the off-policy tokens' objective (DaGRPO's anchors: LUFFY's shaping) wraps whatever the others chose."""
     entry = LOSSES[loss_name(cfg)]
-    for hook in hooks(cfg, "objective"):
+    for hook in hooks(cfg, "objective") + hooks(cfg, "off_policy_objective"):
         entry = hook(cfg, entry)
     return entry
 

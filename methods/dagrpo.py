@@ -3,10 +3,12 @@ says what is stated and what is inferred): the wiring of its two stated mechanis
 - advantages: the distinctiveness mask (--pair-delta) drops the pairs of completions whose fine-grained scores
   differ by less than delta (advantage.pairwise_distinct_advantages); the score is the task's partial credit;
 - transform rollouts: anchors (--anchors). In each group with no correct rollout the last rollout is replaced
-  by the example's reference solution, trained off-policy (losses.policy_loss's LUFFY shaping, --anchor-gamma)."""
+  by the example's reference solution, trained off-policy: LUFFY's shaping (luffy_shaped, --anchor-gamma) wraps
+  whichever objective --loss chose."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -16,6 +18,7 @@ import torch
 from advantage import pairwise_distinct_advantages, splice_anchor_rewards
 from cli import FlagError, UserError, out_of_range
 from distributed import all_sum
+from losses import Objective, need
 from pack import Answer, Group, per_group
 from rewards import score_batch
 from tokenizer import decode_completion
@@ -137,10 +140,28 @@ def splice_anchors(groups: list[Group], task, tokenizer, limit: int) -> tuple[li
     return out, counts
 
 
-def micro_batch(run, tok, mb, sampled, sums: dict, epoch: int):
-    """The anchors' tokens (tok.off_policy) take LUFFY's shaping with --anchor-gamma."""
-    tok.off_gamma = run.cfg.anchor_gamma
-    return tok
+def off_policy_objective(cfg, entry: Objective) -> Objective:
+    """--anchors: the anchors' tokens (Tokens.off_policy) take LUFFY's shaping with --anchor-gamma."""
+    return luffy_shaped(entry, cfg.anchor_gamma) if cfg.anchors else entry
+
+
+def luffy_shaped(entry: Objective, gamma: float) -> Objective:
+    """`entry`'s objective, and LUFFY's policy shaping (arXiv 2504.14945; its code's off_policy_reshape="p_div_p_0.1")
+    on the tokens the policy did not sample (policy_loss's Tokens.off_policy, passed by `takes`): obj = f(p) * A with
+    f(p) = p / (p + gamma), p = exp(logp), gradient through p (d f / d logp = gamma p / (p + gamma)^2, so
+    low-probability expert tokens still learn); no ratio, no clip, old_logp unused there (it may be garbage).
+    `entry` sees only the other tokens (they are left out of GSPO's sequence mean); the KL term still covers them."""
+    need(gamma > 0, f"luffy_shaped: gamma (--anchor-gamma) must be > 0, got {gamma}.")
+    return replace(entry, fn=functools.partial(_shaped, entry.fn, gamma=gamma), takes=(*entry.takes, "off_policy"))
+
+
+def _shaped(fn, logp, old_logp, adv, mask, hp, off_policy=None, *, gamma: float, **takes):
+    if off_policy is None:  # no anchor in this micro-batch
+        return fn(logp, old_logp, adv, mask, hp, **takes)
+    off = off_policy.bool() & mask
+    obj, cut = fn(logp, old_logp, adv, mask & ~off, hp, **takes)
+    p = torch.exp(torch.where(off, logp, torch.zeros_like(logp)))  # (B, T), with grad; 1 off these tokens
+    return torch.where(off, p / (p + gamma) * adv, obj), cut & ~off
 
 
 def metrics(run, sums: dict, counts: dict[str, int]) -> dict:

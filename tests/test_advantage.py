@@ -32,6 +32,7 @@ from advantage import (
 )
 from losses import Tokens, kl3, loss_name, policy_loss
 from methods import LOSSES
+from methods.dagrpo import luffy_shaped
 from methods.mismatch import truncated_is_weights
 
 T = torch.tensor
@@ -40,6 +41,11 @@ T = torch.tensor
 def loss_for(tok: Tokens, h) -> tuple[torch.Tensor, dict]:
     """policy_loss with the objective --loss (h.loss, or h.sequence_ratio) names, as the trainer passes it."""
     return policy_loss(tok, h, LOSSES[loss_name(h)])
+
+
+def shaped_loss(tok: Tokens, h, gamma: float = 0.1) -> tuple[torch.Tensor, dict]:
+    """policy_loss with --loss's objective under DaGRPO's anchors: LUFFY's shaping on tok.off_policy."""
+    return policy_loss(tok, h, luffy_shaped(LOSSES[loss_name(h)], gamma))
 
 
 def hp(**kw) -> types.SimpleNamespace:
@@ -685,20 +691,20 @@ def test_policy_loss_off_policy_shaping_value_and_gradient():
     adv = T([[2.0, -1.0, 1.0]], dtype=torch.float64)
     w = T([[0.5, 0.5, 1.0]], dtype=torch.float64)
     off = T([[True, False, False]]) | T([[False, True, False]])
-    loss, m = loss_for(Tokens(logp, old, adv, w, off_policy=off), hp())
+    loss, m = shaped_loss(Tokens(logp, old, adv, w, off_policy=off), hp())
     # f(.5) = 5/6, f(.1) = .5 -> obj [5/3, -.5, 1.1], loss = -(.5*5/3 - .5*.5 + 1.1) = -1.683333
     assert close(loss, -(0.5 * 5 / 3 - 0.25 + 1.1), 1e-12)
     (grad,) = torch.autograd.grad(loss, logp)
     # -w*A*g*p/(p+g)^2: -.5*2*(.05/.36) = -.138889; -.5*-1*(.01/.04) = .125; on-policy -w*A*rho = -1.1
     assert close(grad, [[-0.5 * 2 * 0.05 / 0.36, 0.125, -1.1]], 1e-12)
-    assert close([m["off_policy_frac"], m["off_policy_p_mean"], m["ratio_mean"]], [2 / 3, 0.3, 3.1 / 3], 1e-7)
+    assert close(m["ratio_mean"], 3.1 / 3, 1e-7)  # the anchors' tokens have no ratio: 1 there
     assert m["clip_frac"] == 0.0
     # gamma is a knob: g = .5 at p = .5 -> f = .5, df/dlogp = .25/1 = .25
     logp = T([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
-    loss, _ = loss_for(Tokens(logp, T([[0.0]]), T([[1.0]]), T([[1.0]]), off_policy=T([[True]]), off_gamma=0.5), hp())
+    loss, _ = shaped_loss(Tokens(logp, T([[0.0]]), T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(), gamma=0.5)
     assert close(loss, -0.5, 1e-12) and close(torch.autograd.grad(loss, logp)[0], [[-0.25]], 1e-12)
-    with pytest.raises(ValueError):
-        loss_for(Tokens(logp, logp, T([[1.0]]), T([[1.0]]), off_policy=T([[True]]), off_gamma=0.0), hp())
+    with pytest.raises(ValueError, match="gamma"):
+        shaped_loss(Tokens(logp, logp, T([[1.0]]), T([[1.0]]), off_policy=T([[True]])), hp(), gamma=0.0)
 
 
 def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
@@ -710,7 +716,8 @@ def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
     w = token_weights(mask, "token_mean")
     for seq in (False, True):
         base, _ = loss_for(Tokens(seq_logp(table, ids), old, adv, w), hp(sequence_ratio=seq))
-        none_off, _ = loss_for(Tokens(seq_logp(table, ids), old, adv, w, off_policy=mask < 0), hp(sequence_ratio=seq))
+        no_off = Tokens(seq_logp(table, ids), old, adv, w, off_policy=mask < 0)
+        none_off, _ = shaped_loss(no_off, hp(sequence_ratio=seq))
         assert torch.equal(base, none_off)
         # row 0 becomes an anchor: the other rows' terms are unchanged, row 0 gets -sum(w * A * f(p))
         off = torch.zeros_like(mask, dtype=torch.bool)
@@ -718,7 +725,7 @@ def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
         bad_old = old.clone()
         bad_old[0] = float("nan")
         logp = seq_logp(table, ids)
-        loss, _ = loss_for(Tokens(logp, bad_old, adv, w, off_policy=off), hp(sequence_ratio=seq))
+        loss, _ = shaped_loss(Tokens(logp, bad_old, adv, w, off_policy=off), hp(sequence_ratio=seq))
         rest, _ = loss_for(Tokens(logp[1:], old[1:], adv[1:], w[1:]), hp(sequence_ratio=seq))
         p = logp[0].exp()
         assert close(loss, rest - (w[0] * adv[0] * p / (p + 0.1)).sum(), 1e-12)
@@ -727,7 +734,7 @@ def test_policy_loss_off_policy_rows_leave_on_policy_rows_alone():
     # a mixed row under GSPO: s = exp(mean of the ON-policy log-ratios) = exp((.1 + .3) / 2)
     logp = T([[math.log(0.5), 0.0, 0.0]], dtype=torch.float64)
     old = T([[float("nan"), -0.1, -0.3]], dtype=torch.float64)
-    loss, _ = loss_for(
+    loss, _ = shaped_loss(
         Tokens(
             logp,
             old,

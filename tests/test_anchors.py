@@ -190,7 +190,8 @@ def test_anchor_logprobs_in_the_update_equal_a_plain_forward(tmp_path, monkeypat
     real_loss, real_update = train.policy_loss, train.update
 
     def spy_loss(tok, hp, objective):
-        calls.append(dict(logp=tok.logp.detach().clone(), adv=tok.adv, off=tok.off_policy, gamma=tok.off_gamma))
+        gamma = objective.fn.keywords["gamma"]  # the LUFFY-shaped objective of --loss (methods/dagrpo.py)
+        calls.append(dict(logp=tok.logp.detach().clone(), adv=tok.adv, off=tok.off_policy, gamma=gamma))
         return real_loss(tok, hp, objective)
 
     def spy_update(run, step, batch, micro):

@@ -14,6 +14,7 @@ import torch
 from cli import parse_config
 from losses import Objective, Tokens, loss_name, policy_loss
 from methods import LOSSES, objective
+from methods.dagrpo import luffy_shaped
 from train import PRESETS, TrainConfig
 
 T = torch.tensor
@@ -69,9 +70,9 @@ def test_clip_and_gspo_entries_exact_values():
 
 
 def test_policy_loss_hands_the_objective_its_tokens_and_hyperparameters(monkeypatch):
-    """Guards against the seam: policy_loss must call the entry --loss names with the on-policy tokens only
-    (off-policy ones get LUFFY's shaping instead), pass the trainer's hyperparameters through, weight and negate
-    the objective, and report the entry's cut tokens as clip_frac."""
+    """Guards against the seam: policy_loss must call the entry --loss names (under DaGRPO's LUFFY shaping: with
+    the on-policy tokens only, the off-policy ones shaped instead), pass the trainer's hyperparameters through,
+    weight and negate the objective, and report the entry's cut tokens as clip_frac."""
     seen = {}
 
     def probe(logp, old_logp, adv, mask, h):
@@ -82,7 +83,8 @@ def test_policy_loss_hands_the_objective_its_tokens_and_hyperparameters(monkeypa
     logp = T([[math.log(0.5), -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
     adv, w = T([[1.0, 1.0, -1.0]], dtype=torch.float64), T([[0.5, 0.25, 0.25]], dtype=torch.float64)
     h = hp(loss="probe")
-    loss, m = loss_for(Tokens(logp, logp.detach(), adv, w, off_policy=T([[True, False, False]]), off_gamma=0.5), h)
+    tok = Tokens(logp, logp.detach(), adv, w, off_policy=T([[True, False, False]]))
+    loss, m = policy_loss(tok, h, luffy_shaped(objective(h), 0.5))  # DaGRPO's anchors: LUFFY's shaping around it
     assert seen["mask"].tolist() == [[False, True, True]] and seen["h"] is h
     # the anchor token: f(.5) = .5 / (.5 + .5) = .5 times A = 1; the others: 3 * A
     assert math.isclose(loss.item(), -(0.5 * 0.5 + 0.25 * 3.0 - 0.25 * 3.0), abs_tol=1e-12)

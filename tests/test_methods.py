@@ -58,6 +58,46 @@ def test_every_method_is_checked():
             config.TrainConfig(**bad)
 
 
+def test_chain_passes_a_value_through_the_enabled_hooks_in_order(monkeypatch):
+    """Guards against a seam that skips a hook, calls a disabled method's, reorders them, or drops the context:
+    chain threads the value through every enabled method's hook in ORDER; needs() asks the enabled ones only."""
+    calls = []
+
+    def method(name: str, on: bool, needs: bool):
+        def seam(run, value, step, counts):
+            calls.append((name, value, step))
+            counts[name] = step
+            return value + [name]
+
+        return types.SimpleNamespace(enabled=lambda cfg: on, seam=seam, needs_it=lambda cfg: needs)
+
+    fake = (method("first", True, False), method("off", False, True), method("last", True, False))
+    monkeypatch.setattr(methods, "METHODS", fake)
+    run, counts = types.SimpleNamespace(cfg=None), {}
+    assert methods.chain(run, "seam", [], 7, counts) == ["first", "last"]
+    assert calls == [("first", [], 7), ("last", ["first"], 7)] and counts == {"first": 7, "last": 7}
+    assert methods.chain(run, "no_such_seam", 1.5) == 1.5  # no method has the hook: the value as it came
+    assert not methods.needs(None, "needs_it")  # only the disabled method says yes
+    monkeypatch.setattr(methods, "METHODS", fake[1:2])
+    assert methods.chain(run, "seam", [], 7, counts) == []
+
+
+def test_the_mismatch_correction_is_on_only_when_a_copy_samples(monkeypatch):
+    """Guards against the rollout-mismatch weights running when the float32 policy samples itself (nothing to
+    correct) or missing when a bfloat16 copy samples (by default on CUDA): mismatch.enabled follows the resolved
+    --rollout-dtype and --tis-cap."""
+    from methods import mismatch
+
+    cfg = config.TrainConfig()
+    for cuda in (False, True):
+        monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+        assert mismatch.enabled(cfg) is cuda  # auto: a bfloat16 copy on CUDA
+        assert not mismatch.enabled(config.TrainConfig(device="cpu"))
+        assert not mismatch.enabled(config.TrainConfig(rollout_dtype="float32"))
+        assert mismatch.enabled(config.TrainConfig(rollout_dtype="bfloat16"))
+        assert not mismatch.enabled(config.TrainConfig(rollout_dtype="bfloat16", tis_cap=0.0))
+
+
 def group(example: dict, rewards: list[float]) -> Group:
     """A group of one-token completions with these rewards (M = 1)."""
     return Group(example, [1], [Thought([], [], False, [Answer([2], [0.0], "stop", reward=r)]) for r in rewards])

@@ -46,7 +46,9 @@ def select(logp, adv, ent, mask, cfg, step: int, rank: int, world: int) -> tuple
     """The step's token selections through the methods' seam (methods.select), as the trainer calls it after the
     score pass: (keep, KL-Cov's selected, metrics)."""
     run = types.SimpleNamespace(cfg=cfg, rank=rank, world=world, state={"step": step})
-    return methods.select(run, types.SimpleNamespace(score_logp=logp, entropy=ent), adv, mask)
+    batch = types.SimpleNamespace(score_logp=logp, entropy=ent)
+    metrics = methods.select(run, batch, adv, mask)  # the selections go to the batch
+    return batch.keep, batch.selected, metrics
 
 
 def test_select_is_the_losses_functions_on_the_whole_step():

@@ -107,10 +107,18 @@ def test_every_preset_runs(tiny, tmp_path, algo):
         "logp_gap",
         "time/sample_s",
         "time/score_s",
+        "time/score_pass_s",
         "time/update_s",
+        "time/step_s",
         "tokens_per_s",
+        "mem/sample_gib",
+        "mem/score_gib",
+        "mem/score_pass_gib",
+        "mem/update_gib",
     ):
         assert key in steps[0], key
+    phases = sum(steps[0][f"time/{k}_s"] for k in ("sample", "score", "score_pass", "update"))
+    assert 0 < phases <= steps[0]["time/step_s"]  # the phases are laps of one step
     assert all(abs(r["logp_gap"]) < 1e-4 for r in steps)  # sampler and trainer agree in float32
     assert any("eval/accuracy" in r for r in rows)
     assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
@@ -524,6 +532,46 @@ def test_case5_a_diverging_update_stops_before_the_sampler_sees_it(tmp_path, mon
     assert sorted(set(os.listdir(out)) - {".lock"}) == ["config.json", "metrics.jsonl", "samples.jsonl"] + [
         f"step-{s}" for s in range(1, step)
     ]
+
+
+def test_the_weight_guard_compares_each_update_with_the_last():
+    """Guards against the guard checking against stale norms (the norms before the first update, or none): each
+    check compares the weights with those the last check saw, so a slow drift of sane steps never adds up to a
+    refusal and a jump after a sane step is refused, naming the parameter."""
+    from distributed import WeightGuard
+
+    a, b = torch.ones(4), torch.zeros(3)
+    guard = WeightGuard(["a", "b"], [a, b], 1, "lower --lr")
+    for step in range(1, 5):  # 4 steps each 500x the last: 6e10x in all, each step is sane
+        a.mul_(500.0)
+        guard.check(step)
+    assert guard.norms[0] == torch.linalg.vector_norm(a)
+    b.fill_(float("nan"))
+    with pytest.raises(cli.UserError, match=r"^step 5: the update took b's norm from 0 to nan;.*lower --lr$"):
+        guard.check(5)
+
+
+def test_offloaded_adamw_is_adamw_on_the_parameters():
+    """Guards against the CPU copies drifting from the parameters (a missed copy back, stale gradients left on
+    either side): three steps of OffloadedAdamW equal AdamW's bit for bit, its state dict loads into a new one,
+    and zero_grad clears the gradients on both sides."""
+    from run import OffloadedAdamW
+
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(7)]
+    plain, offloaded = ([p.clone().requires_grad_() for p in start] for _ in range(2))
+    kw = dict(lr=0.1, betas=(0.9, 0.99), weight_decay=0.1)
+    opt_a, opt_b = torch.optim.AdamW(plain, **kw), OffloadedAdamW(offloaded, torch.device("cpu"), **kw)
+    for _ in range(3):
+        for params, opt in ((plain, opt_a), (offloaded, opt_b)):
+            sum((p * p).sum() + p.sum() for p in params).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(plain, offloaded))
+    assert all(p.grad is None for p in offloaded) and all(h.grad is None for h in opt_b.param_groups[0]["params"])
+    again = OffloadedAdamW([p.detach().clone().requires_grad_() for p in offloaded], torch.device("cpu"), **kw)
+    again.load_state_dict(opt_b.state_dict())
+    assert torch.equal(again.state_dict()["state"][0]["exp_avg"], opt_a.state_dict()["state"][0]["exp_avg"])
 
 
 def test_check_update_refuses_non_finite_or_exploding_weights():
