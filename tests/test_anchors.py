@@ -7,6 +7,7 @@ on those tokens only, and every bad flag is one sentence."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -284,3 +285,25 @@ def test_anchors_are_off_by_default_and_on_in_the_dagrpo_preset():
     assert TrainConfig().anchors is False and TrainConfig().anchor_gamma == 0.1
     assert PRESETS["dagrpo"]["anchors"] is True
     assert not any(preset.get("anchors") for name, preset in PRESETS.items() if name != "dagrpo")
+
+
+def test_the_anchors_shaping_wraps_whichever_objective_the_loss_chose():
+    """Guards against the order of the objective hooks: LUFFY's shaping of the anchors must wrap the objective the
+    other methods chose (the dual clip replaces the clipped surrogate outright), or an anchor run with --dual-clip
+    would lose its shaping. Without --anchors the entry is untouched; the shaped tokens are never clipped."""
+    import methods
+    from losses import Tokens, policy_loss
+    from methods.dual_clip import dual_clip_objective
+
+    plain = TrainConfig(algo="grpo", dual_clip=3.0)
+    assert methods.objective(plain).fn is dual_clip_objective
+    entry = methods.objective(replace(plain, anchors=True, anchor_gamma=0.5))
+    assert "off_policy" in entry.takes and entry.fn.args == (dual_clip_objective,) and entry.fn.keywords["gamma"] == 0.5
+    # token 0 an anchor at p = .5 with A = -1 (f = .5: obj -.5, where the dual clip's floor 3A = -3 cannot bind);
+    # token 1 sampled with ratio e^2 and A = -1: the dual clip binds, obj = -3
+    logp = torch.tensor([[math.log(0.5), 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[float("nan"), -2.0]], dtype=torch.float64)
+    adv, w = torch.full((1, 2), -1.0, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    tok = Tokens(logp, old, adv, w, off_policy=torch.tensor([[True, False]]))
+    loss, m = policy_loss(tok, replace(plain, anchors=True, anchor_gamma=0.5), entry)
+    assert abs(loss.item() - (0.5 + 3.0)) < 1e-12 and m["clip_frac"] == 0.5  # only the sampled token is cut
