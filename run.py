@@ -3,7 +3,8 @@
 setup checks everything a user can get wrong before any model is loaded (the data, the output directory, a
 checkpoint to resume, whether the step fits in memory), then loads the policy (with --lora-rank: adapters on the
 frozen base), the KL's reference, the tokenizer, the data streams, the optimizer and its schedule, and with
---resume their saved state. train.py's step functions take the Run it returns.
+--resume their saved state. train.py's step functions take the Run it returns. With --optimizer-offload the
+optimizer is an OffloadedAdamW, AdamW on CPU copies of the weights.
 """
 
 from __future__ import annotations
