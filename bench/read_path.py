@@ -91,16 +91,46 @@ def trace_step(algo: str, out: str, rollout_dtype: str = "auto") -> set[tuple[st
 
         return call
 
-    for name in STEP:
-        setattr(train, name, traced(getattr(train, name)))
-    for name in SEAMS:
-        setattr(methods, name, traced(getattr(methods, name)))
+    patched = [(train, name) for name in STEP] + [(methods, name) for name in SEAMS]
+    originals = [getattr(module, name) for module, name in patched]
+    for module, name in patched:
+        setattr(module, name, traced(getattr(module, name)))
     preset = PRESETS[algo]
     run = dict(algo=algo, max_steps=1, out=out, eval_every=0, save_every=0, rollout_dtype=rollout_dtype)
     cfg = TrainConfig(**{**preset, **run})
-    train.main(TrainConfig(**{**cfg.__dict__, "model": bundled(cfg.model), "eval_examples": 4}))
+    try:
+        train.main(TrainConfig(**{**cfg.__dict__, "model": bundled(cfg.model), "eval_examples": 4}))
+    finally:  # the modules as they were (a test measures in its own process)
+        for (module, name), fn in zip(patched, originals):
+            setattr(module, name, fn)
     first = next(line for line, (_, name) in code_lines(os.path.join(ROOT, "train.py")).items() if name == "main")
     return seen | {("train.py", first)}
+
+
+def measure(algo: str = "grpo", rollout_dtype: str = "auto") -> dict:
+    """One step of `algo`, measured: the functions it enters by file ({file: [(code lines, name)]}), the read
+    path's lines, the hooks of methods/<paper>.py that ran, and the loop's and core's lines that read a field only
+    a method fills (METHOD_FIELDS)."""
+    with tempfile.TemporaryDirectory() as out:
+        seen = trace_step(algo, os.path.join(out, "run"), rollout_dtype)
+    by_file = collections.defaultdict(list)
+    for path, first in seen:
+        spans = code_lines(os.path.join(ROOT, path))
+        if first in spans:
+            by_file[path].append(spans[first])
+    counts = {p: sum(n for n, _ in fns) for p, fns in by_file.items()}
+    paper = {p: fns for p, fns in by_file.items() if p.startswith("methods/") and p != "methods/__init__.py"}
+    hooks = {p: [(n, f) for n, f in fns if f != "enabled"] for p, fns in paper.items()}
+    core = [f for layer in ("the loop", "the RL core") for f in LAYERS[layer]]
+    fields = collections.Counter()
+    for path, first in seen:
+        if path in core:
+            n, name = code_lines(os.path.join(ROOT, path), METHOD_FIELDS).get(first, (0, ""))
+            fields[f"{path}:{name}"] += n
+    ran = sum(n for fns in hooks.values() for n, _ in fns)
+    read = sum(counts.get(f, 0) for files in LAYERS.values() for f in files) + ran
+    return dict(by_file=by_file, counts=counts, paper=paper, hooks=hooks, hook_lines=ran, read_path=read,
+                fields=fields, method_fields=sum(fields.values()))  # fmt: skip
 
 
 def main() -> None:
@@ -109,41 +139,24 @@ def main() -> None:
     parser.add_argument("--functions", action="store_true", help="list each file's functions with their lines")
     parser.add_argument("--rollout-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out:
-        seen = trace_step(args.algo, os.path.join(out, "run"), args.rollout_dtype)
-    by_file = collections.defaultdict(list)
-    for path, first in seen:
-        spans = code_lines(os.path.join(ROOT, path))
-        if first in spans:
-            by_file[path].append(spans[first])
-    counts = {p: sum(n for n, _ in fns) for p, fns in by_file.items()}
+    m = measure(args.algo, args.rollout_dtype)
+    by_file, counts, paper, hooks = m["by_file"], m["counts"], m["paper"], m["hooks"]
     dtype = "" if args.rollout_dtype == "auto" else f" --rollout-dtype {args.rollout_dtype}"
     print(f"\none step of --algo {args.algo}{dtype}: the code lines of every function it enters\n")
-    total = 0
     for layer, files in LAYERS.items():
         n = sum(counts.get(f, 0) for f in files)
-        total += n
         print(f"{layer:20s} {n:4d}  " + ", ".join(f"{f} {counts[f]}" for f in files if f in counts))
         for f in files if args.functions else ():
             print(f"{'':26s}{f}: " + ", ".join(f"{name} {k}" for k, name in sorted(by_file.get(f, []), reverse=True)))
-    paper = {p: fns for p, fns in by_file.items() if p.startswith("methods/") and p != "methods/__init__.py"}
-    hooks = {p: [(n, f) for n, f in fns if f != "enabled"] for p, fns in paper.items()}
     checks = sum(n for fns in paper.values() for n, f in fns if f == "enabled")
-    ran = sum(n for fns in hooks.values() for n, _ in fns)
     print(
-        f"{'methods/<paper>.py':20s} {ran:4d}  hooks: "
+        f"{'methods/<paper>.py':20s} {m['hook_lines']:4d}  hooks: "
         + ", ".join(f"{p}:{f} {n}" for p, v in hooks.items() for n, f in v)
     )
     print(f"{'':20s} {checks:4d}  enabled(cfg) of {len(paper)} methods (each: is the method on?)")
-    print(f"{'READ PATH':20s} {total + ran:4d}  (the loop + the RL core + tasks and rewards + the seams + the hooks)")
-    core = [f for layer in ("the loop", "the RL core") for f in LAYERS[layer]]
-    fields = collections.Counter()
-    for path, first in seen:
-        if path in core:
-            n, name = code_lines(os.path.join(ROOT, path), METHOD_FIELDS).get(first, (0, ""))
-            fields[f"{path}:{name}"] += n
-    listed = ", ".join(f"{k} {n}" for k, n in sorted(fields.items()) if n)
-    print(f"{'':20s} {sum(fields.values()):4d}  of them read the methods' fields of the step's record: {listed}")
+    print(f"{'READ PATH':20s} {m['read_path']:4d}  (the loop, the RL core, tasks and rewards, the seams, the hooks)")
+    listed = ", ".join(f"{k} {n}" for k, n in sorted(m["fields"].items()) if n)
+    print(f"{'':20s} {m['method_fields']:4d}  of them read the methods' fields of the step's record: {listed}")
     lm = sum(counts.get(f, 0) for f in LANGUAGE_MODEL)
     rest = sorted(set(counts) - {f for fs in LAYERS.values() for f in fs} - set(LANGUAGE_MODEL) - set(paper))
     print(

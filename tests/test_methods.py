@@ -4,6 +4,7 @@ redraws exactly the flat groups from their own slot's top-ups and seeds (so the 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import types
@@ -257,3 +258,20 @@ def test_every_top_level_module_is_installed():
         setuptools = tomllib.load(f)["tool"]["setuptools"]
     files = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
     assert set(setuptools["py-modules"]) == files and setuptools["packages"] == ["methods"]
+
+
+@pytest.mark.slow
+def test_one_plain_grpo_step_reads_at_most_500_lines():
+    """Guards the read path's targets against creeping back (bench/read_path.py measures them): one step of
+    --algo grpo enters at most 500 code lines of the loop, the RL core, the task's reward and the seams, runs no
+    method's hook, and at most 10 of its loop and core lines read a field only a method fills. The counter itself
+    is checked: the step enters sample, policy_loss and pack, and DAPO's step runs DAPO's hooks."""
+    spec = importlib.util.spec_from_file_location("read_path", os.path.join(ROOT, "bench", "read_path.py"))
+    read_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(read_path)
+    m = read_path.measure("grpo")
+    names = {(path, name) for path, fns in m["by_file"].items() for _, name in fns}
+    assert {("train.py", "sample"), ("losses.py", "policy_loss"), ("pack.py", "pack")} <= names
+    assert m["read_path"] <= 500 and m["hook_lines"] == 0 and m["method_fields"] <= 10, m["read_path"]
+    dapo = read_path.measure("dapo")
+    assert dapo["hook_lines"] > 0 and "methods/dapo.py" in dapo["hooks"]
