@@ -146,11 +146,13 @@ def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: b
         col, L = 0, lead[b]
         for j, seg in enumerate([t, *t.answers]):  # j = 0: the thought; j > 0: answer j - 1
             k = len(seg.tokens)
-            start, src = (0, L - 1) if j == 0 else (len(t.tokens), L + len(t.tokens) - 1)  # its predictor's slot
+            # start: the segment's first position after the prompt (every answer continues the thought, not the
+            # answer before it); src: the packed slot that predicts its first token (-1: a shared prompt's last)
+            start, src = (0, L - 1) if j == 0 else (len(t.tokens), L + len(t.tokens) - 1)
             ids[b, col : col + k], sampler_logp[b, col : col + k] = torch.tensor(seg.tokens), torch.tensor(seg.logprobs)
             answer_id[b, col : col + k], off[b, col : col + k] = j - 1, j > 0 and not seg.sampled
             packed_pos[b, L + col : L + col + k] = torch.arange(len(prompt) + start, len(prompt) + start + k)
-            jumps += [(b, L + col, src)] if k and (src != L + col - 1 or src < 0) else []
+            jumps += [(b, L + col, src)] if k and (src != L + col - 1 or src < 0) else []  # not the slot before
             col += k
         packed_ids[b, :L], packed_pos[b, :L] = torch.tensor(prompt[:L], dtype=torch.long), torch.arange(L)
         packed_ids[b, L : L + col], to_logical[b, L : L + col] = ids[b, :col], b * T + torch.arange(col)
