@@ -28,9 +28,11 @@ def wants_cuda(cfg) -> bool:
     return cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
 
 
-def rollout_dtype(cfg) -> str:
-    """--rollout-dtype resolved: auto is bfloat16 on CUDA, else float32 (the policy itself samples)."""
-    return cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if wants_cuda(cfg) else "float32"
+def rollout_dtype(cfg, cuda: bool | None = None) -> str:
+    """--rollout-dtype resolved: auto is bfloat16 on CUDA (the run's device when `cuda` is None, wants_cuda), else
+    float32 (the policy itself samples)."""
+    cuda = wants_cuda(cfg) if cuda is None else cuda
+    return cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if cuda else "float32"
 
 
 def setup_distributed(cfg) -> tuple[int, int, torch.device]:

@@ -42,6 +42,7 @@ import torch
 import methods
 from cli import UserError
 from config import score_pass_needs
+from distributed import rollout_dtype
 from hf import config_from_hf
 from lora import adapter_size, parse_targets
 from model import ModelConfig, Transformer
@@ -265,7 +266,7 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
     examples = sample + task.test(min(cfg.eval_examples, DATA_SAMPLE), cfg.seed)
     Lp = max(len(render_prompt(tokenizer, ex, task.system_prompt)) for ex in examples)
     cuda, fsdp, N = device.type == "cuda", world > 1 and cfg.fsdp, n_params(c)
-    rollout = cfg.rollout_dtype if cfg.rollout_dtype != "auto" else "bfloat16" if cuda else "float32"
+    rollout = rollout_dtype(cfg, cuda)
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and cuda)
     M = cfg.answers
     shape = Shape(
