@@ -44,17 +44,18 @@ def add_micro_batch(
     mask: torch.Tensor,
     sampled: torch.Tensor,
     entropy: torch.Tensor,
+    off_policy: torch.Tensor | None,
 ) -> None:
     """Adds one micro-batch of the first epoch to the update's sums: its loss, and per trained token (n of them, the
     mask's) its KL and entropy (update() adds the clip fraction of every epoch); per sampled token the log-prob gap
-    to the sampler; per trained token the sampler did not draw (mask & ~sampled: DaGRPO's anchors) its count and
-    probability. update_metrics divides them by the step's token counts."""
+    to the sampler; per trained token the policy did not sample (off_policy, or None: DaGRPO's anchors) its count
+    and probability. update_metrics divides them by the step's token counts."""
     sums["loss"] += loss.item()
     sums["kl"] += metrics.get("kl", 0.0) * n
     sums["logp_gap"] += ((logp.detach() - sampler_logp).abs() * sampled).sum().item()
     sums["entropy"] += (entropy * mask.float()).sum().item()
-    if sampled is not mask:  # some tokens were not sampled
-        off = mask & ~sampled
+    if off_policy is not None:
+        off = off_policy & mask
         sums["off_tokens"] += off.sum().item()
         sums["off_p"] += (logp.detach().exp() * off).sum().item()
 

@@ -10,6 +10,7 @@ optimizer is an OffloadedAdamW, AdamW on CPU copies of the weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import warnings
@@ -72,9 +73,9 @@ class Run:
         bf16 = self.cfg.dtype == "bfloat16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
         return torch.bfloat16 if bf16 else None
 
-    @property
+    @functools.cached_property
     def objective(self) -> Objective:
-        """--loss's entry of the loss table (methods.LOSSES)."""
+        """--loss's entry of the loss table (methods.LOSSES) as the methods modify it, built once per run."""
         return methods.objective(self.cfg)
 
     @contextlib.contextmanager

@@ -194,6 +194,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     cfg, world = run.cfg, run.world
     sums = dict.fromkeys(SUMS, 0.0)
     entropy_grad = methods.needs(cfg, "needs_entropy_grad")  # a loss term on the token entropy (the entropy bonus)
+    # each micro-batch's trained tokens, the weight of its diagnostics: the same in every epoch, one sync per step
+    trained = torch.stack([batch.mask[rows].sum() for rows, _ in micro]).tolist()
     for epoch in range(cfg.mu):
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
@@ -212,11 +214,12 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 loss, metrics = policy_loss(tok, cfg, run.objective)
                 loss = methods.chain(run, "loss_terms", loss, tok, ent)
                 (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
-            n = mask.float().sum().item()  # the micro-batch's trained tokens: its diagnostics' weight
-            sums["clip_frac"] += metrics["clip_frac"] * n / cfg.mu  # the mean over epochs
+            sums["clip_frac"] += metrics["clip_frac"] * trained[i] / cfg.mu  # the mean over epochs
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 ent = ent if ent is not None else batch.entropy[rows]
-                add_micro_batch(sums, n, loss, metrics, logp, mb.sampler_logp, mask, sampled, ent)
+                add_micro_batch(
+                    sums, trained[i], loss, metrics, logp, mb.sampler_logp, mask, sampled, ent, tok.off_policy
+                )
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 
