@@ -354,9 +354,9 @@ def main(cfg: TrainConfig) -> dict:
             # 7. log, evaluate, save
             run.state["step"] = step + 1
             row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": counts["resampled"]}
-            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=run.scheduler.get_last_lr()[0])
+            lr, kl = run.scheduler.get_last_lr()[0], {} if cfg.beta > 0 else {"kl": None}  # no reference, no KL
+            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr, **kl)
             row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
-            row["kl"] = row["kl"] if cfg.beta > 0 else None
             log(run, row)
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
             # the last step's evaluation too: every row of a step is logged before its checkpoint is written
