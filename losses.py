@@ -196,9 +196,11 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     only its metric is kept.
 
     The weight carries the aggregation normaliser, so the loss is a plain sum and micro-batch losses add up. The
-    objective sees every trained token (mask): the selections (keep) and importance weights act on the surrogate's
-    weights only, so a sequence ratio (GSPO) runs over the whole completion, as TRL's and verl's do; an objective
-    whose `takes` lists "keep" receives the selections instead (GMPO chooses its geometric mean's tokens with them).
+    objective sees every trained token (mask) but the rejected ones (an importance weight of 0: --rollout-is
+    token_mask or sequence_mask, IcePop), which leave GMPO's geometric mean and GSPO's ratio as verl's rejection
+    sampling drops them from its response mask. The selections (keep) and importance weights act on the surrogate's
+    weights only, so a sequence ratio (GSPO) runs over the whole sampled completion, as TRL's and verl's do; an
+    objective whose `takes` lists "keep" receives the selections instead (GMPO chooses its geometric mean's tokens).
     The KL penalty takes the plain weight: the references apply the selections and importance weights to the
     policy-gradient term only and add the KL after (TRL _compute_loss; verl's dp_actor and slime compute the KL loss
     apart), so a dropped token keeps its KL pull.
@@ -213,13 +215,16 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     if beta != 0.0 and tok.ref_logp is None:
         raise ValueError("policy_loss: beta != 0 needs ref_logp (the reference model's log-probs).")
     mask = tok.weight != 0 if tok.mask is None else tok.mask.bool()
+    # a token whose importance weight is 0 (--rollout-is token_mask / sequence_mask) is a rejected sample: it leaves
+    # the objective's tokens, so sequence statistics (GMPO's geometric mean, GSPO's ratio) do not run over it
+    sampled = mask if tok.is_weight is None else mask & (tok.is_weight != 0)
     extra = {f: getattr(tok, f) for f in objective.takes if getattr(tok, f) is not None}
-    obj, cut = objective.fn(logp, old_logp, adv, mask, hp, **extra)
+    obj, cut = objective.fn(logp, old_logp, adv, sampled, hp, **extra)
     zero = torch.zeros_like(logp)
     weight = tok.weight if tok.keep is None or "keep" in extra else tok.weight * tok.keep.to(tok.weight.dtype)
     weight = weight if tok.is_weight is None else weight * tok.is_weight
-    loss = -(weight * torch.where(mask, obj, zero)).sum()
-    counted = mask & (weight != 0)  # the tokens the surrogate trains: its metrics' denominator
+    loss = -(weight * torch.where(sampled, obj, zero)).sum()
+    counted = sampled & (weight != 0)  # the tokens the surrogate trains: its metrics' denominator
     kl = None
     if tok.ref_logp is not None:
         kl = KL_ESTIMATORS[getattr(hp, "kl_estimator", "k3")](logp, tok.ref_logp, old_logp, mask)  # k3 without the flag

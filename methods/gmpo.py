@@ -51,6 +51,8 @@ def gmpo_objective(
     selections instead of multiplying them into its weights (TAKES). A row with no kept token has value 0. With
     --rollout-is weights each token's weight multiplies the sequence value it carries, so a row's factor is the
     arithmetic mean of its token weights; verl's geo_mean takes their geometric mean (exp of the mean log weight).
+    A token masked by --rollout-is (weight 0) is not on `mask` here (policy_loss leaves rejected tokens out), so it
+    leaves the geometric mean and gets no gradient, as verl's rejection sampling drops it from the response mask.
     """
     mask = mask.bool()
     low, high = float(hp.clip_low), float(hp.clip_high)

@@ -317,3 +317,78 @@ def test_gspo_sequence_ratio_runs_over_every_completion_token_under_a_selection(
     assert (got[~keep & mask] == 0).all() and (got[keep] != 0).all()
     kept_only, _ = loss_for(Tokens(logp, old, adv, w * keep), h)  # the ratio over the kept tokens only
     assert not torch.allclose(kept_only, expected)
+
+
+def icepop_rows(mode: str) -> tuple[torch.Tensor, ...]:
+    """Three rows drifted from pi_old (the third one token shorter, its padding -inf/nan), a sampler whose log-probs
+    put some tokens outside IcePop's [0.5, 5] (so their importance weight is 0), and those weights for `mode`."""
+    from methods.mismatch import mismatch_is_weights
+
+    g = torch.Generator().manual_seed(5)
+    logp = (-torch.rand(3, 5, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(3, 5, generator=g, dtype=torch.float64)
+    sampler = old + T([[0.0, 1.2, 0.1, 0.0, -0.2], [0.1, 0.0, -0.9, 0.2, 0.0], [0.0, 0.1, 0.0, 0.3, 0.0]])
+    mask = T([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]).bool()
+    with torch.no_grad():
+        logp[2, 4], old[2, 4] = float("-inf"), float("nan")
+    w = mismatch_is_weights(old, sampler.double(), mask, mode=mode, low=0.5, high=5.0)
+    adv = T([[1.5], [-0.5], [0.8]], dtype=torch.float64).expand(3, 5)
+    return logp, old, adv, mask, w
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_gmpo_leaves_the_tokens_rollout_is_masks_out_of_its_geometric_mean(mode):
+    """Guards against GMPO's geometric mean running over tokens whose --rollout-is weight is 0 (IcePop's
+    token_mask, sequence_mask): moving the importance weights out of the token weights into Tokens.is_weight put them
+    back into each row's mean, and a rejected token got up to 2.8e-3 of gradient through its row's ratio. Reference:
+    GMPO's sequence value over the accepted tokens only (verl b178a3c geo_mean on a response mask its rejection
+    sampling rewrote), each token's share scaled by its weight; the normaliser counts every trained token."""
+    logp, old, adv, mask, w = icepop_rows(mode)
+    assert (w[mask] == 0).any() and (w[mask] != 0).any()  # both kinds of token, or the test proves nothing
+    eps = 0.4
+    accepted = mask & (w != 0)
+    log_ratio = torch.where(accepted, logp - old, 0.0)
+    clamped = log_ratio.clamp(-eps, eps)
+    clipped = torch.where(adv > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+    a = accepted.double()
+    n = a.sum(-1, keepdim=True).clamp(min=1.0)
+    value = torch.exp((clipped * a).sum(-1, keepdim=True) / n) * (adv * a).sum(-1, keepdim=True) / n  # (B, 1)
+    m = mask.double()
+    normaliser = m / (m.sum(-1, keepdim=True) * 3)  # seq_mean_token_mean over the trained tokens
+    expected = -(normaliser * w * value).sum()
+    (want,) = torch.autograd.grad(expected, logp)
+
+    h = hp(loss="gmpo", clip_low=eps, clip_high=eps)
+    loss, _ = loss_for(Tokens(logp, old, adv, normaliser, mask=mask, is_weight=w), h)
+    (got,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(torch.where(mask, got, 0.0), torch.where(mask, want, 0.0), atol=1e-12, rtol=0)
+    assert (got[mask & (w == 0)] == 0).all()  # a rejected token gets no gradient at all
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_gspo_sequence_ratio_leaves_the_tokens_rollout_is_masks_out(mode):
+    """Guards against GSPO's sequence ratio averaging the log-ratios of tokens --rollout-is rejected (weight 0): a
+    rejected sample moved its row's ratio, so the clip and every accepted token's gradient, though it had no weight.
+    Reference: verl's GSPO on the response mask its rejection sampling rewrote (the ratio over accepted tokens), the
+    GSPO-token form, each token scaled by its importance weight."""
+    logp, old, adv, mask, w = icepop_rows(mode)
+    lo, hi = 0.2, 0.28
+    accepted = mask & (w != 0)
+    a = accepted.double()
+    log_ratio = torch.where(accepted, logp - old, 0.0)
+    log_s = (log_ratio * a).sum(-1, keepdim=True) / a.sum(-1, keepdim=True).clamp(min=1.0)
+    s = torch.exp(log_ratio - log_ratio.detach() + log_s.detach())
+    per_token = torch.where(accepted, -torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi) * adv), 0.0)
+    m = mask.double()
+    normaliser = m / m.sum()  # token_mean over the trained tokens
+    expected = (normaliser * w * per_token).sum()
+    (want,) = torch.autograd.grad(expected, logp)
+
+    loss, _ = loss_for(
+        Tokens(logp, old, adv, normaliser, mask=mask, is_weight=w), hp(loss="gspo", clip_low=lo, clip_high=hi)
+    )
+    (got,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(torch.where(mask, got, 0.0), torch.where(mask, want, 0.0), atol=1e-12, rtol=0)
+    assert (got[mask & (w == 0)] == 0).all()
