@@ -73,7 +73,7 @@ class CoreFlags:
     clip_high: float = 0.2  # ratio clip above 1 + clip_high (DAPO clip-higher: 0.28)
     loss: str = "clip"  # policy objective (losses.LOSSES; the preset of the same name sets its paper's defaults)
     beta: float = 0.0  # KL penalty to the starting model; > 0 loads a reference copy
-    kl_estimator: str = "k3"  # the penalty's estimator: k3, or unbiased (DeepSeek-V3.2: k3 times pi / pi_old)
+    kl_estimator: str = "k3"  # k3 (TRL's, unclamped) | k1 | k2 | low_var_kl (verl's k3, clamped) | unbiased (V3.2)
     mu: int = 1  # optimisation epochs over each batch (old log-probs from a scoring pass when > 1)
     # -- optimisation
     lr: float = 3e-4  # AdamW learning rate (tiny model; about 1e-6 for 0.5B-7B models)

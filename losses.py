@@ -75,16 +75,16 @@ def k3(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor
 
 
 def low_var_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """verl's low_var_kl (its kl_loss_type default): x = clamp(ref_logp - logp, -20, 20), clamp(exp(x) - x - 1, -10,
-    10). k3 wherever |logp - ref_logp| <~ 2.3; beyond, the value is 10 and its gradient 0 (verl b178a3c
-    core_algos.py kl_penalty_forward)."""
+    """verl's low_var_kl (its kl_loss_type default), which verl also calls "k3": x = clamp(ref_logp - logp, -20, 20),
+    clamp(exp(x) - x - 1, -10, 10). k3 wherever exp(x) - x - 1 <= 10; beyond, the value is 10 and its gradient 0
+    (verl b178a3c core_algos.py kl_penalty_forward sends "low_var_kl" and "k3" to this one branch)."""
     x = (-_gap(logp, ref_logp, mask)).clamp(-20.0, 20.0)
     return (torch.exp(x) - x - 1).clamp(-10.0, 10.0)
 
 
 # --kl-estimator: each (logp, ref_logp, old_logp, mask) -> [B, T], 0 off the mask, gradient through logp only (the
-# unbiased one also through its ratio). Schulman's k1/k2/k3 as verl's kl_penalty names them (OpenRLHF's
-# compute_approx_kl).
+# unbiased one also through its ratio). Schulman's k1/k2/k3, as OpenRLHF's compute_approx_kl names them; k3 is TRL's
+# and the GRPO paper's, unclamped. verl's "k3" is its low_var_kl (clamped): methods/kl.py has the table.
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
     "k3": k3,
     "k1": k1,

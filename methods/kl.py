@@ -1,13 +1,18 @@
 """KL to the reference model: the per-token estimators one --kl-estimator flag chooses among, and KL in the reward
 (--kl-in-reward) as the alternative to KL in the loss.
 
-Estimators (d = logp - ref_logp; Schulman's k1/k2/k3 as verl's kl_penalty_forward names them), each
-estimator(logp, ref_logp, old_logp, mask) -> [B, T], 0 off the mask, gradient through logp only:
-  k1          d                                          verl "kl"/"k1", OpenRLHF k1, TRL RLOO's
-  k2          d^2 / 2                                    verl "mse"/"k2", OpenRLHF k2
-  k3          exp(-d) + d - 1                            losses.kl3 (GRPO's, the project's default)
-  low_var_kl  k3 with -d clamped to [-20, 20], then clamped to [-10, 10]   verl "low_var_kl" (its kl_loss_type default)
+Estimators (d = logp - ref_logp), each estimator(logp, ref_logp, old_logp, mask) -> [B, T], 0 off the mask, gradient
+through logp only. The names are Schulman's ("Approximating KL divergence", 2020); whose convention each follows:
+  k1          d                                          OpenRLHF k1, verl "kl"/"k1", TRL RLOO's
+  k2          d^2 / 2                                    OpenRLHF k2, verl "mse"/"k2"
+  k3          exp(-d) + d - 1, unclamped                 losses.kl3: the GRPO paper's and TRL GRPOTrainer's (the
+                                                         project's default); OpenRLHF's k3 before its [-10, 10] clamp
+  low_var_kl  exp(x) - x - 1 with x = clamp(-d, -20, 20), then clamped to [-10, 10]
+                                                         verl's "low_var_kl" AND verl's "k3": verl sends both names to
+                                                         this clamped branch (its kl_loss_type default)
   unbiased    k3 * pi / pi_old                           losses.unbiased_kl (DeepSeek-V3.2)
+So "k3" here is not verl's "k3": at logp = -5, ref_logp = 0 the project's k3 is e^5 - 6 = 142.4, verl's k3 is 10.0;
+to reproduce a verl run configured with kl_loss_type k3 (or low_var_kl), pass --kl-estimator low_var_kl.
 In the loss the gradient is what matters: k1's is grad logp, whose expectation under the sampling policy is 0, so k1
 as a loss term pulls nowhere on average (check refuses it; OpenRLHF warns); k2's, d grad logp, is the KL's own
 gradient on-policy; k3's (1 - exp(-d)) grad logp; low_var_kl's is k3's where no clamp binds, 0 where one does.
@@ -34,7 +39,8 @@ References read: verl v0.7.0+125 (b178a3c) verl/trainer/ppo/core_algos.py (kl_pe
 compute_grpo_outcome_advantage, compute_rloo_outcome_advantage), verl/trainer/ppo/ray_trainer.py (apply_kl_penalty,
 compute_advantage); OpenRLHF v0.11.0 (3c3be62) openrlhf/models/utils.py (compute_approx_kl, compute_reward),
 openrlhf/trainer/ppo_utils/experience_maker.py; TRL v1.9.0+26 (f2cd577) trl/trainer/rloo_trainer.py.
-Departures: OpenRLHF clamps every estimator to [-10, 10], verl only low_var_kl; here only low_var_kl. verl's
+Departures: OpenRLHF clamps every estimator to [-10, 10], verl only its k3 / low_var_kl branch; here only
+low_var_kl is clamped (k3 is TRL's, unclamped). verl's
 straight-through "k3+" variants (k2's gradient under another estimator's value) and its adaptive KL controller are
 left out: beta is fixed. A completion with no trained token has no last token: its outcome reward is dropped there.
 """

@@ -8,12 +8,14 @@ invariance to splitting the step into pieces whose sums the caller adds up. The 
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from cli import build_parser
 from config import TrainConfig
 from helpers import BUNDLED
 from losses import KL_ESTIMATORS, clip, kl3, low_var_kl, unbiased_kl
@@ -290,6 +292,24 @@ def test_kl_estimators_equal_verl_and_openrlhf():
     close(kl.token_kl("k3", logp, ref, old, mask), kl3(logp, ref))
     close(kl.token_kl("unbiased", logp, ref, old, mask), unbiased_kl(logp, ref, old, mask))
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "low_var_kl", "unbiased"}  # --kl-estimator's values
+
+
+def test_k3_is_trls_unclamped_and_verls_k3_is_low_var_kl_as_the_docs_say():
+    """Guards against the naming error the docs once made ("verl clamps only low_var_kl", "k1/k2/k3 as verl names
+    them"): verl sends "k3" and "low_var_kl" to one clamped branch, so at logp = -5, ref = 0 verl's k3 is 10.0 while
+    this project's k3 (TRL's, the GRPO paper's) is e^5 - 6 = 142.4; --help and docs/algorithms.md must list every
+    --kl-estimator value and say which one reproduces verl's k3."""
+    T, root = torch.tensor, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    logp, ref, old, mask = T([[-5.0]]), T([[0.0]]), T([[-5.0]]), torch.ones(1, 1, dtype=torch.bool)
+    assert math.isclose(kl.token_kl("k3", logp, ref, old, mask).item(), math.exp(5) - 6, rel_tol=1e-6)
+    close(kl.token_kl("low_var_kl", logp, ref, old, mask), verl_kl_penalty_forward(logp, ref, "k3"))
+    assert verl_kl_penalty_forward(logp, ref, "k3").item() == 10.0
+    help_text = " ".join(build_parser(TrainConfig).format_help().split())
+    docs = open(os.path.join(root, "docs", "algorithms.md")).read()
+    for name in KL_ESTIMATORS:
+        assert name in help_text.split("--kl-estimator", 1)[1][:300], name
+        assert f"| `{name}`" in docs, name
+    assert "verl's `k3`" in docs and "--kl-estimator low_var_kl" in docs
 
 
 def test_low_var_kl_clamps_cut_the_gradient():
