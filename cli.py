@@ -52,25 +52,33 @@ def _field_docs(cls: type) -> tuple[dict[str, str], dict[str, str]]:
     return helps, groups
 
 
-def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
-    """One flag per field, grouped by family; a choice field (in `cls.CHOICES`) lists its values."""
+def build_parser(
+    cls: type, description: str = "", presets: dict[str, dict[str, Any]] | None = None, preset_field: str = ""
+) -> argparse.ArgumentParser:
+    """One flag per field, grouped by family; a choice field (in `cls.CHOICES`) lists its values. With presets, a
+    field the default preset sets shows that value as its default, and the plain one it replaces."""
     parser = _Parser(description=description, allow_abbrev=False)
     helps, groups = _field_docs(cls)
     choices = getattr(cls, "CHOICES", {})
     sections: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    by = f"{flag(preset_field)} {fields[preset_field].default}" if presets else ""
+    preset = presets[fields[preset_field].default] if presets else {}
+    for f in fields.values():
         kind = str if f.default is None else type(f.default)  # None: an optional text flag, unset by default
         title = groups.get(f.name, "options")
         section = sections.get(title) or sections.setdefault(title, parser.add_argument_group(title))
+        default = f"{f.default!r}"
+        if f.name in preset:  # what a run without flags uses: the default preset's value
+            default = f"{preset[f.name]!r}, from the default {by}; {f.default!r} without that preset"
         # SUPPRESS: a flag the user did not type is absent from the namespace (see parse_config).
-        text = (helps.get(f.name, "") + f" (default: {f.default!r})").replace("%", "%%")  # argparse formats help with %
+        text = (helps.get(f.name, "") + f" (default: {default})").replace("%", "%%")  # argparse formats help with %
         kw: dict[str, Any] = dict(default=argparse.SUPPRESS, help=text)
         if kind is bool:
-            section.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            section.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kw)
         else:
             metavar = "{" + ",".join(choices[f.name]) + "}" if f.name in choices else kind.__name__.upper()
-            section.add_argument(flag, type=kind, metavar=metavar, **kw)
+            section.add_argument(flag(f.name), type=kind, metavar=metavar, **kw)
     return parser
 
 
@@ -86,14 +94,15 @@ def parse_config(
     With `presets`, the value of `preset_field` picks a dict of overrides that applies to every
     field the user did not set on the command line.
     """
-    parser = build_parser(cls, description)
+    parser = build_parser(cls, description, presets, preset_field)
     ns = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
     explicit = set(ns)
     values: dict[str, Any] = {}
     preset: dict[str, Any] = {}
+    name = None
     if presets is not None:
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        name = ns.get(preset_field, defaults[preset_field])
+        name = ns.get(preset_field, defaults[preset_field])  # typed, or the default preset
         if name not in presets:
             parser.error(f"{flag(preset_field)} must be one of {', '.join(presets)}, got {name!r}")
         preset = {k: v for k, v in presets[name].items() if k not in explicit}
@@ -102,7 +111,7 @@ def parse_config(
     try:
         return cls(**values), explicit
     except FlagError as e:  # __post_init__ validation: one sentence, no traceback
-        parser.error(blame(e, preset, f"{flag(preset_field)} {values.get(preset_field)}"))
+        parser.error(blame(e, preset, f"{flag(preset_field)} {name}"))
     except ValueError as e:
         parser.error(str(e))
 
@@ -286,7 +295,7 @@ class Stopped(SystemExit):
 def start_line(
     *,
     algo: str,
-    preset: dict,
+    flags: str,
     model: str,
     task: str,
     out: str,
@@ -296,23 +305,39 @@ def start_line(
     device: str,
     memory: str,
 ) -> str:
-    """One line: the algorithm and what its preset sets, the model, task, device, the steps to run (from
-    where a resumed run continues), the output directory and the memory estimate."""
-    flags = " ".join(
-        (f"--{'no-' * (not v)}{flag(k)[2:]}" if isinstance(v, bool) else f"{flag(k)} {v}") for k, v in preset.items()
-    )
-    algo = f"--algo {algo}" + (f" ({flags})" if flags else "")
+    """What will run, on a line or two: the algorithm, model, task, device, the steps to run (from where a resumed run
+    continues), the output directory and the memory estimate; then `flags` (changed_flags: every other flag that
+    differs from its default, the preset's included, grouped as --help groups them)."""
     steps = f"steps {step + 1}-{max_steps}, " + (
         f"resuming {resumed_from} at step {step}" if resumed_from else "from the start"
     )
-    return f"train: {algo}, model {model}, task {task}, on {device}; {steps}, into {out}" + (
-        f"; {memory}" if memory else ""
-    )
+    line = f"train: --algo {algo}, model {model}, task {task}, on {device}; {steps}, into {out}"
+    return line + (f"; {memory}" if memory else "") + (f"\n       {flags}" if flags else "")
 
 
-def end_summary(evals: list[dict], seconds: float, out: str, files: list[str], eval_flags: str, max_steps: int) -> str:
+def changed_flags(config: Any, skip: Sequence[str] = ()) -> str:
+    """Every field of `config` (but `skip`) whose value differs from its default, spelt as its flag and grouped by its
+    --help family: 'rollouts: --thoughts 4 --answers 4; optimisation: --lora-rank 4'. Empty when none differs."""
+    _, groups = _field_docs(type(config))
+    changed: dict[str, list[str]] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in skip or value == f.default:
+            continue
+        spelt = f"--{'no-' * (not value)}{f.name.replace('_', '-')}" if isinstance(value, bool) else flag(f.name)
+        text = str(value) if re.fullmatch(r"[\w.,:/+=-]+", str(value)) else repr(value)  # quote text with spaces
+        changed.setdefault(groups.get(f.name, "options"), []).append(
+            spelt if isinstance(value, bool) else spelt + " " + text
+        )
+    return "; ".join(f"{group}: {' '.join(spelt)}" for group, spelt in changed.items())
+
+
+def end_summary(
+    evals: list[dict], seconds: float, out: str, files: list[str], eval_flags: str, max_steps: int, merged: bool = False
+) -> str:
     """Held-out accuracy at the run's first and last evaluation (eval rows of metrics.jsonl), this
-    process's wall time, the output files in `out`, and the commands that evaluate and plot them."""
+    process's wall time, the output files in `out` (with --merge: the merged weights), and the commands that
+    evaluate and plot them."""
     lines = [f"done: step {max_steps} in {seconds // 60:.0f} min {seconds % 60:.0f} s (this process)"]
     if evals:
         first, last = evals[0], evals[-1]
@@ -320,10 +345,12 @@ def end_summary(evals: list[dict], seconds: float, out: str, files: list[str], e
             if key in first and key in last:
                 change = f"{first[key]:.1%} at step {first['step']} -> {last[key]:.1%} at step {last['step']}"
                 lines.append(f"held-out {name}: {change}")
-    final = os.path.join(out, "final")
+    final, merged_dir = os.path.join(out, "final"), os.path.join(out, "merged")
+    weights = f"weights in {final}" + (f", merged (a full HF checkpoint) in {merged_dir}" if merged else "")
     lines += [
-        f"outputs: {out} ({', '.join(files)}), weights in {final}",
-        f"next: python eval.py --model {final} {eval_flags}--n 16  # pass@k of the trained model",
+        f"outputs: {out} ({', '.join(files)}), {weights}",
+        f"next: python eval.py --model {merged_dir if merged else final} {eval_flags}--n 16  # pass@k of the "
+        "trained model",
         f"      python eval.py --plot {out} --out {os.path.join(out, 'plot.png')}  # its curves",
     ]
     return "\n".join(lines)

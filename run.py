@@ -23,8 +23,8 @@ import checkpoint
 import distributed
 import lora
 import methods
-from cli import UserError, start_line
-from config import PRESETS, RESUMABLE, TrainConfig, lr_factor
+from cli import UserError, changed_flags, start_line
+from config import RESUMABLE, TrainConfig, lr_factor
 from hf import load_model
 from kvcache import decode_step_static
 from losses import Objective
@@ -180,9 +180,11 @@ def setup(cfg: TrainConfig) -> Run:
             import wandb  # optional extra
 
             run.wandb = wandb.init(project=cfg.wandb, config=asdict(cfg))
-        preset = {k: v for k, v in PRESETS[cfg.algo].items() if getattr(cfg, k) == v}
+        # what will run: every flag that differs from its default (the preset's too), and the rollouts' dtype
+        flags = changed_flags(cfg, skip=("algo", "model", "task", "out", "resume", "device", "dtype", "rollout_dtype"))
         where = f"{device}, {'bf16 autocast' if run.autocast else 'float32'}"
-        kw = dict(algo=cfg.algo, preset=preset, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
+        where += f", a {rollout} rollout copy" if rollout != "float32" else ""
+        kw = dict(algo=cfg.algo, flags=flags, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
         print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory, **kw))
     return run
 

@@ -617,7 +617,7 @@ def test_case9_the_start_line_and_the_summary_say_what_runs_where():
     outputs or to the commands that evaluate and plot them."""
     line = cli.start_line(
         algo="grpo_ma",
-        preset={"thoughts": 4, "answers": 4},
+        flags="rollouts: --thoughts 4 --answers 4",
         model="m",
         task="synthetic",
         out="runs/x",
@@ -628,8 +628,9 @@ def test_case9_the_start_line_and_the_summary_say_what_runs_where():
         memory="estimated peak memory 0.41 GiB",
     )
     assert line == (
-        "train: --algo grpo_ma (--thoughts 4 --answers 4), model m, task synthetic, on cpu, float32; steps 101-200, "
-        "resuming runs/x/step-100 at step 100, into runs/x; estimated peak memory 0.41 GiB"
+        "train: --algo grpo_ma, model m, task synthetic, on cpu, float32; steps 101-200, "
+        "resuming runs/x/step-100 at step 100, into runs/x; estimated peak memory 0.41 GiB\n"
+        "       rollouts: --thoughts 4 --answers 4"
     )
     evals = [
         {"step": 0, "eval/greedy_accuracy": 0.425, "eval/mean@4": 0.259, "eval/accuracy": 0.425},
@@ -647,6 +648,41 @@ def test_case9_the_start_line_and_the_summary_say_what_runs_where():
         "trained model",
         "      python eval.py --plot runs/x --out runs/x/plot.png  # its curves",
     ]
+
+
+def test_the_start_line_names_every_flag_that_differs_from_its_default():
+    """Guards against a start line that showed the preset's flags, not the run's: `--algo rloo --lora-rank 4` never
+    mentioned LoRA, `--select hardest` was not shown, `--rollout-dtype bfloat16` still said float32. Every flag that
+    differs from its default is named once, grouped by its --help family; the ones the line says elsewhere are not."""
+    argv = ["--algo", "rloo", "--lora-rank", "4", "--select", "hardest", "--pass-rates", "r.jsonl", "--no-share-prompt"]
+    argv += ["--system-prompt", "be brief", "--out", "runs/x"]
+    cfg, _ = cli.parse_config(TrainConfig, argv, presets=PRESETS, preset_field="algo")
+    line = cli.changed_flags(cfg, skip=("algo", "out"))
+    assert "optimisation: " in line and "--lora-rank 4" in line and "--no-share-prompt" in line
+    assert "--select hardest" in line and "--pass-rates r.jsonl" in line and "--system-prompt 'be brief'" in line
+    assert "--advantage rloo --no-std-normalize" in line  # the preset's flags too
+    assert "--algo" not in line and "--out" not in line and "--thoughts" not in line  # skipped, or at its default
+    default, _ = cli.parse_config(TrainConfig, [], presets=PRESETS, preset_field="algo")
+    assert cli.changed_flags(default, skip=("algo",)) == "rollouts: --thoughts 4 --answers 4"
+    assert cli.changed_flags(TrainConfig(), skip=("algo",)) == ""
+
+
+def test_a_preset_refusal_names_the_default_preset_and_help_shows_effective_defaults():
+    """Guards against `train.py --loss gspo` blaming `--algo None` (the default preset, grpo_ma, was not typed), and
+    --help showing `--thoughts (default: 16)` and `--answers (default: 1)` when a run without flags samples 4 x 4
+    through the default preset."""
+    with pytest.raises(cli.UserExit, match=r"--loss gspo needs --answers 1 \(--algo grpo_ma sets --answers 4\)"):
+        cli.parse_config(TrainConfig, ["--loss", "gspo"], presets=PRESETS, preset_field="algo")
+    text = " ".join(cli.build_parser(TrainConfig, "", PRESETS, "algo").format_help().split())
+    assert "(default: 4, from the default --algo grpo_ma; 16 without that preset)" in text
+    assert "(default: 4, from the default --algo grpo_ma; 1 without that preset)" in text
+    assert "--prompts-per-step INT P, global over all ranks (default: 16)" in text
+
+
+def test_the_end_summary_names_the_merged_weights():
+    """Guards against a --merge run whose summary pointed only at final/ (the adapters), never at OUT/merged."""
+    text = cli.end_summary([], 5.0, "runs/x", ["metrics.jsonl"], "", 3, merged=True)
+    assert "merged (a full HF checkpoint) in runs/x/merged" in text and "--model runs/x/merged" in text
 
 
 def test_case15_random_checkpoint_builds_a_published_shape(tmp_path, monkeypatch):
