@@ -26,9 +26,9 @@ import torch
 
 from checkpoint import hold_lock
 from cli import user_errors
+from graphs import decode_runner
 from heldout import evaluate
 from hf import BUNDLED, bundled
-from kvcache import decode_step_static
 from methods.hard_examples import pass_rate_examples, resume_pass_rates, write_pass_rates
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task
 
@@ -140,7 +140,8 @@ class EvalConfig:
     seed: int = 0  # sampling seed and held-out sample seed
     system_prompt: str | None = None  # system turn of every prompt, replacing the task's ("" = no system turn)
     enable_thinking: bool = True  # Qwen3 chat template's thinking switch (off: an empty thought is pre-filled)
-    compile: bool = False  # decode through torch.compile (CUDA graphs on a GPU; on CPU it takes minutes to compile)
+    compile: bool = False  # torch.compile the decode step (inside the CUDA graphs on a GPU; on CPU it takes minutes)
+    cuda_graphs: bool = True  # on CUDA, decode replays CUDA graphs (graphs.py); --no-cuda-graphs: eager, the reference
     # -- output
     device: str = "cpu"  # where to run (cuda:N picks a GPU)
     out: str = ""  # write the results as JSON here (empty = print only)
@@ -236,8 +237,8 @@ def main(cfg: EvalConfig) -> dict:
         if cfg.pass_rates:  # one writer per file: a second pass on the same --out is refused while this one runs
             hold_lock(cfg.out, f"--out {cfg.out}")
         done = resume_pass_rates(cfg.out, settings, examples) if cfg.pass_rates else {}
-    # --compile: the caller compiles the sampler's small decode step; CUDA replays it as a graph
-    static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True) if cfg.compile else None
+    # CUDA graphs by default on a GPU (graphs.py); --compile compiles the decode step they capture
+    static_step = decode_runner(torch.device(cfg.device), graphs=cfg.cuda_graphs, compile=cfg.compile)
     sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     sampling.update(static_step=static_step)
     if cfg.pass_rates:

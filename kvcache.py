@@ -9,8 +9,6 @@ from torch import Tensor
 
 from model import Transformer
 
-STATIC_SLOTS = 64  # a static cache's slots are padded to a multiple of this: few shapes to compile
-
 
 class KVCache:
     """Preallocated keys/values (L, B, Hkv, max_len, hd) for every layer, plus per-row state."""
@@ -34,7 +32,8 @@ class KVCache:
         self.rows = torch.arange(batch, device=device)  # caller's row id held by each cache row
         self.length = 0  # slots written so far, the same for every row
         self.batch = batch  # forwards run on the active cache rows [:batch]
-        self.slot: Tensor | None = None  # static mode: write at this (1,) slot, return all slots
+        self.slot: Tensor | None = None  # static mode: write at this (1,) slot, attend over the first `span` slots
+        self.span = 0  # static mode: slots attention covers, a bucket >= length + 1 (graphs.span_bucket)
 
     @classmethod
     def for_model(cls, model: Transformer, batch: int, max_len: int) -> "KVCache":
@@ -52,10 +51,11 @@ class KVCache:
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new k, v (b, Hkv, T, hd) of one layer; return all keys/values (b, Hkv, S, hd)."""
         b, T = k.shape[0], k.shape[2]
-        if self.slot is not None:  # static shapes (compiled decode): in-place write, full width
-            self.k[layer_idx, :b].index_copy_(2, self.slot, k)
-            self.v[layer_idx, :b].index_copy_(2, self.slot, v)
-            return self.k[layer_idx, :b], self.v[layer_idx, :b]
+        if self.slot is not None:  # static shapes (graphs, compiled decode): in-place write, `span` slots wide
+            k_all, v_all = self.k[layer_idx, :b, :, : self.span], self.v[layer_idx, :b, :, : self.span]
+            k_all.index_copy_(2, self.slot, k)
+            v_all.index_copy_(2, self.slot, v)
+            return k_all, v_all
         s = self.length
         self.k[layer_idx, :b, :, s : s + T] = k
         self.v[layer_idx, :b, :, s : s + T] = v
@@ -92,20 +92,6 @@ class KVCache:
         new.next_pos[:] = self.next_pos[src]
         new.length = s
         return new
-
-    def make_static(self) -> None:
-        """Static shapes for a compiled decode step: writes go to the tensor slot `self.slot`,
-        attention covers all slots, and the buffers keep fixed addresses (CUDA graphs). The slots
-        are padded (never valid) to a multiple of STATIC_SLOTS, so prompts of varying lengths share
-        a few compiled shapes (and recorded CUDA graphs) instead of one per length."""
-        pad = -self.k.shape[3] % STATIC_SLOTS
-        if pad:
-            self.k, self.v = (torch.cat([x, x.new_zeros(*x.shape[:3], pad, x.shape[4])], 3) for x in (self.k, self.v))
-            self.key_valid = torch.cat([self.key_valid, self.key_valid.new_zeros(len(self.key_valid), pad)], 1)
-        self.slot = torch.tensor([self.length], device=self.k.device)
-        if self.k.is_cuda:  # only CUDA graphs care (and it costs a dynamo import)
-            for t in (self.k, self.v, self.key_valid, self.next_pos, self.slot):
-                torch._dynamo.mark_static_address(t)
 
 
 def chunk_mask(key_valid: Tensor, T: int) -> Tensor:
@@ -159,11 +145,12 @@ def decode_step(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) 
 
 
 def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
-    """decode_step with static shapes (for torch.compile / CUDA graphs): the slot is a tensor and
-    attention spans all max_len slots; unwritten slots are invalid. All rows are active."""
-    cache.key_valid.index_copy_(1, cache.slot, alive[:, None])
-    logits = model(
-        tok[:, None], positions=cache.next_pos[:, None], cache=cache, attn_mask=cache.key_valid[:, None, None, :]
-    )
-    cache.next_pos += alive
+    """decode_step with static shapes (what graphs.py captures as a CUDA graph, or torch.compile traces): the
+    first b = len(tok) cache rows, the write slot a tensor, attention over the first cache.span slots (unwritten
+    slots are invalid). Only b and span decide the shapes, and graphs.py buckets both."""
+    b = len(tok)
+    valid = cache.key_valid[:b, : cache.span]  # (b, span)
+    valid.index_copy_(1, cache.slot, alive[:, None])
+    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=valid[:, None, None])
+    cache.next_pos[:b] += alive
     return logits[:, -1]

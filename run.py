@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -25,8 +24,8 @@ import lora
 import methods
 from cli import UserError, changed_flags, start_line
 from config import RESUMABLE, TrainConfig, lr_factor
+from graphs import StaticDecode, decode_runner
 from hf import load_model
-from kvcache import decode_step_static
 from losses import Objective
 from memory import check_memory
 from model import Transformer, cast_copy
@@ -60,7 +59,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
     state: dict = field(init=False)
     wandb: object | None = None
-    static_step: Callable | None = None  # --compile: the compiled decode step sampling and evaluation run
+    static_step: StaticDecode | None = None  # CUDA graphs (and --compile's step) sampling and evaluation run
     guard: distributed.WeightGuard | None = None  # refuses weights an update broke (set by setup)
 
     @property
@@ -170,8 +169,10 @@ def setup(cfg: TrainConfig) -> Run:
     sampler = policy if rollout == "float32" else copy(policy, getattr(torch, rollout))
     run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
     run.marker, run.optimizer, run.scheduler, run.state, run.guard = marker, optimizer, scheduler, state, guard
-    if cfg.compile:  # the caller compiles the small decode step; the sampler replays it as a CUDA graph
-        run.static_step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
+    # On CUDA decode replays CUDA graphs (graphs.py), which hold the weights' addresses: not when FSDP gathers
+    # the policy's weights anew for each rollout. --compile compiles the step they capture.
+    graphs = cfg.cuda_graphs and not (run.fsdp and sampler is policy)
+    run.static_step = decode_runner(device, graphs=graphs, compile=cfg.compile)
     methods.start(run)  # the methods' checks and state (a resumed run keeps its own)
     if rank == 0:
         with checkpoint.writing(path := os.path.join(cfg.out, "config.json")), open(path, "w") as f:

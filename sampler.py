@@ -34,10 +34,11 @@ Decisions (deliberate simplifications):
 * No marker (end_of_thought=()) or max_thought_tokens=0 is plain group sampling: empty thoughts,
   each answer a whole completion of at most max_answer_tokens.
 * Greedy (temperature 0) reports temperature-1 log-probs (the point mass it samples from has 0).
-* Compiled decoding is the caller's choice: decode takes `static_step`, e.g. torch.compile of
-  decode_step_static (train.py and eval.py --compile), a static-shape step (in-place cache writes at
-  a tensor slot, attention over all slots) that CUDA replays as a graph; rows are never compacted
-  then. Tested eagerly on CPU; bench/gpu_check.sh measures the CUDA-graph run on a GPU.
+* The static path is the caller's choice: decode takes `static_step`, a graphs.StaticDecode (train.py and
+  eval.py pass one by default on CUDA: CUDA graphs per batch and span bucket over static buffers; --compile
+  compiles its step first). Finished rows then move the batch to a smaller power of two, never to any size.
+  The same code runs eagerly on CPU, where tests check it samples what the eager path does;
+  bench/gpu_check.sh measures the CUDA graphs on a GPU.
 """
 
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from graphs import StaticDecode, batch_bucket
 from kvcache import KVCache, chunk_mask, decode_step, decode_step_static, extend, prefill  # noqa: F401  (still sampler.X)
 from model import Transformer, token_logprobs
 from stop_text import StopText, TextWatch, text_hits, watch_text
@@ -171,22 +173,25 @@ def end_on_text(watch: TextWatch, out: Samples, cache: KVCache, alive: Tensor, s
     alive[c[c < cache.batch]] = False
 
 
-def compact_finished(cache: KVCache, tok: Tensor, alive: Tensor) -> tuple[Tensor, Tensor]:
-    """Once enough active rows have finished, move the live ones first and run only those."""
+def compact_finished(cache: KVCache, tok: Tensor, alive: Tensor, buckets: bool = False) -> tuple[Tensor, Tensor]:
+    """Once enough active rows have finished, move the live ones first and run only those: once
+    COMPACT_WHEN_DONE of them are done, or with buckets (the static path) once the live rows fit a smaller
+    power of two (the graphs' batch buckets: no new shape)."""
     live = int(alive.sum())
-    if live > (1 - COMPACT_WHEN_DONE) * cache.batch:
+    keep = batch_bucket(live) >= batch_bucket(cache.batch) if buckets else live > (1 - COMPACT_WHEN_DONE) * cache.batch
+    if keep:
         return tok, alive
     perm = cache.compact(alive)[:live]
     return tok[perm], alive[perm]
 
 
-def next_logits(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor, static_step: Callable | None) -> Tensor:
-    """Feed tok to the cache: through decode_step, or through static_step (static shapes, maybe
-    compiled) and then advance the tensor slot it writes at."""
+def next_logits(
+    model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor, static_step: StaticDecode | None
+) -> Tensor:
+    """Feed tok to the cache: through decode_step, or through static_step (static shapes, replayed as
+    CUDA graphs on a GPU) and then advance the tensor slot it writes at."""
     if static_step is None:
         return decode_step(model, cache, tok, alive)
-    if tok.is_cuda:
-        torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs have been consumed
     logits = static_step(model, cache, tok, alive)
     cache.slot += 1
     cache.length += 1
@@ -206,15 +211,15 @@ def decode(
     stop_ids: Sequence[int] = (),
     marker: Sequence[int] = (),
     stop_text: StopText | None = None,
-    static_step: Callable | None = None,
+    static_step: StaticDecode | Callable | None = None,
 ) -> Samples:
     """Sample up to max_steps tokens for every cache row, starting from `logits` (B, V) of each row's
     next token; a row ends on a stop id, once its tokens end with `marker`, or once their text
     contains stop_text.text. The last sampled token is not fed to the cache.
 
-    static_step: None feeds each token through decode_step (rows compacted as they finish); else
-    a function like decode_step_static, typically `torch.compile(decode_step_static, ...)`
-    applied by the caller (static shapes: rows are never compacted)."""
+    static_step: None feeds each token through decode_step (rows compacted as they finish); else a
+    graphs.StaticDecode (static buffers, batch buckets, CUDA graphs when it captures), which adopts the
+    cache; a bare function like decode_step_static is run by an eager StaticDecode."""
     dev = logits.device
     out = Samples.empty(cache.batch, max_steps, dev)
     alive = torch.ones(cache.batch, dtype=torch.bool, device=dev)  # per active cache row
@@ -223,7 +228,8 @@ def decode(
     watch = watch_text(stop_text, logits.shape[-1], cache) if stop_text is not None else None
     sync_every = host_sync_every(dev)
     if static_step is not None:
-        cache.make_static()
+        static_step = static_step if isinstance(static_step, StaticDecode) else StaticDecode(static_step)
+        static_step.adopt(cache)
     for t in range(max_steps):
         rows = cache.rows[: cache.batch]  # caller's row ids of the active rows
         tok, lp = sample_next(logits, uniforms[rows, t], temperature, top_k, top_p)
@@ -234,8 +240,8 @@ def decode(
             end_on_text(watch, out, cache, alive, t + 1)
         if last or (sync and not alive.any()):
             break
-        if sync and static_step is None:
-            tok, alive = compact_finished(cache, tok, alive)
+        if sync:
+            tok, alive = compact_finished(cache, tok, alive, buckets=static_step is not None)
         logits = next_logits(model, cache, tok, alive, static_step)
     cache.slot = None
     check_finite(out.logp, out.n_tokens, logits.dtype)
@@ -313,10 +319,10 @@ def generate(
     top_p: float = 1.0,
     stop_ids: Sequence[int] = (),
     seed: int | Sequence[int] | None = None,
-    static_step: Callable | None = None,
+    static_step: StaticDecode | Callable | None = None,
 ) -> Generation:
     """n samples of at most max_new_tokens for each prompt (token ids), prompt-major. static_step:
-    see decode (e.g. `torch.compile(decode_step_static, mode="reduce-overhead")` on CUDA)."""
+    see decode (e.g. graphs.decode_runner(device): CUDA graphs on a GPU)."""
     if max_new_tokens < 1 or n < 1:
         raise ValueError(f"generate: max_new_tokens and n must be >= 1, got {max_new_tokens} and {n}.")
     seeds = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, "generate")
@@ -344,7 +350,7 @@ def sample_tree(
     top_p: float = 1.0,
     stop_ids: Sequence[int] = (),
     seed: int | Sequence[int] | None = None,
-    static_step: Callable | None = None,
+    static_step: StaticDecode | Callable | None = None,
 ) -> Tree:
     """K thoughts per prompt, each ended by the end_of_thought marker (appended if cut off), then M
     answers from each thought; the prompt and each thought are computed once and shared. The

@@ -8,7 +8,6 @@ from collections import Counter
 import pytest
 import torch
 
-import kvcache
 import sampler
 from helpers import make_char_tokenizer, make_hf_checkpoint
 from hf import load_model
@@ -205,22 +204,6 @@ def test_static_decode_path_matches_dynamic(models):
     assert out.tokens == ref.tokens and out.finish == ref.finish
     for a, b in zip(out.logprobs, ref.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-
-
-def test_static_cache_pads_its_slots():
-    """Guards the compiled decode step seeing a new shape for every prompt length (one CUDA graph
-    recorded per length): make_static pads the slots to a multiple of STATIC_SLOTS, never valid,
-    and keeps what was written and where the next token goes."""
-    cache = KVCache(2, 3, 2, 70, 4, dtype=torch.float32, device=torch.device("cpu"))
-    cache.k.normal_(), cache.v.normal_()
-    cache.key_valid[:, :5], cache.length = True, 5
-    k, v, valid = cache.k.clone(), cache.v.clone(), cache.key_valid.clone()
-    cache.make_static()
-    assert kvcache.STATIC_SLOTS == 64 and cache.k.shape == cache.v.shape == (2, 3, 2, 128, 4)
-    assert cache.key_valid.shape == (3, 128)
-    assert torch.equal(cache.k[:, :, :, :70], k) and torch.equal(cache.v[:, :, :, :70], v)
-    assert torch.equal(cache.key_valid[:, :70], valid) and not cache.key_valid[:, 70:].any()
-    assert cache.slot.tolist() == [5]
 
 
 # ----------------------------------------------------------------------------- log-probs and trees

@@ -1,0 +1,155 @@
+"""graphs.py: decoding at GPU speed. On a GPU a decode step of a small model is launch-bound: hundreds of tiny
+kernels, each waited for, and the GPU busy a fraction of the wall time. So, as vLLM and nano-vllm do, the step is
+captured once as a CUDA graph and replayed: one launch per step. A graph replays fixed shapes at fixed addresses,
+so:
+
+* the KV cache lives in static buffers owned here (StaticDecode.adopt copies a cache in once per decode call and
+  the cache's tensors become views of them); they grow to the largest cache seen, in powers of two;
+* the batch comes in buckets: the step runs on the first `batch_bucket(rows)` cache rows (powers of two). Rows
+  past the live ones are dead or padding: they compute, write holes, and are never read. Finished rows move the
+  batch to a smaller bucket (sampler.compact_finished), never to an arbitrary size;
+* attention spans `span_bucket(length)` slots (powers of two from MIN_SPAN), unwritten slots masked out.
+
+So a run sees at most log2(rows) x log2(slots) shapes, each captured the first time it is needed (a warm-up
+call, then the capture); after warm-up no shape is new. The same static code runs eagerly on CPU (capture=False),
+where the tests check it samples exactly what the eager path does. Left out: capturing the sampler's own ops
+(the draw and the stop checks run eagerly after each replay), and capturing every bucket up front.
+"""
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from kvcache import KVCache, decode_step_static
+from model import Transformer
+
+MIN_SPAN = 64  # the smallest attention span bucket, in cache slots
+
+
+def batch_bucket(rows: int) -> int:
+    """The smallest power of two >= rows: the batch size a static step runs at."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def span_bucket(length: int, slots: int) -> int:
+    """Slots attention covers when `length` slots are written and the step writes one more: the smallest power
+    of two >= length + 1 (at least MIN_SPAN), at most the buffers' `slots`."""
+    return min(max(batch_bucket(length + 1), MIN_SPAN), slots)
+
+
+class StaticDecode:
+    """Decode steps over static buffers, in batch and span buckets; with capture=True (CUDA) each (batch, span)
+    bucket is captured once as a CUDA graph and replayed. step: decode_step_static, or a compiled version of it
+    (train.py --compile: inductor fuses the small ops inside the graph). The graphs hold the weights' addresses:
+    refresh a model's weights in place (model.copy_weights_), never by replacing its tensors."""
+
+    def __init__(self, step: Callable = decode_step_static, capture: bool = False):
+        self.step, self.capture = step, capture
+        self.k = self.v = self.key_valid = self.next_pos = self.slot = None  # (L, rows, Hkv, slots, hd), ...
+        self.tok = self.alive = self.logits = None  # (rows,) inputs and (rows, V) output of every graph
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (batch, span, autocast) -> graph of self.model
+        self.model: weakref.ref | None = None
+        self.owner: weakref.ref | None = None  # the cache living in the buffers
+        self.pool = None  # the graphs' shared memory pool: one graph replays at a time
+
+    def adopt(self, cache: KVCache) -> None:
+        """Move `cache` into the static buffers (growing them if it does not fit): its k, v, key_valid and
+        next_pos become views of them, padded to a power-of-two rows and slots; its slot tensor is the
+        graphs'. A cache adopted before and still alive is first copied out (it keeps its contents)."""
+        if self.k is not None and cache.k.data_ptr() == self.k.data_ptr():  # already here (decode, extend, decode)
+            cache.slot = self.slot.fill_(cache.length)
+            return
+        L, B, Hkv, S, hd = cache.k.shape
+        rows, slots = batch_bucket(B), max(batch_bucket(S), MIN_SPAN)
+        self._make_room(L, rows, Hkv, slots, hd, cache.k.dtype, cache.k.device)
+        self._release_owner()
+        self.k[:, :B, :, :S], self.v[:, :B, :, :S] = cache.k, cache.v
+        self.key_valid.fill_(False)
+        self.key_valid[:B, :S] = cache.key_valid
+        self.key_valid[B:, 0] = True  # padding rows attend to one (finite) slot: no fully masked row, no NaN
+        self.next_pos.zero_()
+        self.next_pos[:B] = cache.next_pos
+        cache.k, cache.v = self.k[:, :rows], self.v[:, :rows]
+        cache.key_valid, cache.next_pos = self.key_valid[:rows], self.next_pos[:rows]
+        cache.slot = self.slot.fill_(cache.length)
+        self.owner = weakref.ref(cache)
+
+    def _make_room(self, L: int, rows: int, Hkv: int, slots: int, hd: int, dtype, device) -> None:
+        """Buffers of at least rows x slots (new buffers invalidate every graph)."""
+        if self.k is not None:
+            old_L, old_rows, old_Hkv, old_slots, old_hd = self.k.shape
+            same = (old_L, old_Hkv, old_hd, self.k.dtype, self.k.device) == (L, Hkv, hd, dtype, device)
+            if same and rows <= old_rows and slots <= old_slots:
+                return
+            if same:
+                rows, slots = max(rows, old_rows), max(slots, old_slots)
+        self._release_owner()
+        self.graphs, self.logits = {}, None
+        self.k = torch.zeros(L, rows, Hkv, slots, hd, dtype=dtype, device=device)  # zeros: masked slots stay finite
+        self.v = torch.zeros_like(self.k)
+        self.key_valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+        self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.tok = torch.zeros(rows, dtype=torch.long, device=device)
+        self.alive = torch.zeros(rows, dtype=torch.bool, device=device)
+        if self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
+
+    def _release_owner(self) -> None:
+        """The cache adopted last, if still alive, gets copies of its tensors: the buffers are about to change."""
+        prev = self.owner() if self.owner else None
+        if prev is not None:
+            prev.k, prev.v, prev.key_valid, prev.next_pos = (
+                t.clone() for t in (prev.k, prev.v, prev.key_valid, prev.next_pos)
+            )
+        self.owner = None
+
+    def __call__(self, model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
+        """Feed tok (n,) for the n = cache.batch active rows of an adopted cache; returns their logits (n, V).
+        Runs batch_bucket(n) rows over span_bucket(cache.length) slots."""
+        n = cache.batch
+        b = batch_bucket(n)
+        cache.span = span_bucket(cache.length, self.k.shape[3])
+        self.tok[:n], self.alive[:n] = tok, alive
+        self.alive[n:b] = False  # rows past the active ones: dead (finished) or padding
+        if not self.capture:
+            return self.step(model, cache, self.tok[:b], self.alive[:b])[:n]
+        if self.model is None or self.model() is not model:  # graphs hold a model's weights: a new model, new graphs
+            self.graphs, self.logits, self.model = {}, None, weakref.ref(model)
+        key = (b, cache.span, torch.is_autocast_enabled("cuda"))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(model, cache, b)
+        self.graphs[key].replay()
+        return self.logits[:n]
+
+    def _capture(self, model: Transformer, cache: KVCache, b: int) -> "torch.cuda.CUDAGraph":
+        """Record the step at batch b and cache.span as a CUDA graph writing its logits into self.logits. A
+        warm-up call comes first (lazy inits, cuBLAS workspaces, torch.compile's compile); its writes at the
+        current slot are the replay's own, but the positions it advanced are put back."""
+        tok, alive = self.tok[:b], self.alive[:b]
+        pos = self.next_pos.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self.step(model, cache, tok, alive)
+        torch.cuda.current_stream().wait_stream(side)
+        self.next_pos.copy_(pos)
+        if self.logits is None:  # (rows, V) in the logits' dtype, shared by every graph
+            self.logits = logits.new_empty(len(self.tok), logits.shape[-1])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[:b] = self.step(model, cache, tok, alive)
+        return graph
+
+
+def decode_runner(device: torch.device, *, graphs: bool = True, compile: bool = False) -> StaticDecode | None:
+    """The decode path a run samples through (sampler.decode's static_step): on CUDA, CUDA graphs unless
+    graphs=False (--no-cuda-graphs: the eager path, the reference); compile=True (--compile) first compiles the
+    static step with torch.compile (dynamic shapes: one compile for all buckets), on any device. None: eager."""
+    capture = device.type == "cuda" and graphs
+    if not (capture or compile):
+        return None
+    step = torch.compile(decode_step_static, dynamic=True, fullgraph=True) if compile else decode_step_static
+    return StaticDecode(step, capture=capture)

@@ -1,0 +1,186 @@
+"""Tests of graphs.py, the static decode path that CUDA replays as graphs: its buckets, its static buffers, and
+that its static-shape code, run eagerly on CPU, samples exactly what the eager path does (generate, trees, text
+markers, a cache decoded again after an extend, a compiled step). Tiny random models, CPU, float32."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import graphs
+import sampler
+from graphs import StaticDecode, batch_bucket, decode_runner, span_bucket
+from kvcache import KVCache, decode_step_static, extend, prefill
+from model import ModelConfig, Transformer
+from sampler import decode, generate, sample_tree
+
+PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread (and a shared 2-core machine makes them slow)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(seed: int = 0, layers: int = 2, family: str = "qwen2", scale: float = 4.0) -> Transformer:
+    """A random qwen2-shaped model; lm_head scaled up for peaked distributions (stop ids and markers get hit)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        model_type=family,
+    )
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale / 0.02 * 0.05)
+    return model
+
+
+def recording() -> tuple[list[tuple[int, int]], StaticDecode]:
+    """An eager StaticDecode whose step records the (batch, span) of every call."""
+    shapes = []
+
+    def step(model, cache, tok, alive):
+        shapes.append((len(tok), cache.span))
+        return decode_step_static(model, cache, tok, alive)
+
+    return shapes, StaticDecode(step)
+
+
+def test_buckets():
+    """Guards the shapes a CUDA graph is captured for: batches run at powers of two, attention spans are powers
+    of two from MIN_SPAN, capped at the buffers' slots (so a run sees log2 x log2 shapes, not one per size)."""
+    assert [batch_bucket(n) for n in (0, 1, 2, 3, 5, 64, 65, 200)] == [1, 1, 2, 4, 8, 64, 128, 256]
+    assert graphs.MIN_SPAN == 64
+    assert [span_bucket(n, 512) for n in (0, 10, 63, 64, 100, 127, 128, 300, 511, 600)] == [64] * 3 + [128] * 3 + [
+        256,
+        512,
+        512,
+        512,
+    ]
+
+
+def test_adopt_pads_rows_and_slots_and_keeps_the_cache():
+    """Guards the static buffers: adopting a cache copies it into buffers of power-of-two rows and slots
+    (keys, values, valid slots, positions kept; the padding rows never fully masked, so never NaN), the cache
+    becomes a view of them (writes land where the graphs read), and the slot tensor points at the next slot.
+    A second, bigger cache grows the buffers; the first, still alive, keeps its contents."""
+    cache = KVCache(2, 3, 2, 70, 4, dtype=torch.float32, device=torch.device("cpu"))
+    cache.k.normal_(), cache.v.normal_()
+    cache.key_valid[:, :5], cache.length, cache.next_pos[:] = True, 5, torch.tensor([5, 3, 4])
+    k, v, valid = cache.k.clone(), cache.v.clone(), cache.key_valid.clone()
+    static = StaticDecode()
+    static.adopt(cache)
+    assert static.k.shape == (2, 4, 2, 128, 4) and cache.k.shape == (2, 4, 2, 128, 4)
+    assert cache.k.data_ptr() == static.k.data_ptr() and cache.slot is static.slot and cache.slot.tolist() == [5]
+    assert torch.equal(cache.k[:, :3, :, :70], k) and torch.equal(cache.v[:, :3, :, :70], v)
+    assert torch.equal(cache.key_valid[:3, :70], valid) and not cache.key_valid[:3, 70:].any()
+    assert cache.key_valid[3].tolist() == [True] + [False] * 127 and cache.next_pos.tolist() == [5, 3, 4, 0]
+    assert cache.batch == 3 and cache.rows.tolist() == [0, 1, 2]
+    big = KVCache(2, 5, 2, 200, 4, dtype=torch.float32, device=torch.device("cpu"))
+    static.adopt(big)
+    assert static.k.shape == (2, 8, 2, 256, 4) and big.k.data_ptr() == static.k.data_ptr()
+    assert cache.k.data_ptr() != static.k.data_ptr() and torch.equal(cache.k[:, :3, :, :70], k)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_path_samples_what_eager_does(temperature):
+    """Guards the captured path's code (static buffers, batch buckets, span buckets, shrinking) drifting from
+    the eager reference: same tokens, finish reasons and log-probs, in float32. Rows finish on stop ids, so the
+    batch shrinks, and only ever to a power of two that holds the live rows; the attention span grows from 64
+    to 128 slots as the cache fills."""
+    model = tiny()
+    args = dict(max_new_tokens=80, n=4, temperature=temperature, seed=[4, 5, 6])
+    probe = generate(model, PROMPTS, **args).tokens
+    args["stop_ids"] = [probe[0][3]] if temperature == 0 else [probe[0][3], probe[4][12]]  # some rows, not all
+    ref = generate(model, PROMPTS, **args)
+    assert "stop" in ref.finish and "length" in ref.finish
+    shapes, static = recording()
+    out = generate(model, PROMPTS, static_step=static, **args)
+    assert out.tokens == ref.tokens and out.finish == ref.finish
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    batches = [b for b, _ in shapes]
+    assert batches[0] == 16 and all(b & (b - 1) == 0 for b in batches) and batches == sorted(batches, reverse=True)
+    assert min(batches) < 16 and [s for _, s in shapes] == sorted(s for _, s in shapes)
+    assert {s for _, s in shapes} == {64, 128} and static.k.shape[3] == 128
+
+
+def test_static_path_tree_sampling_and_text_marker(monkeypatch):
+    """Guards tree sampling (K thoughts x M answers, forks of a cache living in the static buffers) on the
+    static path: thoughts ended by a text marker, cut off ones, answers ended by stop ids, checked every step
+    (CPU) and every SYNC_EVERY steps (GPU, markers found late are cut back) equal the eager path's."""
+    from stop_text import StopText
+
+    model = tiny(seed=1)
+    args = dict(k=4, m=3, max_thought_tokens=30, max_answer_tokens=12, temperature=1.0, seed=[1, 2])
+    probe = sample_tree(model, PROMPTS[:2], end_of_thought=[0, 0, 0], **args)
+    counts = Counter(t for th in probe.thoughts for t in set(th[:-3]))
+    common = [t for t, _ in counts.most_common(6)]
+    text = StopText("m", [common[0]], lambda ids: "".join("m" if i == common[0] else "x" for i in ids), 128)
+    args |= dict(end_of_thought=text, stop_ids=common[1:4])
+    for every in (1, 8):
+        monkeypatch.setattr(sampler, "host_sync_every", lambda device, every=every: every)
+        ref = sample_tree(model, PROMPTS[:2], **args)
+        assert 0 < sum(ref.thought_truncated) < 8 and "stop" in ref.answer_finish
+        out = sample_tree(model, PROMPTS[:2], static_step=StaticDecode(), **args)
+        assert out.thoughts == ref.thoughts and out.answers == ref.answers
+        assert out.thought_truncated == ref.thought_truncated and out.answer_finish == ref.answer_finish
+        for a, b in zip(out.answer_logprobs + out.thought_logprobs, ref.answer_logprobs + ref.thought_logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_decode_extend_decode_on_one_cache():
+    """Guards a cache decoded, extended (a tool's output) and decoded again through the same StaticDecode:
+    it stays in the buffers (no stale copy) and gives the eager path's tokens."""
+    model = tiny(seed=2)
+    runs = []
+    for static in (None, StaticDecode()):
+        cache, logits = prefill(model, PROMPTS)
+        cache = cache.fork(torch.arange(3), cache.length + 30)
+        u = torch.rand(3, 10, generator=torch.Generator().manual_seed(0))
+        kw = dict(temperature=1.0, top_k=0, top_p=1.0, static_step=static)
+        first = decode(model, cache, logits, u, 10, **kw)
+        cache.restore_order()
+        chunk = torch.tensor([[7, 8, 9]] * 3)
+        logits = extend(model, cache, chunk, torch.ones_like(chunk, dtype=torch.bool))[:, -1]
+        second = decode(model, cache, logits, u.flip(1), 10, **kw)
+        runs.append((first.tokens.tolist(), second.tokens.tolist()))
+    assert runs[0] == runs[1]
+
+
+def test_compiled_static_step_samples_what_eager_does():
+    """Guards --compile's step (torch.compile of decode_step_static with dynamic shapes, which the graphs then
+    capture) failing to trace as one graph over the buckets, or sampling differently: traced here with
+    dynamo's eager backend (no code generation), it gives the eager path's tokens."""
+    model = tiny(seed=3)
+    args = dict(max_new_tokens=12, n=2, temperature=1.0, stop_ids=[3, 17, 50], seed=[4, 5, 6])
+    ref = generate(model, PROMPTS, **args)
+    torch._dynamo.reset()
+    step = torch.compile(decode_step_static, backend="eager", dynamic=True, fullgraph=True)
+    out = generate(model, PROMPTS, static_step=StaticDecode(step), **args)
+    assert out.tokens == ref.tokens and out.finish == ref.finish
+
+
+def test_decode_runner_by_device(monkeypatch):
+    """Guards the default: CUDA graphs on CUDA (unless turned off: the eager reference), nothing on CPU unless
+    --compile asks for the compiled static step."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: ("compiled", kw))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert decode_runner(cpu) is None and decode_runner(cuda, graphs=False) is None
+    runner = decode_runner(cuda)
+    assert runner.capture and runner.step is decode_step_static
+    runner = decode_runner(cpu, compile=True)
+    assert not runner.capture and runner.step == ("compiled", dict(dynamic=True, fullgraph=True))
