@@ -1,0 +1,68 @@
+"""Tests of envs.py: the Python tool finds the call in both forms and answers in the matching form, every fault of
+the called code (a hang, a memory bomb, 10 MB of print, a crash, an exit) is a short error string and a counted
+error, never an exception, and Countdown's feedback names the rule a proposal broke."""
+
+import pytest
+
+from envs import ENVS, TRUNCATED, CountdownFeedback, PythonTool, countdown_feedback, run_code
+
+TORL = "<think>```python\nprint(37*8)\n```\n```output"
+QWEN = '<tool_call>\n{"name": "python", "arguments": {"code": "print(37*8)"}}\n</tool_call>'
+
+
+def test_python_tool_reads_and_answers_both_call_forms():
+    """Guards the two call forms: ToRL's fenced block answered after the ```output marker it stopped on (the
+    output, then the closing fence), and Qwen's <tool_call> JSON answered with a <tool_response> user turn; a
+    call with no code is an error observation, not a crash."""
+    torl = PythonTool("torl")
+    assert torl.stop == "```output" and torl.step(TORL) == ("\n296\n```\n", 0.0, False)
+    qwen = PythonTool("qwen")
+    obs, reward, done = qwen.step(QWEN)
+    assert qwen.stop == "</tool_call>" and not done
+    assert (
+        obs == "<|im_end|>\n<|im_start|>user\n<tool_response>\n296\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert torl.errors == qwen.errors == 0
+    obs, _, done = torl.step("no code here```output")
+    assert obs.startswith("\nError: no code found") and not done and torl.errors == 1
+    assert qwen.code('<tool_call>{"name": "python"}</tool_call>') is None
+
+
+@pytest.mark.parametrize(
+    "code, error",
+    [
+        ("while True: pass", "Error: "),
+        ("x = bytearray(10**10)", "MemoryError"),
+        ("1/0", "ZeroDivisionError: division by zero"),
+        ("import os; os._exit(3)", "Error: "),
+        ("raise SystemExit(2)", "SystemExit: 2"),
+    ],
+)
+def test_a_faulty_call_is_a_short_error_string(code, error):
+    """Guards the trainer against the tool's code: a call that hangs, runs out of memory, crashes or exits
+    becomes a one-line error observation (and a failed flag for tool/errors), never an exception or a hang."""
+    out, failed = run_code(code, timeout_s=1.0, memory_mb=256, max_chars=200)
+    assert failed and out.startswith(error) and "\n" not in out and len(out) <= 200
+
+
+def test_ten_megabytes_of_print_are_cut_with_a_marker():
+    """Guards the output cap: 10 MB of output becomes max_chars of it and the truncation marker."""
+    out, failed = run_code("print('a' * 10_000_000)", timeout_s=5.0, memory_mb=256, max_chars=100)
+    assert not failed and out == "a" * 100 + TRUNCATED
+
+
+def test_countdown_feedback_names_the_broken_rule():
+    """Guards the interactive task's feedback: which rule a proposal broke (numbers, value, syntax), and a right
+    one ends the completion with reward 1."""
+    ex = {"prompt": "Using the numbers [3, 5, 7] ...", "nums": [3, 5, 7], "target": 22}
+    env = ENVS["countdown"]()
+    assert "told which rule" in env.reset(ex)
+    assert (
+        countdown_feedback("<answer>3 * 5 + 5</answer>", ex) == "it uses [3, 5, 5]; use each of [3, 5, 7] exactly once."
+    )
+    assert countdown_feedback("<answer>3 + 5 + 7</answer>", ex) == "it equals 15, not 22."
+    assert countdown_feedback("<answer>3 + x</answer>", ex).startswith("that is not an equation")
+    obs, reward, done = env.step("<answer>3 + 5 + 7</answer>")
+    assert obs == "\nFeedback: it equals 15, not 22.\n" and reward == 0.0 and not done and env.errors == 1
+    assert env.step("<answer>3 * 5 + 7</answer>") == (None, 1.0, True)
+    assert isinstance(env, CountdownFeedback)
