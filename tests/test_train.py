@@ -124,6 +124,40 @@ def test_every_preset_runs(tiny, tmp_path, algo):
     assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
     assert os.path.isfile(os.path.join(out, "samples.jsonl"))
     load_model(os.path.join(out, "final"))
+    undocumented = {k for r in rows for k in r} - documented_metrics()  # each preset's own metrics too
+    assert not undocumented, f"metrics.jsonl names missing from docs/runs.md's table: {sorted(undocumented)}"
+
+
+def documented_metrics() -> set[str]:
+    """The metric names docs/runs.md's Metrics table lists (eval/mean@N and eval/pass@K stand for every N and K)."""
+    text = open(os.path.join(ROOT, "docs", "runs.md")).read().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    names = {
+        n for line in text.splitlines() if line.startswith("| `") for n in re.findall(r"`([^`]+)`", line.split("|")[1])
+    }
+    return names | {f"eval/{k}@{n}" for k in ("mean", "pass") for n in range(1, 65)}
+
+
+def test_every_metric_a_method_or_the_loop_names_is_documented():
+    """Guards against `gss` and its kin: names shown on every progress line and in metrics.jsonl that no page a user
+    reads explains. Every metric key the loop, metrics.py and methods/ write as a literal must be in docs/runs.md's
+    table (the slow test_every_preset_runs checks the rows real runs write)."""
+    sources = [f for f in os.listdir(ROOT) if f.endswith(".py")]
+    sources += [os.path.join("methods", f) for f in os.listdir(os.path.join(ROOT, "methods")) if f.endswith(".py")]
+    literal = set()
+    for path in sources:
+        literal |= set(
+            re.findall(
+                r'"((?:reward|len|tokens|tis|opsm|token_select|kl_cov|gpg|noise|anchors|tool|time|mem)/[\w@]+)"',
+                open(os.path.join(ROOT, path)).read(),
+            )
+        )
+    literal |= {"gss", "gss10_frac", "grad_norm", "logp_gap", "clip_frac", "frac_zero_std_groups", "resampled"}
+    missing = {k for k in literal if k not in documented_metrics()}
+    assert not missing, sorted(missing)
+    assert len(literal) > 20
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().replace("*", "").split())
+    first_bar = readme.index("gss=")  # where the README first shows the progress bar, it says what gss is
+    assert "gradient spike score" in readme[first_bar - 1500 : first_bar + 1500]
 
 
 def test_resume_is_bitwise(tiny, tmp_path):
