@@ -1,0 +1,83 @@
+"""fused.py: the rollout copy's fused projections. A decode step on a GPU pays per kernel, not per FLOP, so the
+sampler's copy of the policy (model.cast_copy, lora.merged_copy: train.py's --rollout-dtype copy, bf16 on CUDA)
+runs q, k and v as one matmul, gate and up as another, and RoPE over q and k at once: 7 projections per layer
+become 4, and two RoPEs one.
+
+The trained model keeps Hugging Face's layout (q_proj, k_proj, ... : checkpoints, LoRA/PEFT and FSDP are
+untouched). In the copy, each projection's weight is a view into its layer's fused weight, so refreshing the copy
+after an update (copy_weights_, lora.copy_merged_: in-place copies into its parameters) refreshes the fused
+weights with it, at the same addresses (the CUDA graphs replay them). The policy itself is never fused: the float32
+sampler on CPU (the default) computes exactly what it always did. Left out: fusing RMSNorm and SiLU-and-mul into
+one kernel each, which needs generated kernels (train.py --compile compiles the whole step instead).
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import MLP, Attention, Transformer, apply_rope, attend
+
+
+class FusedAttention(Attention):
+    """Attention whose q, k, v projections run as one matmul (qkv_weight (H + 2 Hkv) hd x C; their weights
+    are views of it) and whose RoPE runs over q and k together."""
+
+    qkv_weight: Tensor
+    qkv_bias: Tensor | None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, attn_mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv = self.H, self.Hkv
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, H + 2 * Hkv, self.hd)
+        if hasattr(self, "q_norm"):  # Qwen3: per-head norms (two weights) before RoPE
+            qk = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])], 2)
+        else:
+            qk = qkv[:, :, : H + Hkv]  # (B, T, H + Hkv, hd)
+        qk = apply_rope(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos, sin (B, T, 1, hd): every head
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, heads, T, hd)
+        v = qkv[:, :, H + Hkv :].transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd): all keys so far
+        y = attend(q, k, v, attn_mask)  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.hd))
+
+
+class FusedMLP(MLP):
+    """SwiGLU whose gate and up projections run as one matmul (gate_up_weight 2I x C; their weights are views
+    of it). Inference only: training goes through MLP's memory-saving backward on the unfused policy."""
+
+    gate_up_weight: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # (..., I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fuse(linears: list[nn.Linear], name: str) -> Tensor | None:
+    """One tensor holding the linears' weights (or biases) one after another along the output dimension; each
+    linear's parameter becomes a view of it (so in-place updates of the parameters update it)."""
+    parts = [getattr(lin, name) for lin in linears]
+    if parts[0] is None:
+        return None
+    fused = torch.cat([p.detach() for p in parts])
+    start = 0
+    for lin, p in zip(linears, parts):
+        setattr(lin, name, nn.Parameter(fused[start : start + len(p)], requires_grad=p.requires_grad))
+        start += len(p)
+    return fused
+
+
+@torch.no_grad()
+def fuse_projections(model: Transformer) -> Transformer:
+    """Fuse a frozen copy's projections in place (see the module docstring) and return it. Its parameters keep
+    their names, shapes, values and order (copy_weights_ and state_dict see no difference). Not for a model that
+    trains, nor one moved to another device afterwards (.to() would copy the views apart)."""
+    for block in model.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        attn.qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
+        attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+        attn.__class__ = FusedAttention
+        mlp.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+        mlp.__class__ = FusedMLP
+    return model

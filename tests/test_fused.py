@@ -1,0 +1,142 @@
+"""Tests of fused.py, the rollout copy's fused projections, and of the decode step's size: the fused copy computes
+what the HF-layout model does, keeps its parameters and follows in-place refreshes (copy_weights_,
+lora.copy_merged_); and a count of the aten ops one decode step dispatches, per layer, guards the kernels per
+step on a GPU from growing back. Tiny random models, CPU."""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lora
+from fused import FusedAttention, FusedMLP, fuse_projections
+from graphs import StaticDecode
+from kvcache import decode_step, prefill
+from model import ModelConfig, Transformer, cast_copy, copy_weights_
+from sampler import generate
+
+# Aten ops one decode step dispatches per layer (qwen2 shape, bf16, the fused rollout copy), eager and static (the
+# step graphs.py captures), counted by test_decode_step_op_budget; and the same without the view ops (slice,
+# transpose, ...: no kernel). Before fusion: 50 and 44 (30 compute ops each), 7 matmuls. Lower them when you cut ops.
+OPS_PER_LAYER = {"eager": 47, "static": 41}
+COMPUTE_OPS_PER_LAYER = 23
+VIEWS = {"slice", "select", "transpose", "view", "reshape", "chunk", "split", "expand", "unsqueeze", "t", "alias"}
+
+
+def tiny(family: str = "qwen2", layers: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        model_type=family,
+        tie_word_embeddings=family == "qwen3",
+    )
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # every parameter random: zero biases and unit norms hide bugs
+            p.copy_(torch.randn_like(p) * 0.1 + name.endswith("norm.weight"))
+    return model.to(dtype)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def step_ops(model: Transformer, static: bool) -> Counter:
+    """The aten ops of one decode step (two rows) of `model`: the eager step, or the static one graphs capture."""
+    cache, logits = prefill(model, [[1, 2, 3], [4, 5]])
+    cache = cache.fork(torch.arange(2), 8)
+    tok, alive = torch.tensor([1, 2]), torch.ones(2, dtype=torch.bool)
+    runner = StaticDecode() if static else None
+    if runner:
+        runner.adopt(cache)
+    with CountOps() as count:
+        runner(model, cache, tok, alive) if runner else decode_step(model, cache, tok, alive)
+    return count.ops
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_copy_computes_what_the_model_does(family):
+    """Guards the fused rollout copy computing something else than the HF-layout model (a q/k/v or gate/up
+    order mixed up, a bias lost, RoPE or Qwen3's q/k norms applied to the wrong heads): logits of a forward
+    and of cached decoding, and sampled tokens, equal the unfused model's in float32; the parameters keep
+    their names, shapes and values."""
+    model = tiny(family)
+    fused = fuse_projections(cast_copy(model, torch.float32))
+    assert isinstance(fused.model.layers[0].self_attn, FusedAttention) and isinstance(
+        fused.model.layers[1].mlp, FusedMLP
+    )
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in model.named_parameters()]
+    for (n, a), b in zip(fused.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), n
+    ids = torch.tensor([[3, 9, 27, 81, 5, 6], [1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), model(ids), atol=1e-5, rtol=1e-5)
+    args = dict(max_new_tokens=12, n=2, temperature=1.0, seed=[1, 2])
+    ref, out = generate(model, ids.tolist(), **args), generate(fused, ids.tolist(), **args)
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_fused_copy_follows_in_place_refreshes():
+    """Guards a fused copy that stays at the starting weights: the projections' parameters are views of the
+    fused weights, so copy_weights_ (after an update) and lora.copy_merged_ (merged adapters) refresh them, and
+    the copy then computes what a fresh copy of the new weights does."""
+    model = tiny("qwen2")
+    fused = fuse_projections(cast_copy(model, torch.float32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    copy_weights_(fused, model)
+    ids = torch.tensor([[3, 9, 27, 81]])
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), model(ids), atol=1e-5, rtol=1e-5)
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    lora.add_lora(model, 4, 8.0, lora.parse_targets("q,k,v,o,gate,up,down"), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    merged = fuse_projections(lora.merged_copy(model))
+    with torch.no_grad():
+        lora.copy_merged_(merged, model)
+        torch.testing.assert_close(merged(ids), model(ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_decode_step_op_budget(static):
+    """Guards the kernels per decode step from growing back (on a GPU each op is a launch, or a node of the
+    captured graph, that the step waits for): the aten ops one step dispatches per layer (the difference between
+    a 4-layer and a 2-layer model, halved) for the bf16 fused rollout copy, eager and static, stay within the
+    budget; projections are 4 matmuls per layer, not 7."""
+    per_layer = []
+    for layers in (2, 4):
+        model = fuse_projections(cast_copy(tiny("qwen2", layers), torch.bfloat16))
+        per_layer.append(step_ops(model, static))
+    ops = per_layer[1] - per_layer[0]
+    ops = Counter({k: v // 2 for k, v in ops.items()})
+    compute = sum(v for k, v in ops.items() if k not in VIEWS)
+    assert ops["linear"] == 4, ops
+    assert sum(ops.values()) <= OPS_PER_LAYER["static" if static else "eager"], ops
+    assert compute <= COMPUTE_OPS_PER_LAYER, ops
+    unfused = [step_ops(cast_copy(tiny("qwen2", n), torch.bfloat16), static) for n in (2, 4)]
+    assert sum((unfused[1] - unfused[0]).values()) // 2 > sum(ops.values())
