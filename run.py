@@ -24,6 +24,7 @@ import lora
 import methods
 from cli import UserError, changed_flags, start_line
 from config import RESUMABLE, TrainConfig, lr_factor
+from fused import fuse_projections
 from graphs import StaticDecode, decode_runner
 from hf import load_model
 from losses import Objective
@@ -166,7 +167,8 @@ def setup(cfg: TrainConfig) -> Run:
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     guard = distributed.WeightGuard(list(names), masters, world, f"lower --lr (now {cfg.lr:g})")
     copy = lora.merged_copy if cfg.lora_rank else cast_copy  # LoRA: the sampler runs the merged weights
-    sampler = policy if rollout == "float32" else copy(policy, getattr(torch, rollout))
+    # a copy runs fused q/k/v and gate/up projections (fused.py: fewer kernels per decode step); the policy never does
+    sampler = policy if rollout == "float32" else fuse_projections(copy(policy, getattr(torch, rollout)))
     run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
     run.marker, run.optimizer, run.scheduler, run.state, run.guard = marker, optimizer, scheduler, state, guard
     # On CUDA decode replays CUDA graphs (graphs.py), which hold the weights' addresses: not when FSDP gathers
