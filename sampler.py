@@ -14,7 +14,8 @@ One mechanism handles padding, finished rows and forks :
 
 Decisions (deliberate simplifications):
 * Seeds: prompt p's random draws come only from a CPU torch.Generator seeded with seed[p]: one
-  uniform per row and step, drawn up front, turned into a token by inverse-CDF sampling. So a
+  uniform per row and step, drawn up front, turned into a token by inverse-CDF sampling (on GPU in two
+  levels, block then token, instead of a scan of the whole vocabulary: draw_in_blocks). So a
   prompt's samples do not depend on which prompts share its batch (up to float rounding of
   batch-shape-dependent kernels). A single int seed draws the per-prompt seeds from Generator(seed).
 * Thought stop rule: only the end-of-thought marker and max_thought_tokens end a thought; stop ids
@@ -54,6 +55,7 @@ from stop_text import StopText, TextWatch, text_hits, watch_text
 
 COMPACT_WHEN_DONE = 0.5  # compact the batch once this fraction of the active rows has finished
 SYNC_EVERY = 8  # on GPU, look at the done flags (a host sync) only every this many steps
+DRAW_BLOCK = 1024  # on GPU, a token is drawn from its block of this many (draw_in_blocks), not a scan of all V
 
 
 @dataclass
@@ -106,15 +108,42 @@ def sample_next(
     # one exp pass serves the sample and its log-prob: p = e / sum(e) with e = exp(x - max x)
     mx = x.amax(-1, keepdim=True)
     e = (x - mx).exp_()
+    tok = draw_in_blocks(e, u) if e.is_cuda else draw(e, u)
+    logp = x.gather(-1, tok[:, None])[:, 0] - mx[:, 0] - e.sum(-1).log()  # = log_softmax(x)[tok]
+    return tok, logp
+
+
+def draw(e: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draw: e (b, V) unnormalised probabilities, u (b,) in [0, 1) -> the first token (b,) whose
+    cumulative mass exceeds u * total. A scan over the whole vocabulary: the CPU's (the reference's) draw."""
     cdf = e.cumsum(-1)  # unnormalised
     total = cdf[:, -1:]
-    # first token whose cdf exceeds u * total; x < total strictly, so zero-probability tokens never win
+    # pick < total strictly, so zero-probability tokens never win
     pick = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     # a row of non-finite logits has a NaN cdf, where searchsorted answers V: clamped, its log-prob is NaN,
     # which decode refuses (check_finite)
-    tok = torch.searchsorted(cdf, pick, right=True)[:, 0].clamp_(max=x.shape[-1] - 1)
-    logp = x.gather(-1, tok[:, None])[:, 0] - mx[:, 0] - e.sum(-1).log()  # = log_softmax(x)[tok]
-    return tok, logp
+    return torch.searchsorted(cdf, pick, right=True)[:, 0].clamp_(max=e.shape[-1] - 1)
+
+
+def draw_in_blocks(e: Tensor, u: Tensor, block: int = DRAW_BLOCK) -> Tensor:
+    """draw() in two levels, the GPU's: the block of `block` tokens where u * total falls (a scan over the block
+    sums), then the token within that block (a scan over one block). The same uniform decides it (samples
+    depend only on the prompt's seed); only float rounding at a boundary can pick a neighbour of draw()'s token.
+    Never a zero-probability token: the pick is kept inside the chosen block's positive mass."""
+    b, V = e.shape
+    n = V // block
+    sums = e[:, : n * block].view(b, n, block).sum(-1)  # (b, n) full blocks, then the remainder
+    sums = torch.cat([sums, e[:, n * block :].sum(-1, keepdim=True)], 1) if V % block else sums
+    cdf = sums.cumsum(-1)
+    total = cdf[:, -1:]
+    pick = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    blk = torch.searchsorted(cdf, pick, right=True).clamp_(max=len(sums[0]) - 1)  # (b, 1)
+    idx = blk * block + torch.arange(block, device=e.device)  # (b, block) the block's token ids
+    inner = (e.gather(1, idx.clamp(max=V - 1)) * (idx < V)).cumsum(-1)  # the block's own cdf
+    last = inner[:, -1:]
+    rest = (pick - (cdf.gather(1, blk) - sums.gather(1, blk))).clamp(min=0)  # u * total minus earlier blocks
+    rest = torch.minimum(rest, torch.nextafter(last, torch.zeros_like(last)))
+    return idx.gather(1, torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1))[:, 0]
 
 
 def host_sync_every(device: torch.device) -> int:

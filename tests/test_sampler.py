@@ -353,6 +353,31 @@ def test_sample_next_matches_target_distribution(temperature, top_k, top_p, wron
     torch.testing.assert_close(lp, p.log()[tok].float(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("V,block", [(1000, 64), (1024, 64), (24, 1024)])
+def test_block_draw_is_the_scan_draw(V, block):
+    """Guards the GPU's two-level draw (sampler.draw_in_blocks: the block, then the token within it; no scan
+    of the whole vocabulary) drawing another token than the reference scan for the same uniform (a block
+    off by one, the remainder block lost, the earlier blocks' mass not subtracted), or a zero-probability
+    token: a whole zero block, zeros at block edges, masked tails, and uniforms 0 and just below 1. In
+    float64, where rounding cannot move a boundary, it equals draw() exactly."""
+    g = torch.Generator().manual_seed(V)
+    e = torch.rand(512, V, generator=g, dtype=torch.float64) ** 4
+    e[:, block : 2 * block] = 0  # the second block has no mass
+    e[::2, : 3 * block : 3] = 0
+    e[1::4, V // 2 :] = 0  # top-k / top-p style masked tails
+    e[:, -1] = 0
+    u = torch.rand(512, generator=g, dtype=torch.float64)
+    u[:8], u[8:16] = (
+        0.0,
+        torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)),
+    )
+    tok = sampler.draw_in_blocks(e, u, block=block)
+    assert torch.equal(tok, sampler.draw(e, u)) and (e.gather(1, tok[:, None]) > 0).all()
+    e32, u32 = e.float(), u.float()
+    tok = sampler.draw_in_blocks(e32, u32, block=block)
+    assert (e32.gather(1, tok[:, None]) > 0).all() and (tok == sampler.draw(e32, u32)).float().mean() > 0.99
+
+
 def test_generate_samples_first_token_from_softmax_over_temperature(peaky):
     """Guards against generate sampling from something other than softmax(logits / T) end to end
     (e.g. the fork replicating the wrong logits, uniforms shared across rows): 4000 first tokens of
