@@ -10,7 +10,7 @@ PY := .venv/bin/python
 endif
 STAMP := $(VENV)/.nanorl-installed
 
-.PHONY: install test test-slow lint format train eval gpu-check bench tiny-model experiments experiments-quick plot clean
+.PHONY: install test test-slow lint format train eval gpu-check bench tiny-model experiments experiments-quick plot tour clean
 
 install: $(STAMP)
 
@@ -58,6 +58,9 @@ experiments-quick: $(STAMP)  ## the same suite, 1 seed x a tenth of the steps: u
 
 tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervised warm start)
 	$(PY) sft.py
+
+tour: $(STAMP)          ## docs/tour.md: one GRPO step of grpo_minimal.py, its real tensors and lines of code (tested: stale fails)
+	$(PY) docs/tour.py
 
 plot: $(STAMP)          ## plot every run under runs/ into runs/plot.png
 	$(PY) eval.py --plot $(dir $(wildcard runs/*/metrics.jsonl)) --out runs/plot.png

@@ -180,7 +180,7 @@ def imports(path: str) -> set[str]:
 LANGUAGE_MODEL = ("model", "hf", "tokenizer", "kvcache", "sampler", "stop_text", "multiturn")
 RL_CORE = ("advantage", "losses", "pack", "lora")
 TASKS_AND_REWARDS = ("tasks", "data", "rewards", "math_answers", "math_equal", "sandbox", "confine", "calls", "envs")
-LOOP = ("train", "run", "config", "methods", "eval", "heldout")
+LOOP = ("train", "run", "config", "methods", "eval", "heldout", "grpo_minimal")
 INFRASTRUCTURE = ("checkpoint", "distributed", "memory", "metrics", "cli", "sft")  # any layer may use these
 
 
