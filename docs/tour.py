@@ -6,13 +6,16 @@ default), with one packed row.
 
 Nothing here is typed by hand but the paragraphs: the tensors come from running the step (one thread, fixed seeds,
 fixed print precision, so the file is the same on every run on one machine), and each line of code is read from
-grpo_minimal.py or train.py as it is now. tests/test_grpo_minimal.py regenerates the file and fails if it is stale.
+grpo_minimal.py or train.py as it is now. tests/test_grpo_minimal.py regenerates the file and fails if it is stale:
+all of it on the machine kind named in its last line (torch version, CPU capability, vendor, vector extensions; other
+kernels round differently), its quoted code everywhere else.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -20,9 +23,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))
 import advantage  # noqa: E402
 import grpo_minimal as gm  # noqa: E402
 import train  # noqa: E402
+from helpers import machine  # noqa: E402
 from hf import BUNDLED_DIR  # noqa: E402
 from pack import pack, per_completion, rollouts  # noqa: E402
 from rewards import score_batch  # noqa: E402
@@ -251,7 +256,9 @@ def tour() -> str:
             "line of code read from the source as it is now. tests/test_grpo_minimal.py regenerates this file and "
             "fails if it is stale, and proves that grpo_minimal.py computes `train.py --algo grpo`'s numbers.\n"
         )
-        return head + "\n" + grpo_section() + "\n" + grpo_ma_section()
+        # the machine kind whose CPU kernels made the numbers: elsewhere the test checks the quoted code only
+        kind = f"<!-- numbers from: {json.dumps(machine(), sort_keys=True)} -->\n"
+        return head + "\n" + grpo_section() + "\n" + grpo_ma_section() + "\n" + kind
     finally:
         torch.set_num_threads(threads)
 

@@ -4,6 +4,7 @@ default init (zero biases, unit norm weights) hides whole classes of bugs (a dro
 matches to 0.0, interleaved RoPE to ~5e-3)."""
 
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -235,3 +236,17 @@ def count_compiled_steps(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     return calls
+
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16")
+
+
+def machine() -> dict:
+    """The machine kind a CPU result is bit-stable on (golden runs, docs/tour.md): the torch version, the CPU
+    capability torch dispatches on, the CPU vendor (its BLAS picks other kernels on AMD and Intel) and the vector
+    extensions it has."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    vendor = next((line.split(":")[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
+    flags = next((line.split(":")[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = [f for f in ISA_FLAGS if f in flags]
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "vendor": vendor, "isa": isa}

@@ -26,6 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import machine
+
 pytestmark = pytest.mark.slow  # whole training runs: the slow tier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,18 +51,6 @@ RUNS = {  # the default preset (GRPO-MA tree), the gated path (GTPO), the resamp
 }
 STEP_KEYS = ("reward/mean", "loss", "grad_norm", "resampled")
 EVAL_KEYS = ("eval/greedy_accuracy", "eval/mean@2", "eval/len_mean")
-
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16")
-
-
-def machine() -> dict:
-    """The machine kind a golden entry is valid on (see the module docstring)."""
-    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    vendor = next((line.split(":")[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
-    flags = next((line.split(":")[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    isa = [f for f in ISA_FLAGS if f in flags]
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "vendor": vendor, "isa": isa}
 
 
 def golden_entry(golden: dict, here: dict) -> dict | None:
