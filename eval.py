@@ -29,6 +29,7 @@ from cli import user_errors
 from graphs import decode_runner
 from heldout import evaluate
 from hf import BUNDLED, bundled
+from methods import tools
 from methods.hard_examples import pass_rate_examples, resume_pass_rates, write_pass_rates
 from tasks import TASK_NAMES, Task, check_prompt_lengths, check_sizes, get_task
 
@@ -124,7 +125,7 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(tools.Flags):  # --tools python: evaluate with the tool (methods/tools.py), as trained
     # -- run
     model: str = BUNDLED  # HF checkpoint directory to evaluate
     task: str = "synthetic"  # task name (see tasks.py)
@@ -148,6 +149,7 @@ class EvalConfig:
     pass_rates: bool = False  # rate the first --examples TRAINING examples, --k samples each, into --out (resumes)
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(task=TASK_NAMES, device=("cpu", "cuda", "cuda:N"))
+    CHOICES |= tools.CHOICES
 
     def __post_init__(self) -> None:
         """Validate, never rewrite: every impossible flag is one sentence, before any data or model is read."""
@@ -247,6 +249,7 @@ def main(cfg: EvalConfig) -> dict:
         mean, zero = res["pass_rate_mean"], res["zero_frac"]
         print(f"{cfg.out}: {len(rates)} pass rates over k={settings['k']}; mean {mean:.4f}, {zero:.1%} at 0")
         return res
+    sampling.update(rollout=tools.evaluator(cfg, tokenizer, task))  # --tools: the trainer's multi-turn rollouts
     res = evaluate(model, tokenizer, task, examples, n=cfg.n, ks=cfg.pass_ks(), **sampling)
     width = max(map(len, res))
     print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}" for k, v in res.items()))

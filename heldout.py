@@ -4,6 +4,7 @@ the trainer rewards with, so the training signal and the metric cannot drift apa
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -41,10 +42,12 @@ def evaluate(
     seed: int = 0,
     batch_prompts: int = 64,
     static_step: Callable | None = None,
+    rollout: Callable | None = None,
 ) -> dict:
     """Greedy accuracy, mean@n and pass@k at `temperature`, format rate, length, truncation.
     n = 0: greedy only (`ks` unused); otherwise every k must be in 1..n (pass@k needs k samples).
-    static_step: the decode step to sample through (sampler.decode), e.g. a compiled one."""
+    static_step: the decode step to sample through (sampler.decode), e.g. a compiled one. rollout: sampling that
+    renders its own prompts from the examples, e.g. with a tool (methods/tools.py's evaluator), instead of generate."""
     if not examples:
         raise ValueError("evaluate: no examples; pass at least one.")
     if n < 0 or (n > 0 and not all(1 <= k <= n for k in ks)):
@@ -54,11 +57,12 @@ def evaluate(
     for start in range(0, len(prompts), batch_prompts):
         chunk, exs = prompts[start : start + batch_prompts], examples[start : start + batch_prompts]
         kw = dict(max_new_tokens=max_new_tokens, stop_ids=tokenizer.stop_ids, static_step=static_step)
-        greedy = generate(model, chunk, temperature=0.0, **kw)
+        sample = functools.partial(rollout, model, exs) if rollout else functools.partial(generate, model, chunk)
+        greedy = sample(temperature=0.0, n=1, **kw)
         greedy_correct += [task.correct(decode_completion(tokenizer, t), ex) for t, ex in zip(greedy.tokens, exs)]
         if n > 0:
             seeds = [seed + start + i for i in range(len(chunk))]  # per prompt: independent of batching
-            sampled = generate(model, chunk, n=n, temperature=temperature, top_p=top_p, seed=seeds, **kw)
+            sampled = sample(n=n, temperature=temperature, top_p=top_p, seed=seeds, **kw)
             texts = [decode_completion(tokenizer, t) for t in sampled.tokens]
             sampled_correct += [[task.correct(texts[i * n + j], ex) for j in range(n)] for i, ex in enumerate(exs)]
             lengths += [len(t) for t in sampled.tokens]

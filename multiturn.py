@@ -48,7 +48,8 @@ class Turns:
     context: list[list[bool]]  # per token: True = appended (an observation), not written by the policy
     finish: list[str]  # "stop" | "length"
     calls: list[int]  # observations appended to each row
-    turn_s: list[float]  # seconds of each turn's decode and of its calls (the sync point's cost), turn by turn
+    decode_s: list[float]  # each turn's decode (s)
+    wait_s: list[float]  # each turn's calls, the wall time every row waits at the sync point (s)
 
 
 Respond = Callable[[int, list[int]], "list[int] | None"]  # (row, its completion ids so far) -> observation ids
@@ -82,7 +83,7 @@ def sample_turns(
     rows = torch.arange(len(prompts), device=dev).repeat_interleave(n)
     cache, logits = cache.fork(rows, cache.length + max_tokens), logits[rows]
     tokens, logprobs, context = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
-    finish, calls, turn_s = ["length"] * B, [0] * B, []
+    finish, calls, decode_s, wait_s = ["length"] * B, [0] * B, [], []
     live = list(range(B))  # caller row of each cache row
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids, static_step=static_step)
     stops = set(stop_ids)
@@ -97,6 +98,8 @@ def sample_turns(
                 uniforms[i, : max_tokens - k] = u[r, k:]
             out = decode(model, cache, logits, uniforms.to(dev), steps, stop_text=call_end, **sampling)
             cache.restore_order()
+            t1 = time.perf_counter()
+            decode_s.append(t1 - t0)
             waiting = []  # (cache row, caller row) of the rows whose call runs now
             for i, (r, k, ids, lps, n_tok, stopped) in enumerate(
                 zip(live, used, out.tokens.tolist(), out.logp.tolist(), out.n_tokens.tolist(), out.stopped.tolist())
@@ -111,7 +114,7 @@ def sample_turns(
                     waiting.append((i, r))
             # 2. the calls, in parallel: each maps the row's completion so far to an observation's ids
             observations = list(pool.map(lambda w: respond(w[1], list(tokens[w[1]])), waiting))
-            turn_s.append(time.perf_counter() - t0)
+            wait_s.append(time.perf_counter() - t1)
             go = [(i, r, obs) for (i, r), obs in zip(waiting, observations) if obs is not None]
             for (_, r), obs in zip(waiting, observations):
                 if obs is None:
@@ -134,4 +137,4 @@ def sample_turns(
                 calls[r] += 1
             logits = extend(model, cache, chunk.to(dev), valid.to(dev))[:, -1]
             live = [r for _, r, _ in go]
-    return Turns(tokens, logprobs, context, finish, calls, turn_s)
+    return Turns(tokens, logprobs, context, finish, calls, decode_s, wait_s)

@@ -14,7 +14,7 @@ logical layout where the advantages and weights of the loss live.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -36,6 +36,8 @@ class Answer:
     correct: float = 0.0  # the task's own 0/1 correctness (the reward may add shaping or noise)
     credit: float = 0.0  # the fine-grained score DaGRPO's pair mask compares (--pair-delta), else the reward
     sampled: bool = True  # False: not sampled from the policy (an anchor), trained off-policy
+    context: list[bool] = field(default_factory=list)  # per token: True = appended (a tool's output), never trained;
+    # empty: every token is the policy's
 
 
 @dataclass
@@ -57,9 +59,12 @@ class Group:
 
 def rollouts(examples: list[dict], prompts: list[list[int]], tree, k: int, m: int) -> list[Group]:
     """The sampler's tree (flat lists, prompt-major: prompt p's thought i at p*K + i, its answer j at
-    (p*K + i)*M + j) as the step's record."""
+    (p*K + i)*M + j) as the step's record. A tree from multi-turn sampling (methods/tools.py) also carries each
+    answer's context mask (answer_context: the tokens appended from a tool, not written by the policy)."""
 
     answers = [Answer(*a) for a in zip(tree.answers, tree.answer_logprobs, tree.answer_finish)]
+    for a, context in zip(answers, getattr(tree, "answer_context", ())):
+        a.context = context
     thoughts = zip(tree.thoughts, tree.thought_logprobs, tree.thought_truncated)
     thoughts = [Thought(*t, answers[i * m : (i + 1) * m]) for i, t in enumerate(thoughts)]
     return [Group(ex, prompt, thoughts[p * k : (p + 1) * k]) for p, (ex, prompt) in enumerate(zip(examples, prompts))]
@@ -107,6 +112,7 @@ class Batch:
     to_logical: torch.Tensor  # (B, T') long: b * T + t of the logical token at this slot, -1 = none (prompt, padding)
     group: torch.Tensor | None = None  # (B,) long: the group (prompt) of each row
     off_policy: torch.Tensor | None = None  # (B, T) bool: tokens the policy did not sample (anchors); None if none
+    context: torch.Tensor | None = None  # (B, T) bool: tokens appended from a tool (no loss, no ratio); None if none
     prompt_ids: torch.Tensor | None = None  # (P, Lp) left-padded shared prompts (--share-prompt), else None
     prompt_valid: torch.Tensor | None = None  # (P, Lp) bool: not padding
     prompt_of: torch.Tensor | None = None  # (B,) long: the prompt_ids row each packed row continues
@@ -138,7 +144,7 @@ def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: b
     lead = [0 if share_prompt else len(prompt) for prompt, _ in rows]  # the prompt tokens each row runs itself
     n = [len(t.tokens) + sum(len(a.tokens) for a in t.answers) for _, t in rows]  # completion tokens
     B, T, Tp = len(rows), max(n), max(map(sum, zip(lead, n)))
-    ids, answer_id = torch.full((B, T), pad_id), torch.full((B, T), -1)
+    ids, answer_id, context = torch.full((B, T), pad_id), torch.full((B, T), -1), torch.zeros(B, T, dtype=torch.bool)
     sampler_logp, off = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
     packed_ids, packed_pos = torch.full((B, Tp), pad_id), torch.zeros(B, Tp, dtype=torch.long)
     to_logical, jumps = torch.full((B, Tp), -1), []
@@ -151,6 +157,8 @@ def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: b
             start, src = (0, L - 1) if j == 0 else (len(t.tokens), L + len(t.tokens) - 1)
             ids[b, col : col + k], sampler_logp[b, col : col + k] = torch.tensor(seg.tokens), torch.tensor(seg.logprobs)
             answer_id[b, col : col + k], off[b, col : col + k] = j - 1, j > 0 and not seg.sampled
+            if j > 0 and seg.context:  # a tool's output: context the row attends to, neither thought nor answer
+                context[b, col : col + k] = torch.tensor(seg.context)
             packed_pos[b, L + col : L + col + k] = torch.arange(len(prompt) + start, len(prompt) + start + k)
             jumps += [(b, L + col, src)] if k and (src != L + col - 1 or src < 0) else []  # not the slot before
             col += k
@@ -162,12 +170,16 @@ def pack(groups: list[Group], pad_id: int, device: torch.device, share_prompt: b
         ans = torch.where(to_logical >= 0, answer_id.flatten()[to_logical.clamp(min=0)], -1)
         causal = torch.ones(Tp, Tp, dtype=torch.bool).tril()
         attn = (causal & ((ans[:, None, :] == -1) | (ans[:, None, :] == ans[:, :, None])))[:, None].to(device)
+    answer_id = answer_id.masked_fill(context, -1)  # so no mask built from thought | answer_id counts a context token
     group = torch.tensor([p for p, g in enumerate(groups) for _ in g.thoughts], device=device)
     jumps = tuple(torch.tensor(jumps, dtype=torch.long).view(-1, 3).T.to(device))
-    tensors = [x.to(device) for x in (ids, used & (answer_id == -1), answer_id, sampler_logp, packed_ids, packed_pos)]
+    thought = used & (answer_id == -1) & ~context
+    tensors = [x.to(device) for x in (ids, thought, answer_id, sampler_logp, packed_ids, packed_pos)]
     batch = Batch(*tensors, attn, jumps, to_logical.to(device), group=group)
     if not all(a.sampled for _, t in rows for a in t.answers):  # the tokens of answers the policy did not sample
         batch.off_policy = off.to(device)
+    if context.any():
+        batch.context = context.to(device)
     if share_prompt:
         prompts = [g.prompt for g in groups]
         Lp = max(map(len, prompts))

@@ -85,7 +85,8 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
     )
     kw |= dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seeds, static_step=run.static_step)
     with torch.no_grad(), run.precision():
-        return prompts, sample_tree(run.sampler, prompts, k=cfg.thoughts, m=M, **kw)
+        own = methods.sample(run, examples, seeds)  # a method's own rollouts: with a tool (methods/tools.py)
+        return own or (prompts, sample_tree(run.sampler, prompts, k=cfg.thoughts, m=M, **kw))
 
 
 def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, seeds: list[int]) -> list[Group]:
@@ -262,7 +263,7 @@ def evaluate_heldout(run: Run, step: int) -> dict:
         if run.rank != 0:
             return {}
         kw = dict(n=cfg.eval_samples, temperature=cfg.temperature, max_new_tokens=cfg.completion_limit)
-        kw |= dict(static_step=run.static_step)
+        kw |= dict(static_step=run.static_step, rollout=methods.evaluator(run))  # with the tool when --tools is on
         with run.precision():
             res = evaluate(run.sampler, run.tokenizer, run.task, run.heldout, seed=derive_seed(cfg.seed, 10**9), **kw)
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
@@ -339,7 +340,7 @@ def main(cfg: TrainConfig) -> dict:
 
             # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
             batch = pack(groups, run.tokenizer.pad_id, run.device, cfg.share_prompt)
-            cuts = split_rows(batch, cfg.micro_batch_rows, cfg.micro_batch_tokens)
+            cuts = split_rows(batch, run.micro_batch_rows, cfg.micro_batch_tokens)  # auto: what fits
             micro = [(rows, select_rows(batch, rows)) for rows in cuts]
             # 4. score pass (no grad): old log-probs, reference log-probs, entropy
             batch.score_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)

@@ -28,6 +28,8 @@ counts to (this rank's), for its metrics; metrics: a dict of the step's row.
   extra loss terms (update)       loss_terms(run, loss, tok, entropy); needs_entropy_grad(cfg) -> bool  entropy_bonus
 
 The rest have functions of their own here:
+  sample (train.sample)           sample(run, examples, seeds) -> (prompts, tree): a method's own rollouts  tools
+  evaluation (train.evaluate_heldout)  evaluator(cfg, tokenizer, task) -> heldout.evaluate's rollout      tools
   advantages (advantages)         ADVANTAGES = {--advantage value: fn(run, groups, reward [P, K, M], batch_accuracy)
                                   -> (thought [P, K] or None, answer [P, K, M] or None)}  two_grpo, agrae, rloo
                                   advantages(run, groups, reward, batch_accuracy) -> the same  dagrpo, batch_std
@@ -58,7 +60,7 @@ from losses import CLIP, loss_name
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
 ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "batch_std")
 ORDER += ("kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg", "mismatch", "dsv32", "gspo")
-ORDER += ("cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus")
+ORDER += ("cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
 
 _present = {m.name for m in pkgutil.iter_modules(__path__)}
 METHODS: tuple[ModuleType, ...] = tuple(importlib.import_module(f"{__name__}.{n}") for n in ORDER if n in _present)
@@ -136,6 +138,20 @@ def chain(run, seam: str, value, *context):
 def needs(cfg, seam: str) -> bool:
     """Whether an enabled method's predicate `seam` says yes (needs_scores, needs_entropy_grad)."""
     return any(hook(cfg) for hook in hooks(cfg, seam))
+
+
+def sample(run, examples: list[dict], seeds: list[int]) -> tuple | None:
+    """(prompts, tree) from a method's own rollouts (tools: multi-turn, pausing for a tool), or None: the core's."""
+    for hook in hooks(run.cfg, "sample"):
+        return hook(run, examples, seeds)
+    return None
+
+
+def evaluator(run):
+    """heldout.evaluate's rollout when a method samples its own (tools), else None: the plain sampler."""
+    for hook in hooks(run.cfg, "evaluator"):
+        return hook(run.cfg, run.tokenizer, run.task)
+    return None
 
 
 def advantages(run, groups: list, reward: torch.Tensor, batch_accuracy: float) -> tuple:

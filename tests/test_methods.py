@@ -42,6 +42,7 @@ BAD = {  # one bad value of a flag each method owns (or a combination its check 
     "kl": dict(kl_in_reward=True),  # needs --beta > 0
     "dual_clip": dict(dual_clip=0.5),
     "entropy_bonus": dict(entropy_coef=-1.0),
+    "tools": dict(max_tool_calls=0),
 }
 # presets and objectives with no flag of their own to check
 NOTHING_TO_REFUSE = ("grpo_ma", "dr_grpo", "cispo", "gpg", "mask_truncated")

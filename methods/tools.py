@@ -1,0 +1,147 @@
+"""Tool-integrated reasoning (ToRL, arXiv 2503.23383): the policy calls a tool mid-completion, and the loss trains
+only what it wrote. --tools python: a ```python block ended by ```output (or Qwen's <tool_call>, --tool-format
+qwen) runs in the sandbox and its output is appended; --tools countdown: each proposed <answer> gets feedback.
+- sample: multi-turn rollouts (multiturn.sample_turns) with one environment (envs.py) per completion, its calls in
+  --tool-workers threads; the appended tokens are each completion's context mask (pack.Answer.context);
+- the loss: pack.py puts context tokens in neither the thought nor an answer, so every mask, weight, ratio, KL,
+  entropy and the sampler/trainer log-prob gap is over the policy's own tokens only;
+- metrics: tool/calls, tool/calls_per_completion, tool/errors, tool/error_rate, tool/time_s (the calls' wait at the
+  sync point), tool/env_reward (the environments' own reward) per step; the same rollouts evaluate (heldout.py).
+Budget: a completion (sampled and appended tokens) has --max-thought-tokens + --max-answer-tokens tokens.
+Refused: GRPO-MA's answers (--answers > 1) fork after a thought, which a tool call would have to cross.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from cli import FlagError, out_of_range
+from distributed import all_sum
+from envs import ENVS, PythonTool
+from multiturn import sample_turns
+from sampler import Generation, Tree
+from stop_text import StopText
+from tasks import render_prompt
+
+
+@dataclass
+class Flags:
+    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
+
+    # -- rollouts
+    tools: str = "off"  # environment a completion talks to mid-way: off | python (a sandboxed tool) | countdown
+    tool_format: str = "torl"  # python tool's call form: torl (```python ... ``` then ```output) | qwen (<tool_call>)
+    max_tool_calls: int = 4  # calls per completion; a call past it ends the completion
+    tool_timeout_s: float = 5.0  # time limit of one call, CPU and wall clock (s)
+    tool_memory_mb: int = 512  # address-space limit of one call's processes (MiB)
+    tool_output_chars: int = 256  # a call's output past this is cut, with a marker
+    tool_workers: int = 4  # calls run in parallel (each is a sandboxed subprocess)
+
+
+CHOICES = dict(tools=("off", *ENVS), tool_format=("torl", "qwen"))
+
+
+def check(cfg) -> Iterator[FlagError]:
+    yield from out_of_range(cfg, dict(max_tool_calls=">= 1", tool_timeout_s="> 0", tool_workers=">= 1"))
+    yield from out_of_range(cfg, dict(tool_memory_mb=">= 64", tool_output_chars=">= 16"))
+    if cfg.tools != "off" and cfg.answers > 1:
+        why = "pauses completions for a tool, and GRPO-MA's answers fork from a finished thought: it needs --answers 1"
+        yield FlagError(("tools",), why, ("answers",), f"--tools {cfg.tools}")
+
+
+def enabled(cfg) -> bool:
+    return cfg.tools != "off"
+
+
+def make_env(cfg):
+    """A fresh environment of --tools for one completion."""
+    if cfg.tools == "python":
+        return PythonTool(cfg.tool_format, cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.tool_output_chars)
+    return ENVS[cfg.tools]()
+
+
+@functools.cache
+def call_end(tokenizer, text: str) -> StopText:
+    """The StopText of an environment's marker, built once per tokenizer (it decodes the vocabulary once)."""
+    return StopText(text, tokenizer.encode(text), tokenizer.decode, tokenizer.vocab_size)
+
+
+@dataclass
+class ToolTree(Tree):
+    """sampler.Tree of plain group sampling (empty thoughts) plus each answer's context mask and the tool stats."""
+
+    answer_context: list[list[bool]] | None = None
+    stats: dict | None = None
+
+
+def tool_rollouts(model, tokenizer, task, examples: list[dict], cfg, *, n: int, max_new_tokens: int, **sampling):
+    """n multi-turn completions per example, each with its own environment: (prompts, sample_turns' Turns, the
+    stats of the calls). sampling: temperature, top_p, seed, static_step (and top_k)."""
+    envs = [make_env(cfg) for _ in range(len(examples) * n)]
+    prompts = [
+        render_prompt(tokenizer, {**ex, "prompt": envs[i * n].reset(ex)}, task.system_prompt)
+        for i, ex in enumerate(examples)
+    ]
+    for i, ex in enumerate(examples):
+        for env in envs[i * n + 1 : (i + 1) * n]:
+            env.reset(ex)
+    env_reward = [0.0] * len(envs)
+
+    def respond(row: int, ids: list[int]) -> list[int] | None:
+        obs, env_reward[row], done = envs[row].step(tokenizer.decode(ids))
+        return None if done or obs is None else tokenizer.encode(obs)
+
+    kw = dict(max_calls=cfg.max_tool_calls, workers=cfg.tool_workers, stop_ids=tokenizer.stop_ids, respond=respond)
+    end = call_end(tokenizer, envs[0].stop)  # one marker for every row: the environments are of one kind
+    turns = sample_turns(model, prompts, n=n, max_tokens=max_new_tokens, call_end=end, **kw, **sampling)
+    stats = dict(calls=sum(turns.calls), errors=sum(e.errors for e in envs), time_s=sum(e.seconds for e in envs))
+    stats |= dict(completions=len(envs), env_reward=sum(env_reward), turns=len(turns.wait_s), wait_s=sum(turns.wait_s))
+    return prompts, turns, stats
+
+
+def sample(run, examples: list[dict], seeds: list[int]):
+    """1. sample with the tool: K completions per prompt as a ToolTree (the sampler's plain group layout)."""
+    cfg = run.cfg
+    kw = dict(n=cfg.thoughts, max_new_tokens=cfg.completion_limit, temperature=cfg.temperature, top_k=cfg.top_k)
+    kw |= dict(top_p=cfg.top_p, seed=seeds, static_step=run.static_step)
+    prompts, turns, stats = tool_rollouts(run.sampler, run.tokenizer, run.task, examples, cfg, **kw)
+    acc = run.state.setdefault("tool_step", dict.fromkeys(stats, 0.0))  # the step's, redraws included
+    for k, v in stats.items():
+        acc[k] += v
+    empty = [[] for _ in turns.tokens]
+    tree = ToolTree(empty, empty, [False] * len(empty), turns.tokens, turns.logprobs, turns.finish)
+    tree.answer_context, tree.stats = turns.context, stats
+    return prompts, tree
+
+
+def metrics(run, sums: dict, counts: dict) -> dict:
+    """The step's tool/... entries (global over ranks), from what sample() counted this step."""
+    acc = run.state.pop("tool_step", None) or {}
+    total = {k: all_sum(float(v), run.world).item() for k, v in acc.items()}
+    calls, n = total.get("calls", 0.0), max(total.get("completions", 0.0), 1.0)
+    return {
+        "tool/calls": calls,
+        "tool/calls_per_completion": calls / n,
+        "tool/errors": total.get("errors", 0.0),
+        "tool/error_rate": total.get("errors", 0.0) / max(calls, 1.0),
+        "tool/time_s": total.get("time_s", 0.0),
+        "tool/wait_s": total.get("wait_s", 0.0),  # the rows' wait for the calls at the turns' sync points
+        "tool/turns": total.get("turns", 0.0) / run.world,
+        "tool/env_reward": total.get("env_reward", 0.0) / n,
+    }
+
+
+def evaluator(cfg, tokenizer, task):
+    """heldout.evaluate's rollout with the tool (the same multi-turn sampling as training), or None when off."""
+    if cfg.tools == "off":
+        return None
+
+    def rollout(model, examples: list[dict], *, n: int, max_new_tokens: int, stop_ids=(), **sampling) -> Generation:
+        _, turns, _ = tool_rollouts(
+            model, tokenizer, task, examples, cfg, n=n, max_new_tokens=max_new_tokens, **sampling
+        )
+        return Generation(turns.tokens, turns.logprobs, turns.finish)
+
+    return rollout

@@ -1,0 +1,136 @@
+"""Tests of tool-integrated reasoning's training side (methods/tools.py, pack.py's context mask): a tool's output
+tokens are context, with no loss weight, ratio, KL or entropy term, not counted by the aggregation nor by the
+sampler/trainer log-prob gap; the trainer's log-probs of a tool rollout, packed as training rows, equal the
+sampler's; the flags that cannot compose are refused; the metrics count calls, errors and time."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from cli import FlagError
+from config import TrainConfig
+from helpers import make_char_tokenizer, make_hf_checkpoint
+from hf import load_model
+from losses import Tokens, policy_loss
+from methods import tools
+from methods.entropy_bonus import entropy_bonus
+from metrics import SUMS, add_micro_batch
+from pack import Answer, Group, Thought, pack, rollouts, token_stats
+from tasks import Task
+from tokenizer import load_tokenizer
+
+# one completion, by hand: the policy wrote 0-1, a call's output filled 2-4, the policy wrote 5-6, output 7, then 8
+# (5 tokens the policy's, 4 context)
+CONTEXT = [False, False, True, True, True, False, False, True, False]
+
+
+def hand_groups() -> list:
+    """Two completions of one prompt: the hand-built row above and a plain one of 3 policy tokens."""
+    a = Answer(list(range(10, 19)), [-0.5] * 9, "stop", reward=1.0, correct=1.0)
+    a.context = list(CONTEXT)
+    a.logprobs = [0.0 if c else -0.5 for c in CONTEXT]
+    b = Answer([20, 21, 22], [-0.5] * 3, "stop")
+    return [Group({"prompt": "p"}, [1, 2, 3], [Thought([], [], False, [a]), Thought([], [], False, [b])])]
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
+def test_every_tool_output_token_is_masked_out_of_the_loss(aggregation):
+    """Guards the loss against training what the tool wrote: on a row built by hand, every context position is in
+    neither the thought nor an answer, out of the trained mask, has weight 0, and the aggregation counts only the
+    policy's 5 tokens of that row (GRPO's per-sequence mean divides by 5, not 9; DAPO's token mean by 5 + 3). The
+    loss, with a KL penalty and an entropy bonus, gives those positions exactly zero gradient, and the
+    sampler/trainer log-prob gap never sees them."""
+    groups = hand_groups()
+    batch = pack(groups, 0, torch.device("cpu"), share_prompt=True)
+    ctx = torch.tensor(CONTEXT)
+    assert batch.context[0].tolist() == CONTEXT and not batch.context[1].any()
+    assert not (batch.thought[0] & ctx).any() and (batch.answer_id[0][ctx] == -1).all()
+    assert batch.ids[0].tolist() == list(range(10, 19))  # context tokens stay in the row: the policy attends to them
+    cfg = TrainConfig(algo="grpo", thoughts=2, aggregation=aggregation, tools="python", beta=0.1)
+    run = SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"))
+    adv, weight, mask, _ = train.advantages(run, groups, batch, 0.5)
+    assert mask[0].tolist() == [not c for c in CONTEXT] and mask[1, :3].all()
+    assert (weight[0][ctx] == 0).all() and (weight[0][~ctx] > 0).all()
+    per_token = {"seq_mean_token_mean": 1 / (2 * 5), "token_mean": 1 / 8, "seq_mean_token_sum_norm": 1 / (2 * 80)}
+    torch.testing.assert_close(weight[0][~ctx], torch.full((5,), per_token[aggregation]))
+
+    logp = torch.full(weight.shape, -1.0, requires_grad=True)
+    entropy = torch.full(weight.shape, 0.7, requires_grad=True)
+    tok = Tokens(logp, logp.detach() - 0.3, adv, weight, ref_logp=torch.full(weight.shape, -2.0))
+    loss, _ = policy_loss(tok, cfg)
+    (loss - entropy_bonus(entropy, weight, 0.01)).backward()
+    assert (logp.grad[0][ctx] == 0).all() and (logp.grad[0][~ctx] != 0).all()
+    assert (entropy.grad[0][ctx] == 0).all()
+    sums = dict.fromkeys(SUMS, 0.0)
+    trainer = torch.where(batch.context if batch.context is not None else ctx, -9.0, batch.sampler_logp)  # far off
+    add_micro_batch(sums, 8, loss, {}, trainer, batch.sampler_logp, mask, mask, entropy.detach(), None)
+    assert sums["logp_gap"] == 0.0  # the context's gap of 9 per token is not in it
+
+
+def test_refusals_in_one_sentence():
+    """Guards the composition rules: GRPO-MA's answers with a tool are refused in one sentence naming both flags;
+    plain GRPO and the estimators at M = 1 are accepted."""
+    with pytest.raises(FlagError, match=r"--tools python .*--answers 1"):
+        TrainConfig(algo="grpo_ma", answers=2, tools="python")
+    for algo in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"):
+        TrainConfig(algo=algo, answers=1, tools="python")
+    with pytest.raises(FlagError, match="--tools"):
+        TrainConfig(tools="calculator")
+
+
+class Echo:
+    """A user's environment (envs.Env): a turn ends at "m"; the observation is "ok", then "done" on the second."""
+
+    stop = "m"
+
+    def __init__(self) -> None:
+        self.errors, self.seconds, self.turns = 0, 0.0, 0
+
+    def reset(self, example: dict) -> str:
+        return example["prompt"]
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.turns += 1
+        self.errors += self.turns == 2
+        return ("ok", 0.5, False) if self.turns < 3 else (None, 1.0, True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tools")
+    tok = load_tokenizer(make_char_tokenizer(d / "tok"))
+    model = load_model(make_hf_checkpoint(d, "qwen2", vocab_size=tok.vocab_size))
+    return model, tok
+
+
+def test_trainer_logprobs_of_a_tool_rollout_equal_the_sampler_and_metrics_count_calls(tiny, monkeypatch):
+    """Guards token in, token out through the trainer: tool rollouts (a user's Env) become the step's record, are
+    packed (shared prompt) into rows whose ids are exactly those sampled and appended, and the trainer's log-probs
+    of every policy token equal the sampler's (so the gap metric measures only precision); the step's metrics count
+    the calls, errors and time."""
+    model, tok = tiny
+    monkeypatch.setattr(tools, "make_env", lambda cfg: Echo())
+    cfg = TrainConfig(algo="grpo", thoughts=4, tools="python", max_thought_tokens=40, max_answer_tokens=20)
+    task = Task("t", None, None, None, None, None)
+    examples = [{"prompt": "2+3=?"}, {"prompt": "what is ab"}]
+    prompts, turns, stats = tools.tool_rollouts(
+        model, tok, task, examples, cfg, n=4, max_new_tokens=60, temperature=1.0, seed=[3, 4]
+    )
+    assert stats["calls"] == sum(turns.calls) > 0 and stats["completions"] == 8
+    run = SimpleNamespace(cfg=cfg, sampler=model, tokenizer=tok, task=task, static_step=None, state={}, world=1)
+    _, tree = tools.sample(run, examples, [3, 4])
+    assert tree.answers == turns.tokens and tree.answer_context == turns.context
+    groups = rollouts(examples, prompts, tree, 4, 1)
+    batch = pack(groups, tok.pad_id, torch.device("cpu"), share_prompt=True)
+    with torch.no_grad():
+        logp, _ = token_stats(model, batch, 1.0)
+    for b, (ids, ctx) in enumerate(zip(turns.tokens, turns.context)):
+        assert batch.ids[b, : len(ids)].tolist() == ids
+        own = torch.tensor([not c for c in ctx])
+        torch.testing.assert_close(logp[b, : len(ids)][own], batch.sampler_logp[b, : len(ids)][own], atol=1e-5, rtol=0)
+    row = tools.metrics(run, {}, {})
+    assert row["tool/calls"] == stats["calls"] and row["tool/calls_per_completion"] == stats["calls"] / 8
+    assert row["tool/errors"] == stats["errors"] and 0 < row["tool/error_rate"] <= 1 and "tool/time_s" in row
+    assert "tool_step" not in run.state  # counted once: the next step starts from 0
