@@ -2,13 +2,15 @@
 
     python sft.py                      # rebuild assets/tiny-model from scratch (make tiny-model)
     python sft.py --steps 2000 --out /tmp/better-tiny
+    python sft.py --task synthetic-mul --tool-demos 0.3 --steps 600 --out assets/tiny-tool-model  # the tool model
 
 RL needs a policy that is sometimes right: a random model never earns a reward. This script
 builds a character-level tokenizer for the synthetic task, a small Qwen2-architecture model, and
 trains it on the task's reference completions (`<think>` scratchpad, then the answer) with plain
 next-token cross-entropy on the completion tokens. It stops early on purpose, at a moderate
 held-out accuracy, so that RL has room to improve it. Fixed seed and step count: rerunning it on
-the same machine gives the same weights.
+the same machine gives the same weights. With --tool-demos (synthetic-mul) a share of the demonstrations call
+the Python tool in ToRL's form; the tool's output in them is context, not trained on, as in RL (methods/tools.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from tokenizer import load_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as Qwen
 THINK = ["<think>", "</think>"]  # added but not special, as in Qwen3 (decode keeps them)
+TOOL_CHARS = "*`()pythonrintu"  # synthetic-mul's tool calls: ```python, print(a*b), ```output
+TOOL_CALL_END = "```output"  # ToRL's marker: the Python tool's output follows it (envs.PythonTool)
 
 
 @dataclass
@@ -37,6 +41,7 @@ class SFTConfig:
     # -- run
     out: str = BUNDLED  # where the checkpoint (HF layout + tokenizer) is written
     task: str = "synthetic"  # task whose reference completions are the training data
+    tool_demos: float = 0.0  # synthetic-mul: share of demonstrations that call the Python tool (the rest by hand)
     # -- optimisation
     steps: int = 200  # optimizer steps (fixed, not time-based, so the result is reproducible)
     batch_size: int = 64  # examples per step
@@ -52,13 +57,15 @@ class SFTConfig:
     # -- evaluation
     eval_examples: int = 200  # held-out prompts for the final greedy accuracy
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(task=("synthetic", "synthetic-hard"))
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(task=("synthetic", "synthetic-hard", "synthetic-mul"))
 
     def __post_init__(self) -> None:
         if self.task not in self.CHOICES["task"]:
             raise ValueError(
                 f"--task must be one of {', '.join(self.CHOICES['task'])} (tasks with reference completions)"
             )
+        if not 0 <= self.tool_demos <= 1 or (self.tool_demos and self.task != "synthetic-mul"):
+            raise ValueError(f"--tool-demos must be in [0, 1] and needs --task synthetic-mul, got {self.tool_demos}")
         changed = [
             f"--{f.name.replace('_', '-')}"
             for f in fields(self)
@@ -109,22 +116,37 @@ def write_tokenizer(tok: Tokenizer, path: str) -> None:
         )
 
 
+def completion_ids(tokenizer, text: str) -> tuple[list[int], list[float]]:
+    """A demonstration's ids and their loss mask: a tool's output (after each ```output marker, through its closing
+    fence) is encoded alone and masked, as RL appends and masks it (multiturn.py); the rest is trained."""
+    ids, trained = [], []
+    while (i := text.find(TOOL_CALL_END)) >= 0:
+        i += len(TOOL_CALL_END)
+        j = text.find("```\n", i) + 4
+        for piece, on in ((text[:i], 1.0), (text[i:j], 0.0)):
+            ids += tokenizer.encode(piece)
+            trained += [on] * (len(ids) - len(trained))
+        text = text[j:]
+    ids += tokenizer.encode(text)
+    return ids, trained + [1.0] * (len(ids) - len(trained))
+
+
 def make_batch(
     tokenizer, examples: list[dict], system_prompt: str | None, device: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + completion ids (B, T) and a mask (B, T) of the completion tokens."""
+    """Right-padded prompt + completion ids (B, T) and a mask (B, T) of the trained completion tokens."""
     end = tokenizer.token_to_id("<|im_end|>")
     rows = []
     for ex in examples:
         prompt = render_prompt(tokenizer, ex, system_prompt)
-        completion = tokenizer.encode(sft_completion(ex)) + [end]
-        rows.append((prompt + completion, len(prompt)))
+        completion, trained = completion_ids(tokenizer, sft_completion(ex))
+        rows.append((prompt + completion + [end], [0.0] * len(prompt) + trained + [1.0]))
     T = max(len(r) for r, _ in rows)
     ids = torch.full((len(rows), T), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), T)
-    for b, (r, n_prompt) in enumerate(rows):
+    for b, (r, m) in enumerate(rows):
         ids[b, : len(r)] = torch.tensor(r)
-        mask[b, n_prompt : len(r)] = 1.0
+        mask[b, : len(r)] = torch.tensor(m)
     return ids.to(device), mask.to(device)
 
 
@@ -162,7 +184,9 @@ def main(cfg: SFTConfig) -> float:
     torch.manual_seed(cfg.seed)
     task = get_task(cfg.task)
     tok_dir = cfg.out + ".tokenizer.tmp"
-    write_tokenizer(build_char_tokenizer(SYNTHETIC_CHARS), tok_dir)
+    write_tokenizer(
+        build_char_tokenizer(SYNTHETIC_CHARS + (TOOL_CHARS if cfg.task == "synthetic-mul" else "")), tok_dir
+    )
     tokenizer = load_tokenizer(tok_dir)
     model = build_model(cfg, tokenizer)
     config = model.config
@@ -172,6 +196,9 @@ def main(cfg: SFTConfig) -> float:
     # can still move without first undoing a sharp, fully annealed fit.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     pool = task.train(20000, cfg.seed)
+    if cfg.tool_demos:  # which demonstrations call the tool: a draw of their own, so the rest stays as without
+        draw = torch.rand(len(pool), generator=torch.Generator().manual_seed(cfg.seed + 1)).tolist()
+        pool = [{**ex, "tool": u < cfg.tool_demos} for ex, u in zip(pool, draw)]
     g = torch.Generator().manual_seed(cfg.seed)
     print(f"sft: {n_params / 1e6:.2f}M parameters, vocab {config.vocab_size}, {cfg.steps} steps of {cfg.batch_size}")
     t0 = time.perf_counter()
@@ -191,6 +218,14 @@ def main(cfg: SFTConfig) -> float:
     model.eval()
     res = evaluate(model, tokenizer, task, task.test(cfg.eval_examples, cfg.seed), n=4, seed=cfg.seed)
     print("held-out: " + "  ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
+    if cfg.tool_demos:  # and with the tool's output appended, as RL samples (methods/tools.py)
+        from methods.tools import Flags, evaluator
+
+        rollout = evaluator(Flags(tools="python"), tokenizer, task)
+        res = evaluate(
+            model, tokenizer, task, task.test(cfg.eval_examples, cfg.seed), n=4, seed=cfg.seed, rollout=rollout
+        )
+        print("held-out with the tool: " + "  ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
     save_model(model, cfg.out, tokenizer_dir=tok_dir)
     for f in os.listdir(tok_dir):
         os.remove(os.path.join(tok_dir, f))

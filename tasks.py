@@ -67,7 +67,7 @@ SYNTHETIC_VARIANTS = {
 }
 PROMPT_LAYOUTS = {"inline": "{a}+{b}", "vertical": "{a}\n+{b}"}  # how a+b is written in the prompt
 
-TASK_NAMES = (*SYNTHETIC_VARIANTS, "countdown", "gsm8k", "math", "code", "jsonl")
+TASK_NAMES = (*SYNTHETIC_VARIANTS, "synthetic-mul", "countdown", "gsm8k", "math", "code", "jsonl")
 
 
 def no_reference(example: dict) -> None:
@@ -97,7 +97,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
     """The task called `name`. File tasks read `data` (JSONL); their test split is every 10th
     example of it, or all of `test_data` when given (then all of `data` is training, and `data`
     may be None for an evaluation). A field of a file example holds at most `max_chars` characters."""
-    if name in SYNTHETIC_VARIANTS or name == "countdown":
+    if name in SYNTHETIC_VARIANTS or name in ("countdown", "synthetic-mul"):
         for flag, value in (("--data", data), ("--test-data", test_data)):
             if value is not None:
                 raise ValueError(f"task '{name}' is generated and takes no data file; drop {flag}.")
@@ -110,6 +110,9 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
                 lambda n, seed: countdown_examples(n, seed, held_out=True),
                 SYSTEM_PROMPT,
             )
+        if name == "synthetic-mul":  # the Python tool's task (methods/tools.py): tiny models cannot multiply
+            train, test = (lambda n, seed, h=h: multiplication_examples(n, seed, held_out=h) for h in (False, True))
+            return Task(name, exact_reward, exact_reward, train, test, None, reference=sft_completion)
         digits, layout = SYNTHETIC_VARIANTS[name]
         return Task(
             name,
@@ -239,11 +242,37 @@ def addition_examples(
     return examples
 
 
+def multiplication_examples(n: int, seed: int, held_out: bool = False) -> list[dict]:
+    """n products a*b of two 2-digit numbers ("37*48", answer "1776"), split like the addition task: a pair {a, b}
+    is held out when its hash % 10 == 0. The Python tool's task: the bundled-size model barely multiplies by hand."""
+    rng = random.Random(f"multiplication:{held_out}:{seed}")
+    examples = []
+    while len(examples) < n:
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        if _is_held_out(f"{min(a, b)}*{max(a, b)}") == held_out:
+            examples.append({"prompt": f"{a}*{b}", "answer": str(a * b), "a": a, "b": b, "op": "*"})
+    return examples
+
+
+def multiplication_completion(example: dict) -> str:
+    """A worked product, by hand or with the Python tool (example["tool"], set by sft.py's demonstrations). 37*48 ->
+    by hand "<think>37*8=296\\n37*40=1480\\n296+1480=1776\\n</think>1776"; with the tool (ToRL's form)
+    "<think>```python\\nprint(37*48)\\n```\\n```output\\n1776\\n```\\n</think>1776"."""
+    a, b = example["a"], example["b"]
+    if example.get("tool"):
+        return f"<think>```python\nprint({a}*{b})\n```\n```output\n{a * b}\n```\n</think>{a * b}"
+    lo, hi = b % 10, b - b % 10
+    return f"<think>{a}*{lo}={a * lo}\n{a}*{hi}={a * hi}\n{a * lo}+{a * hi}={a * b}\n</think>{a * b}"
+
+
 def sft_completion(example: dict) -> str:
     """The reference completion of a synthetic example: one line per digit, least significant
     first, `x+y[+1]=s` (+1 = the carry in), then the sum. 357+68 ->
     "<think>7+8=15\\n5+6+1=12\\n3+0+1=4\\n</think>425". The answer is the last line's sum followed
-    by the earlier lines' last digits in reverse; a final carry is the last sum's leading 1."""
+    by the earlier lines' last digits in reverse; a final carry is the last sum's leading 1. A product
+    (synthetic-mul): multiplication_completion."""
+    if example.get("op") == "*":
+        return multiplication_completion(example)
     if "a" not in example or "b" not in example:
         raise ValueError("sft_completion knows only the synthetic task (examples with 'a' and 'b').")
     a, b = str(example["a"]), str(example["b"])

@@ -134,3 +134,23 @@ def test_trainer_logprobs_of_a_tool_rollout_equal_the_sampler_and_metrics_count_
     assert row["tool/calls"] == stats["calls"] and row["tool/calls_per_completion"] == stats["calls"] / 8
     assert row["tool/errors"] == stats["errors"] and 0 < row["tool/error_rate"] <= 1 and "tool/time_s" in row
     assert "tool_step" not in run.state  # counted once: the next step starts from 0
+
+
+def test_multiplication_demonstrations_mask_the_tool_output_as_rl_does(tmp_path):
+    """Guards the tool model's warm start: synthetic-mul's reference completions (by hand and with the tool) earn
+    the task's reward, and in a tool demonstration exactly the tool's output (what RL appends after ```output, the
+    output and its closing fence) is out of the SFT loss, encoded alone as RL encodes an observation."""
+    import sft
+    from tasks import SYNTHETIC_CHARS, get_task, sft_completion
+
+    task = get_task("synthetic-mul")
+    ex = task.train(1, 0)[0]
+    for tool in (False, True):
+        assert task.reward(sft_completion({**ex, "tool": tool}), ex) == 1.0
+    sft.write_tokenizer(sft.build_char_tokenizer(SYNTHETIC_CHARS + sft.TOOL_CHARS), str(tmp_path))
+    tok = load_tokenizer(tmp_path)
+    text = sft_completion({**ex, "tool": True})
+    ids, trained = sft.completion_ids(tok, text)
+    assert ids == tok.encode(text)
+    masked = tok.decode([i for i, t in zip(ids, trained) if t == 0.0])
+    assert masked == f"\n{ex['answer']}\n```\n" == tools.PythonTool().step(text[: text.index("```output") + 9])[0]
