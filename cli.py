@@ -66,6 +66,7 @@ def build_parser(
     preset = presets[fields[preset_field].default] if presets else {}
     for f in fields.values():
         kind = str if f.default is None else type(f.default)  # None: an optional text flag, unset by default
+        kind = getattr(cls, "TYPES", {}).get(f.name, kind)  # a field parsed by a function of its own (int_or_auto)
         title = groups.get(f.name, "options")
         section = sections.get(title) or sections.setdefault(title, parser.add_argument_group(title))
         default = f"{f.default!r}"
@@ -114,6 +115,11 @@ def parse_config(
         parser.error(blame(e, preset, f"{flag(preset_field)} {name}"))
     except ValueError as e:
         parser.error(str(e))
+
+
+def int_or_auto(text: str) -> int | str:
+    """A count flag's value that may also be the word auto (--micro-batch-rows auto)."""
+    return text if text == "auto" else int(text)
 
 
 def flag(name: str) -> str:

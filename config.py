@@ -15,7 +15,7 @@ from typing import ClassVar
 import methods
 from advantage import AGGREGATIONS
 from checkpoint import resume_flags
-from cli import FlagError, first_error, out_of_range
+from cli import FlagError, first_error, int_or_auto, out_of_range
 from hf import BUNDLED
 from lora import TARGETS, parse_targets
 from losses import KL_ESTIMATORS
@@ -82,7 +82,7 @@ class CoreFlags:
     lr_schedule: str = "cosine"  # cosine decays to 10% of --lr at the last step
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this value
-    micro_batch_rows: int = 64  # rows (thoughts) per forward/backward; changes memory, not the gradient
+    micro_batch_rows: int | str = "auto"  # rows per forward/backward; auto: the most that fit a GPU, 64 on CPU
     micro_batch_tokens: int = 0  # and at most N padded tokens per forward/backward, shared prompts counted (0 = off)
     share_prompt: bool = True  # run each prompt once, its K rows attend to it (same gradient, less work)
     gradient_checkpointing: bool = False  # recompute layer activations in backward to save memory
@@ -116,6 +116,7 @@ class TrainConfig(*(m.Flags for m in reversed(methods.METHODS) if hasattr(m, "Fl
     combinations."""
 
     # The values of every choice flag (shown by --help) and the range of every numeric one (cli.in_range).
+    TYPES: ClassVar[dict[str, object]] = dict(micro_batch_rows=int_or_auto)  # cli: fields not typed by their default
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(
         algo=ALGOS,
         task=TASK_NAMES,
@@ -132,7 +133,7 @@ class TrainConfig(*(m.Flags for m in reversed(methods.METHODS) if hasattr(m, "Fl
     )
     RANGES: ClassVar[dict[str, str]] = {
         **dict.fromkeys(("max_steps", "prompts_per_step", "thoughts", "answers", "max_answer_tokens"), ">= 1"),
-        **dict.fromkeys(("reward_workers", "mu", "micro_batch_rows", "max_bad_steps", "eval_examples"), ">= 1"),
+        **dict.fromkeys(("reward_workers", "mu", "max_bad_steps", "eval_examples"), ">= 1"),
         **dict.fromkeys(("seed", "max_thought_tokens", "top_k", "thought_weight", "answer_weight", "beta"), ">= 0"),
         **dict.fromkeys(("warmup_steps", "weight_decay", "micro_batch_tokens", "eval_every", "lora_rank"), ">= 0"),
         **dict(lora_alpha="> 0"),
@@ -162,6 +163,8 @@ def check(cfg: TrainConfig) -> Iterator[FlagError]:
             yield FlagError((name,), f"must be one of {', '.join(allowed)}, got {value!r}")
     if cfg.top_p > 1:
         yield FlagError(("top_p",), f"must be in (0, 1] (1 = off), got {cfg.top_p}")
+    if cfg.micro_batch_rows != "auto" and not (isinstance(cfg.micro_batch_rows, int) and cfg.micro_batch_rows >= 1):
+        yield FlagError(("micro_batch_rows",), f"must be >= 1 or auto, got {cfg.micro_batch_rows!r}")
     if cfg.optimizer_offload and cfg.fsdp:
         why = "is for one process or DDP: --fsdp already shards the optimizer state over the ranks"
         yield FlagError(("optimizer_offload",), why, ("fsdp",))

@@ -10,7 +10,8 @@ The estimate adds up what the code allocates (bytes; N parameters, vocabulary V,
 intermediate size I, L layers, H query and Hkv key/value heads of hd):
   resident  float32 weights 4N (train.py loads the masters in float32), a --rollout-dtype copy (2N in
             bf16), a --beta reference copy 4N, AdamW's two moments 8N (not on the GPU with
-            --optimizer-offload; on the CPU, plus its 4N float32 copies), and on CPU the process itself
+            --optimizer-offload; on the CPU, plus its 4N float32 copies), on CUDA the CUDA graphs' static
+            KV buffers (graphs.py: rows and slots rounded up to powers of two), and on CPU the process itself
             (measured: interpreter, torch, tokenizer, data) and the data pool about to be built;
   sample    the KV caches of sampler.sample_tree (2 L Hkv hd bytes per token slot and row, in the
             rollout dtype; a fork holds the old and the new cache at once) and the decode step's (B, V)
@@ -24,6 +25,8 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
             it is added into the existing one (docs/memory.md, bench_knobs.py);
   score     (config.score_pass_needs: mu > 1, GTPO's entropy, the token selections, --beta) one micro-batch's
             forward, nothing saved.
+--micro-batch-rows auto (the default) picks, on CUDA, the most rows per micro-batch whose estimate fits
+AUTO_MARGIN of the free memory, turning on gradient checkpointing if no micro-batch fits without it.
 Deliberately simple: one micro-batch of the largest shape (rows x the longest row, as pack.py pads
 them), every thought and answer at its length limit, the longest prompt of a sample of the data;
 the allocator's own slack (heap fragmentation, CUDA's block rounding) is not modelled.
@@ -35,7 +38,7 @@ import json
 import math
 import os
 import tracemalloc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +46,7 @@ import methods
 from cli import UserError
 from config import score_pass_needs
 from distributed import rollout_dtype
+from graphs import MIN_SPAN, batch_bucket
 from hf import config_from_hf
 from lora import adapter_size, parse_targets
 from model import ModelConfig, Transformer
@@ -52,6 +56,8 @@ from tokenizer import load_tokenizer
 GIB = 2**30
 EVAL_BATCH_PROMPTS = 64  # eval.evaluate's default batch_prompts, which train.py's evaluation uses
 DATA_SAMPLE = 256  # examples rendered to find the longest prompt and to measure an example's size
+AUTO_MARGIN = 0.85  # --micro-batch-rows auto plans for this share of the free GPU memory (allocator slack, caches)
+CPU_AUTO_ROWS = 64  # --micro-batch-rows auto on CPU: the plain default (the machine's memory is shared with the OS)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,14 @@ def sampling_bytes(c: ModelConfig, shape: Shape, prompts: int, group: int, thoug
     decode = group * c.vocab_size * (nb + 3 * 4)  # logits, then x (float32), exp(x - max), its cumsum
     prefill = prompts * Lp * (4 * c.hidden_size + 3 * c.intermediate_size) * nb  # one layer's transients
     return old + new + max(decode, prefill)
+
+
+def decode_buffer_bytes(c: ModelConfig, shape: Shape, rows: int) -> int:
+    """graphs.StaticDecode's static buffers, kept between steps: keys and values for the rollouts' rows and
+    slots, each rounded up to a power of two, and the graphs' (rows, V) logits."""
+    slots = max(batch_bucket(shape.prompt_tokens + shape.thought_tokens + 1 + shape.answer_tokens), MIN_SPAN)
+    rows = batch_bucket(rows)
+    return kv_bytes(c, rows, slots, shape.rollout_bytes) + rows * c.vocab_size * shape.rollout_bytes
 
 
 def micro_batch(shape: Shape) -> tuple[int, int, int, int]:
@@ -241,6 +255,7 @@ def example_bytes(task: Task, seed: int) -> tuple[int, list[dict]]:
 ADVICE = {
     "data_pool": "--max-steps x --prompts-per-step (the training examples are drawn up front)",
     "kv_cache_and_logits": "--prompts-per-step, --thoughts, --answers or --max-thought-tokens/--max-answer-tokens",
+    "decode_buffers": "--prompts-per-step, --thoughts, --answers or the token limits (or pass --no-cuda-graphs)",
     "activations": "--micro-batch-rows or --micro-batch-tokens, or pass --gradient-checkpointing",
     "backward": "--micro-batch-rows or --micro-batch-tokens",
     "forward": "--micro-batch-rows or --micro-batch-tokens",
@@ -251,17 +266,42 @@ ADVICE = {
 }
 
 
-def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
+@dataclass(frozen=True)
+class Plan:
+    """What check_memory settled: the micro-batch the update runs, and the start line's phrase."""
+
+    micro_batch_rows: int
+    gradient_checkpointing: bool
+    phrase: str  # "estimated peak memory ..." ("" when the model directory cannot be read)
+
+
+def auto_micro_batch(shape: Shape, need, have: int) -> tuple[int, bool]:
+    """--micro-batch-rows auto on CUDA: the most rows per micro-batch (all of a step's rows, or a power of two
+    below) whose estimated peak, need(shape), fits AUTO_MARGIN of the free memory `have`; if none does even
+    with one row, the same with gradient checkpointing (kept on if the user asked for it). If nothing fits,
+    one row with checkpointing, which the check then refuses."""
+    total = shape.prompts * shape.thoughts
+    rows = [total] + [r for r in (2**i for i in range(total.bit_length() - 1, -1, -1)) if r < total]
+    for checkpointing in dict.fromkeys((shape.gradient_checkpointing, True)):
+        for r in rows:
+            if need(replace(shape, micro_batch_rows=r, gradient_checkpointing=checkpointing)) <= AUTO_MARGIN * have:
+                return r, checkpointing
+    return 1, True
+
+
+def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     """Estimate a training step's peak memory for train.py's config `cfg` and refuse, as a UserError
-    naming the flags to lower, a run whose largest phase cannot fit in what is available. Returns the
-    start line's phrase ("estimated peak ..."); "" when the model directory cannot be read (load_model
-    reports that)."""
+    naming the flags to lower, a run whose largest phase cannot fit in what is available. With
+    --micro-batch-rows auto, first choose the micro-batch (auto_micro_batch on CUDA; CPU_AUTO_ROWS on CPU).
+    Returns the Plan: the rows and checkpointing the update runs and the start line's phrase."""
+    auto = cfg.micro_batch_rows == "auto"
+    rows = CPU_AUTO_ROWS if auto else cfg.micro_batch_rows
     try:
         with open(os.path.join(cfg.model, "config.json")) as f:
             c = config_from_hf(json.load(f))
         tokenizer = load_tokenizer(cfg.model)
     except (OSError, ValueError):
-        return ""
+        return Plan(rows, cfg.gradient_checkpointing, "")
     per_example, sample = example_bytes(task, cfg.seed)
     examples = sample + task.test(min(cfg.eval_examples, DATA_SAMPLE), cfg.seed)
     Lp = max(len(render_prompt(tokenizer, ex, task.system_prompt)) for ex in examples)
@@ -276,7 +316,7 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
         prompt_tokens=Lp,
         thought_tokens=cfg.max_thought_tokens + len(tokenizer.encode(cfg.end_of_thought)) if M > 1 else 0,
         answer_tokens=cfg.max_answer_tokens + (0 if M > 1 else cfg.max_thought_tokens),
-        micro_batch_rows=cfg.micro_batch_rows,
+        micro_batch_rows=rows,
         micro_batch_tokens=cfg.micro_batch_tokens,
         share_prompt=cfg.share_prompt,
         gradient_checkpointing=cfg.gradient_checkpointing,
@@ -296,11 +336,19 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
     offloaded = cfg.optimizer_offload and cuda
     fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * T // shard + 4 * T * cfg.optimizer_offload)
     n_pool = cfg.max_steps * cfg.prompts_per_step + methods.stream_size(cfg)  # the pool and the methods' streams
+    if cuda and cfg.cuda_graphs:  # graphs.StaticDecode's buffers stay allocated through the update
+        fixed["decode_buffers"] = decode_buffer_bytes(c, shape, cfg.thoughts * cfg.answers * shape.prompts)
     if not cuda:  # the process and its data share the CPU's memory with the step
         fixed = dict(process=process_bytes(), data_pool=n_pool * per_example, **fixed)
-    phases = estimate(c, shape, fixed=fixed, world=world, fsdp=fsdp)
-    phase, terms = max(phases.items(), key=lambda kv: sum(kv[1].values()))
-    need, have = sum(terms.values()), available_bytes(device) + (fixed.get("process", 0))
+    have = available_bytes(device) + (fixed.get("process", 0))
+    peak = lambda shape: max(  # noqa: E731 (the largest phase, its terms)
+        estimate(c, shape, fixed=fixed, world=world, fsdp=fsdp).items(), key=lambda kv: sum(kv[1].values())
+    )
+    if auto and cuda:
+        rows, checkpointing = auto_micro_batch(shape, lambda s: sum(peak(s)[1].values()), have)
+        shape = replace(shape, micro_batch_rows=rows, gradient_checkpointing=checkpointing)
+    phase, terms = peak(shape)
+    need = sum(terms.values())
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if not cuda else 1  # CPU ranks share one machine
     if need * local > have:
         top = max(terms, key=terms.get)
@@ -310,4 +358,8 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> str:
             f"a training step needs about {need * local / GIB:.1f} GiB at its peak ({phase}: {parts} GiB) but "
             f"{have / GIB:.1f} GiB are available on {device}: lower {ADVICE[top]}"
         )
-    return f"estimated peak memory {need / GIB:.2f} GiB ({phase}) of {have / GIB:.1f} GiB available"
+    phrase = f"estimated peak memory {need / GIB:.2f} GiB ({phase}) of {have / GIB:.1f} GiB available"
+    if auto:  # the start line says what auto chose
+        on = ", gradient checkpointing on" if shape.gradient_checkpointing and not cfg.gradient_checkpointing else ""
+        phrase += f"; micro-batch rows auto: {shape.micro_batch_rows}{on}"
+    return Plan(shape.micro_batch_rows, shape.gradient_checkpointing, phrase)

@@ -60,6 +60,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
     state: dict = field(init=False)
     wandb: object | None = None
+    micro_batch_rows: int = 64  # rows per micro-batch: --micro-batch-rows, or what auto chose (memory.check_memory)
     static_step: StaticDecode | None = None  # CUDA graphs (and --compile's step) sampling and evaluation run
     guard: distributed.WeightGuard | None = None  # refuses weights an update broke (set by setup)
 
@@ -116,7 +117,8 @@ def setup(cfg: TrainConfig) -> Run:
     task = methods.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
-    memory = check_memory(cfg, task, device, world)  # a step that cannot fit is refused here, before the data pool
+    # a step that cannot fit is refused here, before the data pool; --micro-batch-rows auto is settled here
+    memory = check_memory(cfg, task, device, world)
     # The data order: a deterministic stream of training examples (prefix-stable in --max-steps); a method may draw
     # prompts from streams of its own (dapo's top-ups)
     pool, streams = task.train(cfg.max_steps * cfg.prompts_per_step, cfg.seed), methods.streams(task, cfg)
@@ -137,7 +139,7 @@ def setup(cfg: TrainConfig) -> Run:
         lora.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, lora.parse_targets(cfg.lora_targets), seed=cfg.seed)
         if resume_dir:
             lora.load_adapters(policy, resume_dir)
-    policy.gradient_checkpointing = cfg.gradient_checkpointing
+    policy.gradient_checkpointing = memory.gradient_checkpointing  # the flag, or what --micro-batch-rows auto chose
     # a checkpoint carries its run's tokenizer files
     tokenizer = load_tokenizer(resume_dir or cfg.model, enable_thinking=cfg.enable_thinking)
     # the KL's frozen starting model: a copy, or under LoRA the policy itself with its adapters off (no copy)
@@ -170,6 +172,7 @@ def setup(cfg: TrainConfig) -> Run:
     # a copy runs fused q/k/v and gate/up projections (fused.py: fewer kernels per decode step); the policy never does
     sampler = policy if rollout == "float32" else fuse_projections(copy(policy, getattr(torch, rollout)))
     run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
+    run.micro_batch_rows = memory.micro_batch_rows
     run.marker, run.optimizer, run.scheduler, run.state, run.guard = marker, optimizer, scheduler, state, guard
     # On CUDA decode replays CUDA graphs (graphs.py), which hold the weights' addresses: not when FSDP gathers
     # the policy's weights anew for each rollout. --compile compiles the step they capture.
@@ -188,7 +191,7 @@ def setup(cfg: TrainConfig) -> Run:
         where = f"{device}, {'bf16 autocast' if run.autocast else 'float32'}"
         where += f", a {rollout} rollout copy" if rollout != "float32" else ""
         kw = dict(algo=cfg.algo, flags=flags, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
-        print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory, **kw))
+        print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory.phrase, **kw))
     return run
 
 

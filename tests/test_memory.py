@@ -147,3 +147,59 @@ def test_the_estimate_counts_the_score_pass_the_trainer_runs(monkeypatch, flags)
     memory.check_memory(cfg, get_task("synthetic"), torch.device("cpu"), 1)
     runs = any(score_pass_needs(cfg))
     assert seen["shape"].score_pass == runs and runs == (flags != {})
+
+
+@pytest.fixture
+def qwen05(tmp_path):
+    """A directory with Qwen2.5-0.5B's config.json and the bundled tokenizer: all the estimate reads (no weights)."""
+    import json
+    import shutil
+
+    from hf import BUNDLED
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from random_checkpoint import MODELS
+
+    for name in os.listdir(BUNDLED):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(BUNDLED, name), tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps(MODELS["qwen2.5-0.5b"]))
+    return str(tmp_path)
+
+
+def plan(model: str, free_gib: float, device: str, monkeypatch, *flags: str) -> memory.Plan:
+    """check_memory's plan for a GRPO-MA step (16 prompts x 4 thoughts x 4 answers, 256 + 64 tokens) on a device
+    with `free_gib` free."""
+    from cli import parse_config
+    from config import PRESETS, TrainConfig
+    from tasks import get_task
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: int(free_gib * memory.GIB))
+    argv = ["--model", model, "--algo", "grpo_ma", "--prompts-per-step", "16", "--thoughts", "4", "--answers", "4"]
+    argv += ["--max-thought-tokens", "256", "--max-answer-tokens", "64", *flags]
+    cfg, _ = parse_config(TrainConfig, argv, presets=PRESETS, preset_field="algo")
+    return memory.check_memory(cfg, get_task("synthetic"), torch.device(device), 1)
+
+
+def test_auto_micro_batch_picks_the_most_rows_that_fit(qwen05, monkeypatch):
+    """Guards --micro-batch-rows auto, the default on CUDA: the default 0.5B GRPO-MA step fits a 24 GiB card
+    (the plain 64 rows would need ~49 GiB by the estimate) with the largest micro-batch whose estimate fits
+    AUTO_MARGIN of the free memory (twice as many rows would not); with too little memory for any micro-batch
+    it turns on gradient checkpointing; the start line says what it chose; on CPU it is the plain 64."""
+    from cli import UserError
+
+    free = 23.5  # a 24 GiB card less the CUDA context
+    with pytest.raises(UserError, match="needs about"):
+        plan(qwen05, free, "cuda", monkeypatch, "--micro-batch-rows", "64")
+    auto = plan(qwen05, free, "cuda", monkeypatch)
+    rows = auto.micro_batch_rows
+    assert 1 <= rows < 64 and not auto.gradient_checkpointing
+    assert auto.phrase.endswith(f"micro-batch rows auto: {rows}")
+    plan(qwen05, memory.AUTO_MARGIN * free, "cuda", monkeypatch, "--micro-batch-rows", str(rows))  # fits
+    with pytest.raises(UserError):
+        plan(qwen05, memory.AUTO_MARGIN * free, "cuda", monkeypatch, "--micro-batch-rows", str(2 * rows))
+    small = plan(qwen05, 13, "cuda", monkeypatch)
+    assert small.gradient_checkpointing and small.phrase.endswith(", gradient checkpointing on")
+    cpu = plan(qwen05, 200, "cpu", monkeypatch)
+    assert (cpu.micro_batch_rows, cpu.gradient_checkpointing) == (memory.CPU_AUTO_ROWS, False) == (64, False)
+    assert plan(qwen05, 200, "cpu", monkeypatch, "--micro-batch-rows", "8").micro_batch_rows == 8
