@@ -10,7 +10,7 @@ PY := .venv/bin/python
 endif
 STAMP := $(VENV)/.nanorl-installed
 
-.PHONY: install test test-slow lint format train eval gpu-check bench tiny-model experiments experiments-quick plot tour clean
+.PHONY: install test test-slow lint format train eval gpu-check bench tiny-model tiny-tool-model experiments experiments-quick plot tour clean
 
 install: $(STAMP)
 
@@ -58,6 +58,9 @@ experiments-quick: $(STAMP)  ## the same suite, 1 seed x a tenth of the steps: u
 
 tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervised warm start)
 	$(PY) sft.py
+
+tiny-tool-model: $(STAMP)  ## rebuild assets/tiny-tool-model: the tiny shape warm-started on products, 30% with the Python tool
+	$(PY) sft.py --task synthetic-mul --tool-demos 0.3 --steps 600 --out assets/tiny-tool-model
 
 tour: $(STAMP)          ## docs/tour.md: one GRPO step of grpo_minimal.py, its real tensors and lines of code (tested: stale fails)
 	$(PY) docs/tour.py
