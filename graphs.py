@@ -87,13 +87,16 @@ class StaticDecode:
                 rows, slots = max(rows, old_rows), max(slots, old_slots)
         self._release_owner()
         self.graphs, self.logits = {}, None
-        self.k = torch.zeros(L, rows, Hkv, slots, hd, dtype=dtype, device=device)  # zeros: masked slots stay finite
-        self.v = torch.zeros_like(self.k)
-        self.key_valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
-        self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.tok = torch.zeros(rows, dtype=torch.long, device=device)
-        self.alive = torch.zeros(rows, dtype=torch.bool, device=device)
+        # normal tensors even when first made under inference_mode (generate), so that a caller decoding under
+        # no_grad (multiturn) may write into them too
+        with torch.inference_mode(False):
+            self.k = torch.zeros(L, rows, Hkv, slots, hd, dtype=dtype, device=device)  # zeros: masked slots finite
+            self.v = torch.zeros_like(self.k)
+            self.key_valid = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+            self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
+            self.slot = torch.zeros(1, dtype=torch.long, device=device)
+            self.tok = torch.zeros(rows, dtype=torch.long, device=device)
+            self.alive = torch.zeros(rows, dtype=torch.bool, device=device)
         if self.capture:
             self.pool = torch.cuda.graph_pool_handle()
 
@@ -101,9 +104,10 @@ class StaticDecode:
         """The cache adopted last, if still alive, gets copies of its tensors: the buffers are about to change."""
         prev = self.owner() if self.owner else None
         if prev is not None:
-            prev.k, prev.v, prev.key_valid, prev.next_pos = (
-                t.clone() for t in (prev.k, prev.v, prev.key_valid, prev.next_pos)
-            )
+            with torch.inference_mode(False):  # normal tensors, whatever mode the caller is in (see _make_room)
+                prev.k, prev.v, prev.key_valid, prev.next_pos = (
+                    t.clone() for t in (prev.k, prev.v, prev.key_valid, prev.next_pos)
+                )
         self.owner = None
 
     def __call__(self, model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
@@ -136,8 +140,9 @@ class StaticDecode:
             logits = self.step(model, cache, tok, alive)
         torch.cuda.current_stream().wait_stream(side)
         self.next_pos.copy_(pos)
-        if self.logits is None:  # (rows, V) in the logits' dtype, shared by every graph
-            self.logits = logits.new_empty(len(self.tok), logits.shape[-1])
+        if self.logits is None:  # (rows, V) in the logits' dtype, shared by every graph (a normal tensor)
+            with torch.inference_mode(False):
+                self.logits = logits.new_empty(len(self.tok), logits.shape[-1])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.logits[:b] = self.step(model, cache, tok, alive)

@@ -161,6 +161,22 @@ def test_decode_extend_decode_on_one_cache():
     assert runs[0] == runs[1]
 
 
+def test_buffers_serve_inference_mode_and_no_grad_callers():
+    """Guards the static buffers becoming inference tensors when generate (inference_mode) makes them first:
+    a later caller decoding under no_grad (multiturn's tool rollouts) could not write into them
+    ("Inplace update to inference tensor outside InferenceMode")."""
+    model, static = tiny(seed=4), StaticDecode()
+    generate(model, PROMPTS, max_new_tokens=5, static_step=static, seed=0)
+    with torch.no_grad():
+        cache, logits = prefill(model, PROMPTS)
+        cache = cache.fork(torch.arange(3), cache.length + 10)
+        kw = dict(temperature=1.0, top_k=0, top_p=1.0)
+        u = torch.rand(3, 5, generator=torch.Generator().manual_seed(0))
+        ref = decode(model, cache.fork(torch.arange(3), cache.length + 10), logits, u, 5, **kw)
+        out = decode(model, cache, logits, u, 5, static_step=static, **kw)
+    assert torch.equal(out.tokens, ref.tokens)
+
+
 def test_compiled_static_step_samples_what_eager_does():
     """Guards --compile's step (torch.compile of decode_step_static with dynamic shapes, which the graphs then
     capture) failing to trace as one graph over the buckets, or sampling differently: traced here with
