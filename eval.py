@@ -26,6 +26,7 @@ import torch
 
 from checkpoint import hold_lock
 from cli import user_errors
+from fused import fuse_projections
 from graphs import decode_runner
 from heldout import evaluate
 from hf import BUNDLED, bundled
@@ -225,6 +226,8 @@ def main(cfg: EvalConfig) -> dict:
             model = lora.merged_copy(lora.load_adapted(cfg.model, device=cfg.device)[0])
         else:
             model = load_model(cfg.model, device=cfg.device)
+        if model.lm_head.weight.is_cuda:  # fused projections: fewer kernels per decode step (fused.py)
+            model = fuse_projections(model)
         context = model.config.max_position_embeddings
         if cfg.max_new_tokens >= context:
             raise ValueError(
