@@ -248,7 +248,9 @@ def decode(
 
     static_step: None feeds each token through decode_step (rows compacted as they finish); else a
     graphs.StaticDecode (static buffers, batch buckets, CUDA graphs when it captures), which adopts the
-    cache; a bare function like decode_step_static is run by an eager StaticDecode."""
+    cache: from then on its tensors are views of the static buffers (power-of-two rows and slots), and
+    extend and a later decode work on it as before. A bare function like decode_step_static is run by an
+    eager StaticDecode."""
     dev = logits.device
     out = Samples.empty(cache.batch, max_steps, dev)
     alive = torch.ones(cache.batch, dtype=torch.bool, device=dev)  # per active cache row
