@@ -90,16 +90,18 @@ def best_time(fn, repeats: int, clock: Callable[[], float]) -> float:
     return min(times)  # the least disturbed run: the machine is shared
 
 
-def time_ours(model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
-    return best_time(
-        lambda: generate(model, prompts, max_new_tokens=NEW_TOKENS, n=n, temperature=1.0, seed=0), repeats, clock
-    )
+def time_ours(
+    model: Transformer, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float], static_step=None
+) -> float:
+    """static_step: sampler.decode's (graphs.decode_runner: CUDA graphs on a GPU); None: eager."""
+    kw = dict(max_new_tokens=NEW_TOKENS, n=n, temperature=1.0, seed=0, static_step=static_step)
+    return best_time(lambda: generate(model, prompts, **kw), repeats, clock)
 
 
 def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
     T = max(map(len, prompts))
-    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
-    mask = (torch.arange(T) >= torch.tensor([T - len(p) for p in prompts])[:, None]).long()
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts]).to(hf.device)
+    mask = (torch.arange(T) >= torch.tensor([T - len(p) for p in prompts])[:, None]).long().to(hf.device)
 
     def run():
         with torch.no_grad():
@@ -146,16 +148,22 @@ def time_gemms(
         for layer in model.model.layers
     ]
     head = model.lm_head.weight
-    dt = head.dtype  # activations and cache in the weights' dtype, as the sampler runs them
+    dt, dev = head.dtype, head.device  # activations and cache in the weights' dtype and device, as the sampler's
     P, B, T = len(prompts), len(prompts) * n, max(map(len, prompts))
     steps = [(P * T, P)] + [(B, B)] * (NEW_TOKENS - 1)  # (layer rows, head rows)
-    x = {(r, w.shape[1]): torch.randn(r, w.shape[1], dtype=dt) for r, _ in steps for ws in qkv + rest for w in ws}
-    x |= {(r, head.shape[1]): torch.randn(r, head.shape[1], dtype=dt) for _, r in steps}
+    x = {
+        (r, w.shape[1]): torch.randn(r, w.shape[1], dtype=dt, device=dev)
+        for r, _ in steps
+        for ws in qkv + rest
+        for w in ws
+    }
+    x |= {(r, head.shape[1]): torch.randn(r, head.shape[1], dtype=dt, device=dev) for _, r in steps}
     c = model.config
     kv_shape = (2, c.num_hidden_layers, B, c.num_key_value_heads, T + NEW_TOKENS, c.head_dim)  # the cache's layout
-    kv = torch.randn(kv_shape, dtype=dt)
+    kv = torch.randn(kv_shape, dtype=dt, device=dev)
     q = torch.randn(B, c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim, dtype=dt)
-    valid = torch.ones(B, 1, 1, T + NEW_TOKENS, dtype=torch.bool)
+    q = q.to(dev)
+    valid = torch.ones(B, 1, 1, T + NEW_TOKENS, dtype=torch.bool, device=dev)
 
     def run():
         for i, (rows, head_rows) in enumerate(steps):

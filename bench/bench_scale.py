@@ -4,6 +4,7 @@
     python bench/bench_scale.py --models all --new-tokens 128 --prompt-tokens 128   # the full sizes (a GPU, or hours)
     python bench/bench_scale.py --parts load,sample    # skip the GRPO step
     python bench/bench_scale.py --models qwen2.5-1.5b --parts lora   # a LoRA step at 1.5B within 24 GiB
+    python bench/bench_scale.py --device cuda --models all --new-tokens 128   # every part on a GPU
 
 Random-weight checkpoints with the exact published configurations of Qwen2.5-0.5B-Instruct,
 Qwen3-0.6B and Llama-3.2-1B (random_checkpoint.py builds them into --cache, once). Tokenizer:
@@ -71,6 +72,8 @@ import bench_sampler  # noqa: E402
 import bench_trl  # noqa: E402
 from random_checkpoint import MODELS, checkpoint  # noqa: E402
 
+from fused import fuse_projections  # noqa: E402
+from graphs import decode_runner  # noqa: E402
 from hf import config_from_hf, load_model  # noqa: E402
 from methods.mismatch import truncated_is_weights  # noqa: E402
 from model import Transformer, cast_copy, token_logprobs  # noqa: E402
@@ -83,7 +86,7 @@ FULL = dict(batches=(16, 64), new_tokens=128)  # the issue's sampler sizes; the 
 # 1. Load
 
 
-def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
+def bench_load(path: Path, repeats: int, clock: Callable[[], float], device: str = "cpu") -> None:
     import transformers
 
     with open(path / "model.safetensors", "rb") as f:  # warm the page cache: both sides read from memory
@@ -91,18 +94,18 @@ def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
             pass
     # one untimed load of each first: the first in a process pays one-off imports (torch._dynamo, 3 s
     # here, pulled in by the first meta-device init), which would land on whichever side goes first
-    load_model(path)
-    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    load_model(path, device=device)
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     gc.collect()
     t_ours = t_hf = float("inf")
     for _ in range(repeats):  # taking turns: a load change hits both
         t = clock()
-        m = load_model(path)
+        m = load_model(path, device=device)
         t_ours = min(t_ours, clock() - t)
         del m
         gc.collect()
         t = clock()
-        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
         t_hf = min(t_hf, clock() - t)
         del m
         gc.collect()
@@ -116,10 +119,10 @@ def bench_load(path: Path, repeats: int, clock: Callable[[], float]) -> None:
 # 2. Sample
 
 
-def read_bandwidth(clock: Callable[[], float], mib: int = 1024, repeats: int = 5) -> float:
+def read_bandwidth(clock: Callable[[], float], mib: int = 1024, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s of one pass reading a float32 tensor far larger than the caches (sum: read-only, like a
     GEMM with few rows reading its weights); the best of repeats."""
-    x = torch.ones(mib * 2**18)
+    x = torch.ones(mib * 2**18, device=device)
     x.sum()  # fault the pages in
     best = bench_sampler.best_time(lambda: x.sum(), repeats, clock)
     return x.numel() * x.element_size() / best
@@ -137,11 +140,11 @@ def bench_sample(path: Path, args, clock: Callable[[], float]) -> None:
     HF: the model cast to bf16), then the sampler/trainer gap that the bf16 copy causes."""
     import transformers
 
-    ours = load_model(path).eval()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(path, device=args.device).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # no stop: every row makes all its tokens
     bench_sampler.NEW_TOKENS = args.new_tokens  # its timing functions read the module's NEW_TOKENS
-    bw = read_bandwidth(clock)
+    bw = read_bandwidth(clock, device=args.device)
     print(
         f"\nsample: {args.new_tokens} new tokens, temperature 1, no stop, prompts of {args.prompt_tokens // 2}.."
         f"{args.prompt_tokens} tokens, n = {args.n} samples per prompt, best of {args.repeats}; "
@@ -149,7 +152,7 @@ def bench_sample(path: Path, args, clock: Callable[[], float]) -> None:
     )
     generate(ours, make_prompts(1, 8, 1000, 0), max_new_tokens=2, seed=0)  # warm-up
     sample_table(ours, hf, args, clock, bw)
-    fast = cast_copy(ours, torch.bfloat16)
+    fast = fuse_projections(cast_copy(ours, torch.bfloat16))  # the copy train.py samples from
     hf = hf.to(torch.bfloat16)
     generate(fast, make_prompts(1, 8, 1000, 0), max_new_tokens=2, seed=0)
     sample_table(fast, hf, args, clock, bw)
@@ -167,12 +170,15 @@ def sample_table(ours: Transformer, hf, args, clock: Callable[[], float], bw: fl
         f"{'ours/HF':>8} {'GEMM+attn':>10} {'weight-bw':>10} {'limit':>9} {'% of limit':>10}   "
         f"(tok/s; limit = max time of GEMM+attn, weight-bw)"
     )
+    runner = decode_runner(next(ours.parameters()).device)  # train.py's default: CUDA graphs on a GPU
     for B in args.batches:
         P = B // args.n
         prompts = make_prompts(P, args.prompt_tokens, ours.config.vocab_size, args.seed)
+        if runner is not None:  # the graphs' captures, untimed
+            bench_sampler.time_ours(ours, prompts, args.n, 1, clock, runner)
         t_ours = t_hf = t_attn = float("inf")
         for _ in range(args.repeats):  # interleaved rounds, as bench_sampler
-            t_ours = min(t_ours, bench_sampler.time_ours(ours, prompts, args.n, 1, clock))
+            t_ours = min(t_ours, bench_sampler.time_ours(ours, prompts, args.n, 1, clock, runner))
             t_hf = min(t_hf, bench_sampler.time_hf(hf, prompts, args.n, 1, clock))
             t_attn = min(t_attn, bench_sampler.time_gemms(ours, prompts, args.n, 1, clock, attention=True))
         t_bw = args.new_tokens * weight_bytes / bw  # one read of the weights per forward: prefill + decode steps
@@ -198,8 +204,8 @@ def bench_gap(ours: Transformer, fast: Transformer, args) -> None:
     with torch.no_grad():
         for i, (toks, lp) in enumerate(zip(gen.tokens, gen.logprobs)):
             prompt = prompts[i // args.n]
-            ids = torch.tensor([prompt + toks])
-            trainer = token_logprobs(ours(ids)[0, len(prompt) - 1 : -1], torch.tensor(toks))
+            ids = torch.tensor([prompt + toks], device=ours.lm_head.weight.device)
+            trainer = token_logprobs(ours(ids)[0, len(prompt) - 1 : -1], ids[0, len(prompt) :]).cpu()
             sampler = torch.tensor(lp)
             gaps.append((trainer - sampler).abs())
             weights.append(truncated_is_weights(trainer, sampler, torch.ones_like(trainer, dtype=torch.bool), 2.0))
@@ -252,6 +258,7 @@ def bench_train(path: Path, args, note: str) -> None:
         lr=1e-6,
         threads=args.threads,
         seed=args.seed,
+        device=args.device,
     )
     have_trl = importlib.util.find_spec("trl") is not None and not args.no_trl
     with tempfile.TemporaryDirectory(prefix="bench_scale-") as work:
@@ -290,7 +297,7 @@ def bench_lora(path: Path, args, budget_gib: float = 24.0) -> None:
         flags += ["--gradient-checkpointing", "--prompts-per-step", str(args.train_prompts), "--thoughts"]
         flags += [str(args.train_group), "--max-thought-tokens", "0", "--max-answer-tokens", str(args.train_tokens)]
         flags += ["--max-steps", "1", "--eval-every", "0", "--eval-examples", "1", "--eval-samples", "0"]
-        flags += ["--samples-every", "0", "--lr", "1e-5", "--out", out]
+        flags += ["--samples-every", "0", "--lr", "1e-5", "--device", args.device, "--out", out]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True, env=env)
@@ -310,6 +317,13 @@ def bench_lora(path: Path, args, budget_gib: float = 24.0) -> None:
 
 
 # -----------------------------------------------------------------------------
+
+
+def synced(clock: Callable[[], float], device: torch.device) -> Callable[[], float]:
+    """The clock, reading it after the GPU's queued work is done (on CUDA)."""
+    if device.type != "cuda":
+        return clock
+    return lambda: torch.cuda.synchronize(device) or clock()
 
 
 def comma_list(kind: type) -> Callable[[str], list]:
@@ -341,12 +355,13 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=1, help="GRPO: timed steps per side, after 1 warm-up")
     parser.add_argument("--bf16-rollouts", action="store_true", help="GRPO: also train.py --rollout-dtype bfloat16")
     parser.add_argument("--no-trl", action="store_true", help="GRPO: train.py alone, even if TRL is installed")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every part runs")
     args = parser.parse_args()
     unknown = [m for m in args.models if m not in MODELS]
     unknown += [p for p in args.parts if p not in ("load", "sample", "train", "lora")]
     if unknown or any(b % args.n for b in args.batches) or args.train_group < 2:
         parser.error(f"unknown model/part {unknown}, or a batch not a multiple of --n, or --train-group < 2")
-    clock = bench_sampler.setup(args)
+    clock = synced(bench_sampler.setup(args), torch.device(args.device))
     for var in ("HF_HUB_OFFLINE=1", "TRANSFORMERS_VERBOSITY=error", "TOKENIZERS_PARALLELISM=false"):
         os.environ.setdefault(*var.split("="))
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -364,7 +379,7 @@ def main() -> None:
             f"tokens, {args.train_steps} timed step(s) (real runs: 16 x 16 x 512+)"
         )
     print(
-        f"bench_scale: CPU float32, {args.threads} threads (load average {os.getloadavg()[0]:.1f} on "
+        f"bench_scale: {args.device} float32, {args.threads} threads (load average {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} CPUs), torch {torch.__version__}; scaled down: {'; '.join(scaled) or 'nothing'}"
     )
     cache = Path(args.cache)
@@ -379,7 +394,7 @@ def main() -> None:
         print(f"\n=== {name}: ~{n_params / 1e6:.0f}M params, random weights (seed {args.seed}), {kind} tokenizer")
         print(f"    {path}")
         if "load" in args.parts:
-            bench_load(path, args.repeats, clock)
+            bench_load(path, args.repeats, clock, args.device)
         if "sample" in args.parts:
             bench_sample(path, args, clock)
         if "train" in args.parts:

@@ -1,6 +1,7 @@
-"""bench_trl.py: one GRPO step of train.py against TRL's GRPOTrainer, side by side on the CPU.
+"""bench_trl.py: one GRPO step of train.py against TRL's GRPOTrainer, side by side on the CPU (or a GPU).
 
     python bench/bench_trl.py                  # about a minute on 2 CPU cores (make bench)
+    python bench/bench_trl.py --device cuda    # both sides on the GPU (memory: CUDA's peak allocated)
     python bench/bench_trl.py --threads 1      # steadier when other processes share the cores
     python bench/bench_trl.py --no-share-prompt   # train.py runs each prompt once per completion, like TRL
 
@@ -61,6 +62,7 @@ class BenchConfig:
     lr: float = 3e-4  # learning rate (both sides)
     rollout_dtype: str = "float32"  # train.py --rollout-dtype (TRL samples with the training model, float32)
     threads: int = 2  # torch.set_num_threads for both sides
+    device: str = "cpu"  # where both sides train: cpu or cuda (memory: CUDA's peak allocated, not the RSS)
     seed: int = 0  # seed of both trainers and of the prompt order
 
     def __post_init__(self) -> None:
@@ -136,7 +138,7 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
         task="synthetic",
         out=os.path.join(work, "ours"),
         seed=cfg.seed,
-        device="cpu",
+        device=cfg.device,
         dtype="float32",
         max_steps=n,
         prompts_per_step=cfg.prompts_per_step,
@@ -210,7 +212,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     args = GRPOConfig(
         output_dir=os.path.join(work, "trl"),
         seed=cfg.seed,
-        use_cpu=True,
+        use_cpu=cfg.device == "cpu",
         bf16=False,
         fp16=False,
         max_steps=cfg.steps + 1,
@@ -260,8 +262,8 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
             if name == "_generate":  # (prompt_ids, completion_ids, ...): completion lengths incl. the stop token
                 lengths.append(statistics.mean(len(c) for c in out[1]))
             if name == "_generate_and_score_completions":  # the update begins: its baseline, then its peak
-                memory["base"].append(rss_gib())
-                memory_peak(torch.device("cpu"))  # resets the peak (VmHWM) to the current RSS
+                memory["base"].append(rss_gib() if cfg.device == "cpu" else torch.cuda.memory_allocated() / 2**30)
+                memory_peak(torch.device(cfg.device))  # resets the peak (VmHWM, or CUDA's) to what is held now
             return out
 
         setattr(trainer, name, wrapper)
@@ -278,7 +280,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
 
         def on_step_end(self, args, state, control, **kwargs):
             timings["step"].append(time.perf_counter() - self.t0)
-            memory["update"].append(memory_peak(torch.device("cpu")))
+            memory["update"].append(memory_peak(torch.device(cfg.device)))
 
     trainer.add_callback(StepClock())
 

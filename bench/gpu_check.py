@@ -14,19 +14,24 @@ seeded random weights, built on the spot into --cache and reused; nothing is dow
 2. logp_gap: samples of the bf16 rollout copy (model.cast_copy, train.py --rollout-dtype bfloat16)
    scored by the float32 model without autocast: mean |logp_bf16_sampler - logp_fp32_trainer| over
    the sampled tokens (train.py logs the same quantity as logp_gap).
-3. tok/s at each batch size, new tokens only, temperature 1, no stop, in train.py's rollout dtype
-   (bf16 on CUDA, float32 on CPU): the sampler eager; the sampler with its decode step compiled by
-   the caller, static_step = torch.compile(decode_step_static, mode="reduce-overhead",
-   fullgraph=True) (CUDA graphs), whose tokens are compared with the eager run's (same seeds); and
-   transformers.generate. The first call of each is an untimed warm-up (the compile happens
-   there), then the best of a few.
-4. GRPO-MA: one step of train.py --algo grpo_ma in a subprocess on the same checkpoint (its second
-   step: the first warms up): the update's time and peak memory from its metrics.jsonl
-   (time/update_s, mem/update_gib: CUDA's peak allocated memory, or the peak RSS on CPU).
+3. tok/s and ms per step at each batch size, new tokens only, temperature 1, no stop, in train.py's
+   rollout dtype (the fused bf16 copy on CUDA, float32 on CPU), for each decode path: eager (the
+   reference); CUDA graphs (graphs.py, train.py's default on CUDA); CUDA graphs over the compiled step
+   (--compile); and transformers.generate, with each path's ratio to it. A path's first call (captures,
+   compiles) is timed on its own, then the best of a few; its tokens are compared with eager's.
+4. the decode step's profile at each batch size (decode_profile.py): kernels per step and GPU-busy
+   ms per step (torch.profiler), eager against graphs, and the step's wall time as a % of the HBM
+   floor (weights + KV read once per step, at the copy bandwidth measured in the same run).
+5. greedy, each path against eager in bf16: the rows identical and the first differing position.
+6. GRPO-MA: one step of train.py --algo grpo_ma in a subprocess on the same checkpoint (its second
+   step: the first warms up), by default (--micro-batch-rows auto on CUDA) and with the old default
+   of 64 rows: update and sampling time, sampling's share of the step and peak memory from its
+   metrics.jsonl (mem/update_gib: CUDA's peak allocated memory, or the peak RSS on CPU).
 
 Each row reports its own failure (an exception, out of memory) instead of stopping the table. On
-CPU the compiled row uses dynamo's eager backend (no C++ code generation), so it checks that the
-step traces as one graph and matches eager, in seconds; its speed says nothing about CUDA graphs.
+CPU the graphs' static code runs eagerly and the compile uses dynamo's eager backend (no code
+generation), so those rows check that the static step matches eager and traces as one graph, in
+seconds; their speed says nothing about CUDA graphs, and kernels become aten ops per step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,6 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from decode_profile import copy_bandwidth, first_differences, floor_ms, step_profile  # noqa: E402
+
+from fused import fuse_projections  # noqa: E402
+from graphs import StaticDecode, decode_runner  # noqa: E402
 from hf import load_model  # noqa: E402
 from model import Transformer, cast_copy, head_logprobs  # noqa: E402
 from sampler import Generation, decode_step_static, generate  # noqa: E402
@@ -226,13 +236,26 @@ def check_eager(fast: Transformer, prompts: list[list[int]], sizes: Sizes, runs:
     return f"{len(prompts) * sizes.new_tokens / t:,.0f} tok/s", f"{1e3 * t / sizes.new_tokens:.2f} ms per step"
 
 
-def check_compiled(fast: Transformer, prompts: list[list[int]], sizes: Sizes, runs: dict, step) -> tuple[str, str]:
+def decode_paths(device: torch.device) -> dict[str, StaticDecode]:
+    """The decode paths besides eager, by name: train.py's default on CUDA (CUDA graphs) and --compile's. On
+    CPU the graphs' static code runs eagerly, and the compile traces with dynamo's eager backend."""
+    if device.type == "cuda":
+        return {"CUDA graphs": decode_runner(device), "CUDA graphs + compile": decode_runner(device, compile=True)}
+    step = torch.compile(decode_step_static, backend="eager", dynamic=True, fullgraph=True)
+    return {"static step": StaticDecode(), "static step + compile (dynamo, eager backend)": StaticDecode(step)}
+
+
+def check_path(
+    fast: Transformer, prompts: list[list[int]], sizes: Sizes, runs: dict, name: str, path: StaticDecode
+) -> tuple[str, str]:
     device = next(fast.parameters()).device
-    t_first, first = best_time(sample_call(fast, prompts, sizes, step), 1, device, warmup=False)  # compiles here
-    t, gen = best_time(sample_call(fast, prompts, sizes, step), sizes.repeats, device, warmup=False)
-    detail = f"first call {t_first:.1f} s; " + same_as_eager(gen, runs.get("eager"))
+    t_first, first = best_time(sample_call(fast, prompts, sizes, path), 1, device, warmup=False)  # captures here
+    t, gen = best_time(sample_call(fast, prompts, sizes, path), sizes.repeats, device, warmup=False)
+    runs[f"{name}_s"] = t
+    detail = f"{1e3 * t / sizes.new_tokens:.2f} ms per step; first call {t_first:.1f} s; "
+    detail += same_as_eager(gen, runs.get("eager"))
     if first.tokens != gen.tokens:
-        detail += "; NOT repeatable (two compiled calls with the same seeds differ)"
+        detail += "; NOT repeatable (two calls with the same seeds differ)"
     if "eager_s" in runs:
         detail += f"; {runs['eager_s'] / t:.2f}x eager"
     return f"{len(prompts) * sizes.new_tokens / t:,.0f} tok/s", detail
@@ -270,15 +293,45 @@ def check_hf(path: Path, like: Transformer, prompts: list[list[int]], sizes: Siz
     t, out = best_time(run, sizes.repeats, device)
     assert out.shape == (len(prompts), ids.shape[1] + sizes.new_tokens), f"HF made {tuple(out.shape)} tokens"
     detail = f"{1e3 * t / sizes.new_tokens:.2f} ms per step"
-    if "eager_s" in runs:
-        detail += f"; eager sampler is {t / runs['eager_s']:.2f}x HF"
+    for key, t_ours in runs.items():
+        if key.endswith("_s"):
+            detail += f"; {key[:-2]} {t / t_ours:.2f}x HF"
     return f"{len(prompts) * sizes.new_tokens / t:,.0f} tok/s", detail
 
 
 # ----------------------------------------------------------------------------- 4. GRPO-MA step
 
 
-def check_grpo_ma(path: Path, sizes: Sizes, device: torch.device, seed: int) -> tuple[str, str]:
+def check_profile(
+    fast: Transformer, prompts: list[list[int]], sizes: Sizes, runs: dict, paths: dict, bandwidth: float
+) -> tuple[str, str]:
+    """Kernels (aten ops on CPU) per step and GPU-busy ms per step, eager against the default path, and the
+    default path's wall time per step as a % of the HBM floor."""
+    name, path = next(iter(paths.items()))
+    steps = dict(short=8, long=40) if bandwidth else dict(short=2, long=6)  # CPU: counting ops is slow
+    eager, graphs = step_profile(fast, prompts, None, **steps), step_profile(fast, prompts, path, **steps)
+    unit = "kernels" if bandwidth else "aten ops"
+    result = f"{graphs['per_step']:.0f} {unit} per step ({name}); eager {eager['per_step']:.0f}"
+    if not bandwidth:
+        return result, "CPU: no kernels, GPU time or HBM floor"
+    ms = {k: 1e3 * runs[f"{k}_s"] / sizes.new_tokens for k in ("eager", name) if f"{k}_s" in runs}
+    detail = f"GPU busy {graphs['busy_ms']:.2f} ms per step ({name}), {eager['busy_ms']:.2f} (eager)"
+    floor = floor_ms(fast, len(prompts), sizes.prompt_tokens + sizes.new_tokens / 2, bandwidth)
+    detail += f"; HBM floor {floor:.3f} ms at {bandwidth / 1e12:.2f} TB/s (copy)"
+    for k, v in ms.items():
+        detail += f"; {k} {v:.2f} ms = {100 * floor / v:.0f}% of the floor"
+    return result, detail
+
+
+def check_greedy_paths(fast: Transformer, prompts: list[list[int]], sizes: Sizes, paths: dict) -> tuple[str, str]:
+    """Greedy tokens of each path against eager's, in the rollout dtype: rounding parts greedy paths somewhere."""
+    call = lambda path: generate(fast, prompts, max_new_tokens=sizes.new_tokens, temperature=0.0, static_step=path)  # noqa: E731
+    eager = call(None).tokens
+    parts = [f"{name}: {first_differences(call(path).tokens, eager)}" for name, path in paths.items()]
+    return parts[0].split(": ", 1)[1], "; ".join(parts)
+
+
+def check_grpo_ma(path: Path, sizes: Sizes, device: torch.device, seed: int, *extra: str) -> tuple[str, str]:
     P, K, M, Tt, Ta = sizes.grpo
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as out:
         flags = dict(
@@ -299,7 +352,7 @@ def check_grpo_ma(path: Path, sizes: Sizes, device: torch.device, seed: int) -> 
             seed=seed,
             out=out,
         )
-        argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+        argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()] + list(extra)
         proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT, capture_output=True, text=True)
         if proc.returncode:
             lines = (proc.stderr or proc.stdout).strip().splitlines() or ["no output"]
@@ -307,9 +360,13 @@ def check_grpo_ma(path: Path, sizes: Sizes, device: torch.device, seed: int) -> 
         with open(os.path.join(out, "metrics.jsonl")) as f:
             steps = [row for row in map(json.loads, f) if "time/update_s" in row]
     last = steps[-1]
-    result = f"{last['time/update_s']:.2f} s, peak {last['mem/update_gib']:.2f} GiB"
-    detail = f"P={P} x K={K} x M={M}, thoughts <= {Tt} + answers <= {Ta} tokens; sampling {last['time/sample_s']:.2f} s"
-    return result, detail
+    step_s = sum(v for k, v in last.items() if k.startswith("time/") and k.endswith("_s") and k != "time/step_s")
+    share = last["time/sample_s"] / step_s if step_s else 0.0
+    result = f"update {last['time/update_s']:.2f} s, sampling {last['time/sample_s']:.2f} s ({share:.0%} of the step)"
+    result += f", peak {last['mem/update_gib']:.2f} GiB"
+    chose = re.search(r"micro-batch rows auto: [^;)\n]*", proc.stdout)
+    detail = f"P={P} x K={K} x M={M}, thoughts <= {Tt} + answers <= {Ta} tokens"
+    return result, detail + (f"; {chose.group(0)}" if chose else "")
 
 
 # ----------------------------------------------------------------------------- main
@@ -331,25 +388,28 @@ def main() -> None:
     t_start = time.perf_counter()
     path = TINY if args.cpu else build_checkpoint(Path(args.cache), args.seed)
     ours = load_model(path, device=device).eval()
-    fast = cast_copy(ours, torch.bfloat16)  # the rollout copy train.py samples from on CUDA
+    fast = fuse_projections(cast_copy(ours, torch.bfloat16))  # the rollout copy train.py samples from on CUDA
     run_row(rows, "greedy == transformers.generate", check_greedy, ours, path, sizes, args.seed)
     run_row(rows, "bf16 rollout logp_gap", check_logp_gap, ours, fast, sizes, args.seed)
     # the tok/s rows sample in train.py's rollout dtype on this device (--rollout-dtype auto)
     sampler, dtype = (fast, "bf16") if device.type == "cuda" else (ours, "fp32")
-    if args.cpu:  # no CUDA graphs on CPU: trace the step with dynamo and run it eagerly
-        step = torch.compile(decode_step_static, backend="eager", fullgraph=True)
-        compiled = "compiled step (dynamo, eager backend)"
-    else:
-        step = torch.compile(decode_step_static, mode="reduce-overhead", fullgraph=True)
-        compiled = "compiled step (CUDA graphs)"
+    paths = decode_paths(device)
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else 0.0
     for B in sizes.batches:
         prompts = make_prompts(B, sizes.prompt_tokens, sampler.config.vocab_size, args.seed + 2)
-        runs: dict = {}  # the eager run's samples and time, for the next two rows
+        runs: dict = {}  # each path's samples and time, for the later rows
         run_row(rows, f"B={B} sampler eager, {dtype}", check_eager, sampler, prompts, sizes, runs)
-        run_row(rows, f"B={B} sampler {compiled}, {dtype}", check_compiled, sampler, prompts, sizes, runs, step)
+        for name, runner in paths.items():
+            run_row(rows, f"B={B} sampler {name}, {dtype}", check_path, sampler, prompts, sizes, runs, name, runner)
         run_row(rows, f"B={B} transformers.generate, {dtype}", check_hf, path, sampler, prompts, sizes, runs)
+        run_row(rows, f"B={B} decode step profile", check_profile, sampler, prompts, sizes, runs, paths, bandwidth)
+    prompts = make_prompts(sizes.batches[0], sizes.prompt_tokens, sampler.config.vocab_size, args.seed + 3)
+    run_row(rows, f"greedy vs eager, {dtype}", check_greedy_paths, sampler, prompts, sizes, paths)
     del ours, fast, sampler
     run_row(rows, "GRPO-MA step (train.py)", check_grpo_ma, path, sizes, device, args.seed)
+    if device.type == "cuda":  # against the default before --micro-batch-rows auto (which is 64 on CPU)
+        old = ("--micro-batch-rows=64",)
+        run_row(rows, "GRPO-MA step --micro-batch-rows 64", check_grpo_ma, path, sizes, device, args.seed, *old)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print_table(
         rows,
