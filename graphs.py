@@ -86,7 +86,7 @@ class StaticDecode:
             if same:
                 rows, slots = max(rows, old_rows), max(slots, old_slots)
         self._release_owner()
-        self.graphs, self.logits = {}, None
+        self.graphs, self.logits, self.k, self.v = {}, None, None, None  # freed before the new ones are made
         # normal tensors even when first made under inference_mode (generate), so that a caller decoding under
         # no_grad (multiturn) may write into them too
         with torch.inference_mode(False):
