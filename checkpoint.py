@@ -9,15 +9,18 @@ temporary directory and renamed into place, so a run killed mid-save leaves the 
 checkpoint whole; the temporary directories of killed saves are removed when the run restarts.
 
 One process writes a run: it holds a lock on OUT/.lock (fcntl.flock) for the run's life, which the
-kernel releases however the process ends, so a killed run leaves no stale lock. A write that fails
-(a full disk) is one sentence naming the file and the free space left. A resume skips a newest
-checkpoint any file of which is missing or unreadable, with one warning naming that file.
+kernel releases however the process ends, so a killed run leaves no stale lock; a --resume of a locked
+run names the process holding it. A write that fails is one sentence naming the file and the advice
+its cause calls for (write_failure). A resume skips a newest checkpoint any file of which is missing
+or unreadable, with one warning naming that file. Checkpoints get the permissions the umask allows.
+check_replace guards an --out that a write replaces whole (lora.py --merge).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import glob
 import json
@@ -32,7 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from cli import UserError
-from hf import copy_tokenizer, save_model
+from hf import copy_tokenizer, plain_permissions, save_model
 
 CONFIG = "train_config.json"  # the run's flags, beside each checkpoint's weights
 STATE = "trainer_state.pt"
@@ -54,6 +57,8 @@ def save_checkpoint(
     sharded (FSDP); dtype: of the written weights (None = the dtype the model was loaded in); write_model: writes
     the model's files into a directory instead (LoRA: the adapters), the tokenizer files are copied beside them."""
     tmp = path.rstrip("/") + ".tmp"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(tmp))):  # save_model would make it again, lock-less
+        raise UserError(write_failure(path, FileNotFoundError(errno.ENOENT, "missing"), "the checkpoint "))
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         if write_model is None:
@@ -65,6 +70,7 @@ def save_checkpoint(
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(config, f, indent=2)
         torch.save(state, os.path.join(tmp, STATE))
+        plain_permissions(tmp)  # the umask's permissions, also for the tokenizer files copied with their source's
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk surfaces as any of them, by writer
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(write_failure(path, e, "the checkpoint ", intact="previous checkpoint is")) from None
@@ -76,13 +82,41 @@ def save_checkpoint(
 def write_failure(
     path: str, error: BaseException, what: str = "", intact: str = "checkpoints already written are"
 ) -> str:
-    """The sentence for a failed write of `path` (`what` names it, e.g. "the checkpoint "): the reason, the
-    space left on its file system (a full disk is the usual cause) and what is still intact."""
+    """The sentence for a failed write of `path` (`what` names it, e.g. "the checkpoint "): the reason, the advice its
+    cause calls for (a run directory removed or moved meanwhile, a read-only file system, no write permission, a full
+    disk: the space left on its file system) and, when the run has a complete checkpoint, that it is intact."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (
-        f"could not write {what}{path} ({reason}); {free_space(path)} free on its file system: free some space or "
-        f"choose another --out (the {intact} intact)"
-    )
+    where = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where):
+        return (
+            f"could not write {what}{path}: {where} no longer exists (it was removed or moved while the run wrote to "
+            f"it); start the run again, or continue it with --resume from where it was moved"
+        )
+    kept = f" (the {intact} intact)" if has_checkpoint(where) else ""
+    code = error.errno if isinstance(error, OSError) and error.errno else None
+    found = re.search(r"\(os error (\d+)\)|\[Errno (\d+)\]", str(error))  # safetensors' and torch's errors carry it
+    code = code or (int(found.group(1) or found.group(2)) if found else None)
+    if code == errno.EROFS:
+        advice = "its file system is read-only: remount it writable or choose another --out"
+    elif code in (errno.EACCES, errno.EPERM):
+        advice = f"this user may not write in {where}: give it write permission or choose another --out"
+    elif code in (None, errno.ENOSPC, errno.EDQUOT):  # no code: torch's "unexpected pos", its full-disk error
+        advice = f"{free_space(path)} free on its file system: free some space or choose another --out"
+    else:
+        advice = "choose another --out"
+    return f"could not write {what}{path} ({reason}); {advice}{kept}"
+
+
+def has_checkpoint(out: str) -> bool:
+    """Whether the run directory `out` holds a complete checkpoint (a step-N or final with its trainer state)."""
+    return any(os.path.isfile(os.path.join(d, STATE)) for d in checkpoint_dirs(out))
+
+
+def checkpoint_dirs(out: str) -> list[str]:
+    """The step-N and final directories in `out`, newest first (final after every step: it is the last)."""
+    names = [d for d in os.listdir(out) if os.path.isdir(os.path.join(out, d))] if os.path.isdir(out) else []
+    names = [d for d in names if d == "final" or (d.startswith("step-") and d[5:].isdigit())]
+    return [os.path.join(out, d) for d in sorted(names, key=lambda d: 1 << 62 if d == "final" else int(d[5:]))][::-1]
 
 
 def free_space(path: str) -> str:
@@ -157,9 +191,8 @@ def find_checkpoint(path: str) -> str:
     if os.path.isfile(os.path.join(path, STATE)):
         candidates = [path]
     elif os.path.isdir(path):
-        names = [d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))]
-        names = [d for d in names if d == "final" or (d.startswith("step-") and d[5:].isdigit())]
-        candidates = [os.path.join(path, d) for d in sorted(names, key=_step_of, reverse=True)]
+        refuse_if_locked(path, f"--resume {path}")  # a run still being written: its holder, not "no checkpoint"
+        candidates = checkpoint_dirs(path)
     else:
         raise UserError(f"--resume {path}: no such directory")
     if not candidates:
@@ -178,11 +211,6 @@ def find_checkpoint(path: str) -> str:
             _warned.add(message)
             warnings.warn(message, stacklevel=2)
     raise AssertionError("unreachable")
-
-
-def _step_of(name: str) -> int:
-    """Order of checkpoint directories: step-N by N; final after every step (it is the last)."""
-    return 1 << 62 if name == "final" else int(name[5:])
 
 
 def read_run_config(ckpt: str) -> dict:
@@ -259,6 +287,33 @@ def check_out_dir(out: str, resuming_from: str, overwrite: bool) -> None:
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
+RUN_FILES = (*LOGS, CONFIG, STATE, LOCK)  # a directory holding any of them is a run's or a checkpoint
+
+
+def check_replace(out: str, sources: dict[str, str], overwrite: bool) -> None:
+    """Refuse an --out that a write replacing it whole (hf.save_model: lora.py --merge) must not replace: a file; a
+    directory that is or holds one of `sources` (what the write reads, e.g. {"adapter directory": path}) or a run,
+    even with --overwrite; any other non-empty directory unless --overwrite."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out} is a file, not a directory; choose another --out")
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if not entries:
+        return
+    real = os.path.realpath(out)
+    for name, src in [(k, v) for k, v in sources.items() if v]:
+        inside = os.path.realpath(src)
+        if inside == real or inside.startswith(real.rstrip(os.sep) + os.sep):
+            how = f"is the {name} itself" if inside == real else f"holds the {name} {src}"
+            raise UserError(f"--out {out} {how}; writing there would delete it: choose another --out")
+    for root, _, files in os.walk(out):
+        if set(files) & set(RUN_FILES):
+            how = "is a training run" if root == out else f"holds a training run ({root})"
+            raise UserError(f"--out {out} {how}; writing there would delete it: choose another --out")
+    if not overwrite:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UserError(f"--out {out} already holds files ({shown}); choose another --out, or pass --overwrite")
+
+
 def prepare_out(out: str, step: int) -> None:
     """Check that --out is writable, remove temporary directories of interrupted saves, and, when
     resuming at `step`, drop log rows past it so that each step is logged once (a row cut short by a
@@ -333,6 +388,24 @@ def hold_lock(path: str, what: str) -> IO:
         f.close()
     _locks[key] = f
     return f
+
+
+def refuse_if_locked(out: str, what: str) -> None:
+    """Refuse, as hold_lock does, when another process holds the lock of the run directory `out` (nothing is made)."""
+    file = os.path.join(out, LOCK)
+    if os.path.realpath(file) in _locks:  # this process's own run
+        return
+    try:
+        f = open(file)
+    except OSError:  # no lock file: no run holds it
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{what} is in use by {lock_holder(f)}; wait for it to end") from None
+        except OSError:  # a file system without locks
+            return
 
 
 def lock_holder(f: IO) -> str:

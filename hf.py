@@ -152,6 +152,30 @@ def bundled(path: str) -> str:
     return BUNDLED_DIR if path == BUNDLED and not os.path.isdir(path) else path
 
 
+def read_model_config(path: str | os.PathLike) -> dict:
+    """config.json of the model directory `path`, read without the weights; a missing directory or file is one
+    FileNotFoundError sentence, and one for a LoRA adapter directory (adapter_config.json, no config.json) says how
+    to use it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: model directory not found.")
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        try:
+            adapter = read_json(path / "adapter_config.json")
+        except (OSError, ValueError):
+            adapter = {}
+        base, rank = adapter.get("base_model_name_or_path") or "BASE_MODEL", adapter.get("r") or "R"
+        run = path.parent if (path / "trainer_state.pt").is_file() else "RUN"  # a LoRA run's checkpoint: its run
+        raise FileNotFoundError(
+            f"{path} is a LoRA adapter directory (adapter_config.json, no config.json), not a full model: merge it "
+            f"with `python lora.py --merge {path} --out MERGED` and pass --model MERGED, or continue its run with "
+            f"--model {base} --lora-rank {rank} --resume {run}."
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'}: missing; a model directory needs config.json.")
+    return read_json(path / "config.json")
+
+
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:
@@ -161,11 +185,7 @@ def load_model(
     checkpoint stores (config.json's torch_dtype / dtype, else its embedding tensor's), whatever
     `dtype` the weights are loaded in, so save_model writes it back in that dtype."""
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: model directory not found.")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'}: missing; a model directory needs config.json.")
-    raw = read_json(path / "config.json")
+    raw = read_model_config(path)
     config = config_from_hf(raw, str(path / "config.json"))
     with torch.device("meta"):
         model = Transformer(config)
@@ -227,6 +247,30 @@ def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> None:
             shutil.copy(Path(src) / name, Path(dst) / name)
 
 
+def umask() -> int:
+    """This process's umask: /proc/self/status's Umask line (Linux), else set and put back (os.umask has no getter)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def plain_permissions(path: str | os.PathLike) -> None:
+    """Give `path`, and under a directory everything in it, the permissions a plain open() or mkdir() gives: 0666 or
+    0777 less the umask. tempfile.mkdtemp makes 0700, tempfile.mkstemp and safetensors' save_file 0600, and
+    shutil.copy keeps the source's: checkpoints that other users of a machine could not read."""
+    mask, path = umask(), Path(path)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def save_model(
     model: Transformer,
     path: str | os.PathLike,
@@ -267,6 +311,7 @@ def save_model(
         if not (tmp / "generation_config.json").exists() and config.eos_token_id is not None:
             gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        plain_permissions(tmp)  # mkdtemp's 0700, save_file's 0600: what the umask allows instead
         old = None
         if path.exists():  # move the old copy aside first: a crash leaves the old or the new one
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))

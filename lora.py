@@ -1,7 +1,7 @@
 """lora.py: LoRA adapters (arXiv 2106.09685) on the transformer's linear layers, the frozen base as the
 reference model, merged weights for the sampler, and adapter checkpoints in PEFT's format.
 
-    python lora.py --merge ADAPTER_DIR --out DIR [--base MODEL_DIR]   # a full HF checkpoint, adapters merged
+    python lora.py --merge ADAPTER_DIR --out DIR [--base MODEL_DIR] [--overwrite]  # a full HF checkpoint, merged
 
 What it owns:
 * `add_lora(model, rank, alpha, targets, seed)` replaces each target nn.Linear (q, k, v, o, gate, up, down:
@@ -298,11 +298,15 @@ def adapter_config(model: nn.Module, base_model_path: str) -> dict:
 
 
 def _write_atomic(file: Path, write) -> None:
-    """write(tmp_path), then rename it over `file`: a crash leaves the old file or the new one."""
+    """write(tmp_path), then rename it over `file`: a crash leaves the old file or the new one. The file gets the
+    permissions the umask allows (mkstemp's and save_file's are 0600)."""
+    from hf import plain_permissions
+
     fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=file.parent)
     os.close(fd)
     try:
         write(Path(tmp))
+        plain_permissions(tmp)
         os.replace(tmp, file)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -450,6 +454,7 @@ class MergeConfig:
     out: str = ""  # directory to write the merged HF checkpoint to
     base: str = ""  # base model directory (default: adapter_config.json's base_model_name_or_path)
     dtype: str = ""  # float32 | bfloat16 | float16 for the written weights (default: the base checkpoint's)
+    overwrite: bool = False  # replace a non-empty --out (never one that holds a run, the adapters or the base)
 
     def __post_init__(self) -> None:
         if not self.merge or not self.out:
@@ -459,6 +464,10 @@ class MergeConfig:
 
 
 def main(cfg: MergeConfig) -> None:
+    from checkpoint import check_replace  # --out is replaced whole: refuse one that holds what must stay
+
+    base = cfg.base or read_adapter_config(cfg.merge)["base_model_name_or_path"] or ""
+    check_replace(cfg.out, {"adapter directory (--merge)": cfg.merge, "base model": base}, cfg.overwrite)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     merge_checkpoint(cfg.merge, cfg.out, cfg.base or None, dtype)
     print(f"wrote {cfg.out}: {cfg.merge} merged into {cfg.base or 'its base model'}")

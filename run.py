@@ -26,7 +26,7 @@ from cli import UserError, changed_flags, start_line
 from config import RESUMABLE, TrainConfig, lr_factor
 from fused import fuse_projections
 from graphs import StaticDecode, decode_runner
-from hf import load_model
+from hf import config_from_hf, load_model, read_model_config
 from losses import Objective
 from memory import check_memory
 from model import Transformer, cast_copy
@@ -117,6 +117,7 @@ def setup(cfg: TrainConfig) -> Run:
     task = methods.choose_data(get_task(cfg.task, cfg.data or None, cfg.test_data or None), cfg)
     check_sizes(task, train=cfg.prompts_per_step, test=cfg.eval_examples)
     task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
+    check_completion_fits(cfg.completion_limit, model_context(cfg.model))  # before the memory estimate blames memory
     # a step that cannot fit is refused here, before the data pool; --micro-batch-rows auto is settled here
     memory = check_memory(cfg, task, device, world)
     # The data order: a deterministic stream of training examples (prefix-stable in --max-steps); a method may draw
@@ -148,9 +149,7 @@ def setup(cfg: TrainConfig) -> Run:
     # A thought ends when its text contains the marker, whatever tokens spell it (sampler.StopText).
     marker = StopText(cfg.end_of_thought, tokenizer.encode(cfg.end_of_thought), tokenizer.decode, tokenizer.vocab_size)
     new, context = cfg.completion_limit + len(marker.ids) * (cfg.answers > 1), policy.config.max_position_embeddings
-    if new >= context:
-        room = f"leave no room for a prompt in the model's context of {context} tokens"
-        raise UserError(f"--max-thought-tokens + --max-answer-tokens ({new}) {room}")
+    check_completion_fits(new, context)  # now with the end-of-thought marker's tokens
     limit = f"the model's context of {context} tokens minus the completion limit of {new}"
     check_prompt_lengths(tokenizer, pool + extra + heldout, task.system_prompt, context - new, limit)
     fsdp = world > 1 and cfg.fsdp
@@ -193,6 +192,22 @@ def setup(cfg: TrainConfig) -> Run:
         kw = dict(algo=cfg.algo, flags=flags, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
         print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory.phrase, **kw))
     return run
+
+
+def model_context(path: str) -> int | None:
+    """The context length config.json gives the model at `path`, read without its weights; None when it cannot be
+    read (load_model says why, after the output directory's checks)."""
+    try:
+        return config_from_hf(read_model_config(path), path).max_position_embeddings
+    except (OSError, ValueError):
+        return None
+
+
+def check_completion_fits(new: int, context: int | None) -> None:
+    """Refuse completions of `new` tokens that leave no room for a prompt in the model's context (None: unknown)."""
+    if context is not None and new >= context:
+        room = f"leave no room for a prompt in the model's context of {context} tokens"
+        raise UserError(f"--max-thought-tokens + --max-answer-tokens ({new}) {room}")
 
 
 class OffloadedAdamW(torch.optim.AdamW):

@@ -22,7 +22,7 @@ import torch
 import checkpoint
 import train
 from cli import UserError
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, lock_held_elsewhere
 from hf import load_model
 from train import TrainConfig, resume_config
 
@@ -290,8 +290,10 @@ def test_case1_two_writers_on_one_run_directory_are_refused(tmp_path):
             r = cli(*argv)
             lines = r.stderr.strip().splitlines()
             assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+            flag = "--resume" if argv[0] == "--resume" else "--out"  # a resume is refused as it looks for a checkpoint
             assert (
-                lines[0].startswith(f"error: --out {out} is in use by process {first.pid} (") and "train.py" in lines[0]
+                lines[0].startswith(f"error: {flag} {out} is in use by process {first.pid} (")
+                and "train.py" in lines[0]
             )
         assert (out / "config.json").read_text() == config and (out / "step-1").is_dir()
     finally:
@@ -449,16 +451,14 @@ def test_case4_a_full_disk_is_one_sentence_and_keeps_the_previous_checkpoint(tmp
 
 
 def test_a_failed_log_or_config_write_is_one_sentence(tmp_path):
-    """Guards against a failed write of a log row or config.json being a bare OSError without the path's free space."""
+    """Guards against a failed write of a log row or config.json being a bare OSError (a traceback): one sentence
+    naming the file and the error; an error without advice of its own (here EISDIR) says to choose another --out
+    (the causes with their own advice: test_a_failed_write_gives_the_advice_its_cause_calls_for)."""
     blocked = tmp_path / "metrics.jsonl"
-    blocked.mkdir()  # appending to it fails (IsADirectoryError), as a full disk would
+    blocked.mkdir()  # appending to it fails (IsADirectoryError)
     with pytest.raises(UserError) as e:
         checkpoint.append_row(str(blocked), {"step": 1})
-    assert re.fullmatch(
-        rf"could not write {blocked} \(\[Errno 21\] Is a directory: '{blocked}'\); \d+\.\d (MiB|GiB) free on its file "
-        r"system: free some space or choose another --out \(the checkpoints already written are intact\)",
-        str(e.value),
-    ), str(e.value)
+    assert str(e.value) == f"could not write {blocked} ([Errno 21] Is a directory: '{blocked}'); choose another --out"
 
 
 @pytest.fixture(scope="module")
@@ -528,3 +528,154 @@ def test_case12_a_failed_start_leaves_no_directory_and_the_refusal_fits_what_is_
     (failed / "step-1" / "trainer_state.pt").write_bytes(b"")
     with pytest.raises(UserError, match=f"; continue it with --resume {failed}, or pass --overwrite"):
         checkpoint.check_out_dir(str(failed), "", overwrite=False)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask-022", "umask-027"])
+def test_checkpoints_get_the_permissions_the_umask_allows(tmp_path, umask):
+    """Guards against checkpoints other users cannot read: a full-weight step-N/ (and lora.py's merged directory)
+    was made 0700 by tempfile.mkdtemp, model.safetensors and adapter_model.safetensors 0600 (safetensors' save_file,
+    tempfile.mkstemp), and copied tokenizer files kept their source's mode, whatever the umask. Every file and
+    directory of a full-weight checkpoint, a LoRA checkpoint and a merged directory gets 0666 / 0777 less the umask."""
+    import functools
+
+    import lora
+
+    old = os.umask(umask)
+    try:
+        model = load_model(BUNDLED)
+        (tmp_path / "full").mkdir()
+        (tmp_path / "lora").mkdir()  # a run's directory: made (and locked) at its start
+        checkpoint.save_checkpoint(str(tmp_path / "full" / "step-1"), model, BUNDLED, {"step": 1}, {})
+        lora.add_lora(model, 2, 4.0, ("q", "v"))
+        write = functools.partial(lora.write_adapters, lora.adapter_tensors(model), lora.adapter_config(model, BUNDLED))
+        checkpoint.save_checkpoint(str(tmp_path / "lora" / "final"), model, BUNDLED, {}, {}, write_model=write)
+        lora.main(lora.MergeConfig(merge=str(tmp_path / "lora" / "final"), out=str(tmp_path / "merged")))
+    finally:
+        os.umask(old)
+    written = {"full": "model.safetensors", "lora": "adapter_model.safetensors", "merged": "model.safetensors"}
+    for top, weights in written.items():
+        paths = [tmp_path / top, *(tmp_path / top).rglob("*")]
+        assert any(p.name == weights for p in paths) and any(p.name == "tokenizer.json" for p in paths)
+        modes = {str(p): oct(p.stat().st_mode & 0o777) for p in paths}
+        assert modes == {str(p): oct((0o777 if p.is_dir() else 0o666) & ~umask) for p in paths}
+
+
+def test_a_run_directory_removed_mid_run_is_said_so(tmp_path, monkeypatch):
+    """Guards against a run whose --out was removed (or moved) while it ran being told "68.1 GiB free on its file
+    system: free some space", and against a checkpoint then written into a directory made again without the run's
+    lock and logs: the next write names the directory that is gone, and nothing makes it again."""
+    out = tmp_path / "run"
+    passes = []
+
+    def remove_out_at_step_2(*args, **kw):  # between the first and the second step's log rows
+        passes.append(1)
+        if len(passes) == 2:
+            shutil.rmtree(out)
+        return real(*args, **kw)
+
+    real = train.score_pass
+    monkeypatch.setattr(train, "score_pass", remove_out_at_step_2)
+    gone = f"{out} no longer exists (it was removed or moved while the run wrote to it); start the run again, or "
+    gone += "continue it with --resume from where it was moved"
+    with pytest.raises(UserError) as e:
+        run(out)
+    assert str(e.value) == f"could not write {out}/metrics.jsonl: {gone}"
+    with pytest.raises(UserError) as e:
+        checkpoint.save_checkpoint(str(out / "step-2"), load_model(BUNDLED), BUNDLED, {}, {})
+    assert str(e.value) == f"could not write the checkpoint {out}/step-2: {gone}" and not out.exists()
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM"])
+def test_a_failed_write_gives_the_advice_its_cause_calls_for(tmp_path, monkeypatch, code):
+    """Guards against every failed write being advised to "free some space" (a read-only file system, a directory
+    without write permission), and against a full disk at the first checkpoint saying "the previous checkpoint is
+    intact" when there is none: the advice follows the error's errno, and what is intact is said only when the run
+    has a complete checkpoint. The errors are injected: as root, chmod does not stop a write."""
+    number = getattr(__import__("errno"), code)
+    error = OSError(number, os.strerror(number))
+
+    def fail(*args, **kw):
+        raise error
+
+    where = str(tmp_path)
+    advice = {
+        "EROFS": "its file system is read-only: remount it writable or choose another --out",
+        "EACCES": f"this user may not write in {where}: give it write permission or choose another --out",
+        "EPERM": f"this user may not write in {where}: give it write permission or choose another --out",
+    }.get(code, r"\d+\.\d (MiB|GiB) free on its file system: free some space or choose another --out")
+    reason = re.escape(f"[Errno {number}] {os.strerror(number)}")
+    model = load_model(BUNDLED)
+    for intact in ("", " (the previous checkpoint is intact)"):
+        step = f"{where}/step-{2 if intact else 1}"
+        with monkeypatch.context() as m, pytest.raises(UserError) as e:
+            m.setattr(checkpoint.torch, "save", fail)
+            checkpoint.save_checkpoint(step, model, BUNDLED, {}, {})
+        said = rf"could not write the checkpoint {step} \({reason}\); {advice}{re.escape(intact)}"
+        assert re.fullmatch(said, str(e.value)), str(e.value)
+        with monkeypatch.context() as m, pytest.raises(UserError) as e:
+            m.setattr(checkpoint, "open", fail, raising=False)
+            checkpoint.append_row(f"{where}/metrics.jsonl", {"step": 1})
+        kept = intact and " (the checkpoints already written are intact)"
+        said = rf"could not write {where}/metrics.jsonl \({reason}\); {advice}{re.escape(kept)}"
+        assert re.fullmatch(said, str(e.value)), str(e.value)
+        checkpoint.save_checkpoint(f"{where}/step-1", model, BUNDLED, {}, {})  # a complete one for the second pass
+
+
+def test_resume_of_a_run_being_written_names_its_process(tmp_path):
+    """Guards against `--resume OUT` while another process is mid-way through a fresh run into OUT (no checkpoint
+    yet) saying "no complete checkpoint found": the run-directory lock is checked first, and its holder named."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    with lock_held_elsewhere(str(out / checkpoint.LOCK)) as holder:
+        for how in ("train.py's command line", "train.main"):  # resume_config looks for the checkpoint, then setup
+            with pytest.raises(UserError) as e:
+                if how == "train.main":
+                    run(out, resume=str(out))
+                else:
+                    resume_config(TrainConfig(resume=str(out)), typed={"resume"})
+            assert str(e.value).startswith(f"--resume {out} is in use by process {holder.pid} (")
+            assert str(e.value).endswith("); wait for it to end")
+    assert sorted(os.listdir(out)) == [".lock", "config.json", "metrics.jsonl"]
+    with pytest.raises(UserError, match="no complete checkpoint"):  # once it ends
+        checkpoint.find_checkpoint(str(out))
+
+
+def test_a_completion_longer_than_the_context_is_refused_before_the_memory_check(tmp_path, monkeypatch):
+    """Guards against `--max-thought-tokens 10000000 --gradient-checkpointing` being refused by the memory estimate,
+    advised to pass --gradient-checkpointing: the completion limit is checked against config.json's
+    max_position_embeddings first, before any weights are read and before --out is made."""
+    import run as run_py
+
+    monkeypatch.setattr(run_py, "load_model", lambda *a, **k: pytest.fail("the weights were read"))
+    with pytest.raises(UserError) as e:
+        run(tmp_path / "out", max_thought_tokens=10_000_000, gradient_checkpointing=True)
+    assert str(e.value) == (
+        "--max-thought-tokens + --max-answer-tokens (10000006) leave no room for a prompt in the model's context of "
+        "256 tokens"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_adapter_as_model_says_how_to_use_it(tmp_path):
+    """Guards against `train.py --model ADAPTER_DIR` (a LoRA run's final/) saying only "config.json missing": the
+    refusal, made where a model's config is read (hf.read_model_config, so every entry point gives it), says it is a
+    LoRA adapter directory, how to merge it and how to continue its run; eval.py still loads the adapters."""
+    import eval as eval_py
+    import lora
+
+    adapters = tmp_path / "lora-run" / "final"
+    lora.save_adapters(lora.add_lora(load_model(BUNDLED), 2, 4.0, ("q", "v")), adapters, BUNDLED)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(BUNDLED, name), adapters / name)
+    (adapters / checkpoint.STATE).write_bytes(b"")  # a run's checkpoint: its run can be continued
+    with pytest.raises(FileNotFoundError) as e:
+        run(tmp_path / "out", model=str(adapters))
+    assert str(e.value) == (
+        f"{adapters} is a LoRA adapter directory (adapter_config.json, no config.json), not a full model: merge it "
+        f"with `python lora.py --merge {adapters} --out MERGED` and pass --model MERGED, or continue its run with "
+        f"--model {BUNDLED} --lora-rank 2 --resume {adapters.parent}."
+    )
+    res = eval_py.main(eval_py.EvalConfig(model=str(adapters), examples=2, n=0, max_new_tokens=8))
+    assert res["examples"] == 2

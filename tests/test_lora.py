@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -471,3 +472,48 @@ def test_impossible_lora_flags_are_one_sentence(flags, message):
 
     with pytest.raises(ValueError, match=message):
         TrainConfig(**flags)
+
+
+def test_merge_never_replaces_a_run_the_adapters_or_an_unrelated_directory(qwen2, tmp_path):
+    """Guards against `lora.py --merge` silently deleting whatever sat at --out (hf.save_model replaces it whole):
+    an unrelated non-empty directory or a file, the training run itself (--merge RUN/final --out RUN deleted
+    metrics.jsonl and every checkpoint), another run, the adapter directory being merged or a parent of it. A run
+    or the adapters are refused even with --overwrite; --overwrite replaces an unrelated directory; an empty or
+    absent --out is written."""
+    from cli import UserError
+
+    run = tmp_path / "run"  # a LoRA run: its logs, a step checkpoint and final/ = the adapters merged
+    lora.save_adapters(wrapped(qwen2), run / "final", qwen2)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "step-1").mkdir()
+    (run / "step-1" / "trainer_state.pt").write_bytes(b"state")
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "unrelated").mkdir()
+    (tmp_path / "unrelated" / "notes.txt").write_text("keep me")
+    (tmp_path / "a-file").write_text("keep me")
+    (tmp_path / "runs").mkdir()
+    shutil.copytree(other, tmp_path / "runs" / "deep" / "other-run")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    adapters = str(run / "final")
+    for out, overwrite, says in [
+        (tmp_path / "unrelated", False, f"--out {tmp_path / 'unrelated'} already holds files (notes.txt); choose"),
+        (tmp_path / "a-file", True, f"--out {tmp_path / 'a-file'} is a file, not a directory; choose another --out"),
+        (run, True, f"--out {run} holds the adapter directory (--merge) {adapters}; writing there would delete it"),
+        (run / "final", True, f"--out {adapters} is the adapter directory (--merge) itself; writing there would"),
+        (tmp_path, True, f"--out {tmp_path} holds the adapter directory (--merge) {adapters}; writing there"),
+        (other, True, f"--out {other} is a training run; writing there would delete it: choose another --out"),
+        (tmp_path / "runs", True, f"--out {tmp_path / 'runs'} holds a training run ({tmp_path}/runs/deep/other-run)"),
+    ]:
+        with pytest.raises(UserError) as e:
+            lora.main(lora.MergeConfig(merge=adapters, out=str(out), overwrite=overwrite))
+        assert str(e.value).startswith(says), str(e.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing deleted or changed
+    lora.main(lora.MergeConfig(merge=adapters, out=str(tmp_path / "unrelated"), overwrite=True))
+    assert not (tmp_path / "unrelated" / "notes.txt").exists()
+    (tmp_path / "empty").mkdir()
+    for out in ("empty", "absent"):
+        lora.main(lora.MergeConfig(merge=adapters, out=str(tmp_path / out)))
+    for out in ("unrelated", "empty", "absent"):
+        load_model(tmp_path / out)
