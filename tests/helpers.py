@@ -221,8 +221,8 @@ def lock_held_elsewhere(path: str) -> Iterator[subprocess.Popen]:
 
 def count_compiled_steps(monkeypatch) -> list[str]:
     """torch.compile replaced by a wrapper that checks it is given the sampler's static decode step with dynamic
-    shapes (one compile for every batch bucket), and records "compile" once and "step" per call (compiling itself takes minutes on CPU).
-    Returns the list it appends to."""
+    shapes (one compile for every batch bucket), and records "compile" once and "step" per call (compiling itself
+    takes minutes on CPU). Returns the list it appends to."""
     import torch
 
     import sampler
