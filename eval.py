@@ -26,7 +26,7 @@ import torch
 
 from checkpoint import hold_lock
 from cli import user_errors
-from fused import fuse_projections
+from fused import fuse_for_sampling
 from graphs import decode_runner
 from heldout import evaluate
 from hf import BUNDLED, bundled
@@ -227,7 +227,7 @@ def main(cfg: EvalConfig) -> dict:
         else:
             model = load_model(cfg.model, device=cfg.device)
         if model.lm_head.weight.is_cuda:  # fused projections: fewer kernels per decode step (fused.py)
-            model = fuse_projections(model)
+            model = fuse_for_sampling(model)
         context = model.config.max_position_embeddings
         if cfg.max_new_tokens >= context:
             raise ValueError(

@@ -1,14 +1,17 @@
-"""fused.py: the rollout copy's fused projections. A decode step on a GPU pays per kernel, not per FLOP, so the
+"""fused.py: the rollout copy's fused layers. A decode step on a GPU pays per kernel, not per FLOP, so the
 sampler's copy of the policy (model.cast_copy, lora.merged_copy: train.py's --rollout-dtype copy, bf16 on CUDA)
-runs q, k and v as one matmul, gate and up as another, and RoPE over q and k at once: 7 projections per layer
-become 4, and two RoPEs one.
+runs q, k and v as one matmul, gate and up as another, RoPE over q and k at once, and each RMSNorm as one
+F.rms_norm call in the activations' dtype: 7 projections per layer become 4, two RoPEs one, and a bf16 norm's
+four ops (cast up, normalise, cast down, scale) one. That norm rounds once where Hugging Face's order rounds
+twice (normalise in float32, cast, then scale): the bf16 copy differs from the bf16 model within bf16 rounding,
+while in float32 the fused copy computes exactly what the model does.
 
 The trained model keeps Hugging Face's layout (q_proj, k_proj, ... : checkpoints, LoRA/PEFT and FSDP are
 untouched). In the copy, each projection's weight is a view into its layer's fused weight, so refreshing the copy
 after an update (copy_weights_, lora.copy_merged_: in-place copies into its parameters) refreshes the fused
 weights with it, at the same addresses (the CUDA graphs replay them). The policy itself is never fused: the float32
-sampler on CPU (the default) computes exactly what it always did. Left out: fusing RMSNorm and SiLU-and-mul into
-one kernel each, which needs generated kernels (train.py --compile compiles the whole step instead).
+sampler on CPU (the default) computes exactly what it always did. Left out: fusing SiLU-and-mul, the residual adds
+and the norms into fewer kernels, which needs generated kernels (train.py --compile compiles the whole step).
 """
 
 import torch
@@ -16,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import MLP, Attention, Transformer, apply_rope, attend
+from model import MLP, Attention, RMSNorm, Transformer, apply_rope, attend
 
 
 class FusedAttention(Attention):
@@ -54,6 +57,13 @@ class FusedMLP(MLP):
         return self.down_proj(F.silu(gate) * up)
 
 
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm as one F.rms_norm in the input's dtype (float32 inside the kernel): in float32 RMSNorm's own path."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
 def _fuse(linears: list[nn.Linear], name: str) -> Tensor | None:
     """One tensor holding the linears' weights (or biases) one after another along the output dimension; each
     linear's parameter becomes a view of it (so in-place updates of the parameters update it)."""
@@ -69,10 +79,12 @@ def _fuse(linears: list[nn.Linear], name: str) -> Tensor | None:
 
 
 @torch.no_grad()
-def fuse_projections(model: Transformer) -> Transformer:
-    """Fuse a frozen copy's projections in place (see the module docstring) and return it. Its parameters keep
-    their names, shapes, values and order (copy_weights_ and state_dict see no difference). Not for a model that
-    trains, nor one moved to another device afterwards (.to() would copy the views apart)."""
+def fuse_for_sampling(model: Transformer) -> Transformer:
+    """Fuse a frozen copy's projections and norms in place (see the module docstring) and return it. Its
+    parameters keep their names, shapes, values and order (copy_weights_ and state_dict see no difference). Not
+    for a model that trains, nor one moved to another device afterwards (.to() would copy the views apart)."""
+    for norm in (m for m in model.modules() if type(m) is RMSNorm):
+        norm.__class__ = FusedRMSNorm
     for block in model.model.layers:
         attn, mlp = block.self_attn, block.mlp
         attn.qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")

@@ -24,7 +24,7 @@ import lora
 import methods
 from cli import UserError, changed_flags, start_line
 from config import RESUMABLE, TrainConfig, lr_factor
-from fused import fuse_projections
+from fused import fuse_for_sampling
 from graphs import StaticDecode, decode_runner
 from hf import config_from_hf, load_model, read_model_config
 from losses import Objective
@@ -168,8 +168,8 @@ def setup(cfg: TrainConfig) -> Run:
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     guard = distributed.WeightGuard(list(names), masters, world, f"lower --lr (now {cfg.lr:g})")
     copy = lora.merged_copy if cfg.lora_rank else cast_copy  # LoRA: the sampler runs the merged weights
-    # a copy runs fused q/k/v and gate/up projections (fused.py: fewer kernels per decode step); the policy never does
-    sampler = policy if rollout == "float32" else fuse_projections(copy(policy, getattr(torch, rollout)))
+    # a copy runs fused projections and norms (fused.py: fewer kernels per decode step); the policy never does
+    sampler = policy if rollout == "float32" else fuse_for_sampling(copy(policy, getattr(torch, rollout)))
     run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
     run.micro_batch_rows = memory.micro_batch_rows
     run.marker, run.optimizer, run.scheduler, run.state, run.guard = marker, optimizer, scheduler, state, guard

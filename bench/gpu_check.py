@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from decode_profile import copy_bandwidth, first_differences, floor_ms, step_profile  # noqa: E402
 
-from fused import fuse_projections  # noqa: E402
+from fused import fuse_for_sampling  # noqa: E402
 from graphs import StaticDecode, decode_runner  # noqa: E402
 from hf import load_model  # noqa: E402
 from model import Transformer, cast_copy, head_logprobs  # noqa: E402
@@ -388,7 +388,7 @@ def main() -> None:
     t_start = time.perf_counter()
     path = TINY if args.cpu else build_checkpoint(Path(args.cache), args.seed)
     ours = load_model(path, device=device).eval()
-    fast = fuse_projections(cast_copy(ours, torch.bfloat16))  # the rollout copy train.py samples from on CUDA
+    fast = fuse_for_sampling(cast_copy(ours, torch.bfloat16))  # the rollout copy train.py samples from on CUDA
     run_row(rows, "greedy == transformers.generate", check_greedy, ours, path, sizes, args.seed)
     run_row(rows, "bf16 rollout logp_gap", check_logp_gap, ours, fast, sizes, args.seed)
     # the tok/s rows sample in train.py's rollout dtype on this device (--rollout-dtype auto)
