@@ -1,10 +1,11 @@
 """fused.py: the rollout copy's fused layers. A decode step on a GPU pays per kernel, not per FLOP, so the
 sampler's copy of the policy (model.cast_copy, lora.merged_copy: train.py's --rollout-dtype copy, bf16 on CUDA)
-runs q, k and v as one matmul, gate and up as another, RoPE over q and k at once, and each RMSNorm as one
-F.rms_norm call in the activations' dtype: 7 projections per layer become 4, two RoPEs one, and a bf16 norm's
-four ops (cast up, normalise, cast down, scale) one. That norm rounds once where Hugging Face's order rounds
-twice (normalise in float32, cast, then scale): the bf16 copy differs from the bf16 model within bf16 rounding,
-while in float32 the fused copy computes exactly what the model does.
+runs q, k and v as one matmul, gate and up as another, RoPE over q and k at once (its multiply-add one addcmul),
+each residual add inside the matmul that feeds it (addmm), and each RMSNorm as one F.rms_norm call in the
+activations' dtype: 7 projections per layer become 4, two RoPEs one, two adds none, and a bf16 norm's four ops
+(cast up, normalise, cast down, scale) one. Fused kernels round less often than Hugging Face's op order (a
+bf16 norm normalises in float32, casts, then scales): the bf16 copy differs from the bf16 model within bf16
+rounding, and in float32 within float32 rounding (tests/test_fused.py).
 
 The trained model keeps Hugging Face's layout (q_proj, k_proj, ... : checkpoints, LoRA/PEFT and FSDP are
 untouched). In the copy, each projection's weight is a view into its layer's fused weight, so refreshing the copy
@@ -19,17 +20,34 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import MLP, Attention, RMSNorm, Transformer, apply_rope, attend
+from model import MLP, Attention, Block, RMSNorm, Transformer, attend
+
+
+def add_linear(residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """residual + x @ weight.T as one matmul whose epilogue adds the residual (addmm): x (..., K), weight (N, K),
+    residual (..., N). Saves the separate add kernel of a bias-free projection that feeds the residual stream."""
+    return torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, weight.shape[1]), weight.t()).view(
+        residual.shape
+    )
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """model.apply_rope with its multiply-add as one addcmul (one kernel fewer; in bf16 it rounds once less)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
 class FusedAttention(Attention):
     """Attention whose q, k, v projections run as one matmul (qkv_weight (H + 2 Hkv) hd x C; their weights
-    are views of it) and whose RoPE runs over q and k together."""
+    are views of it), whose RoPE runs over q and k together, and which, given the residual stream, returns it
+    with the attention added (o_proj and the add in one addmm)."""
 
     qkv_weight: Tensor
     qkv_bias: Tensor | None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, attn_mask: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache, attn_mask: Tensor | None, residual: Tensor | None = None
+    ) -> Tensor:
         B, T, _ = x.shape
         H, Hkv = self.H, self.Hkv
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, H + 2 * Hkv, self.hd)
@@ -37,24 +55,34 @@ class FusedAttention(Attention):
             qk = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])], 2)
         else:
             qk = qkv[:, :, : H + Hkv]  # (B, T, H + Hkv, hd)
-        qk = apply_rope(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos, sin (B, T, 1, hd): every head
+        qk = rope(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos, sin (B, T, 1, hd): every head
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, heads, T, hd)
         v = qkv[:, :, H + Hkv :].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd): all keys so far
-        y = attend(q, k, v, attn_mask)  # (B, H, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.hd))
+        y = attend(q, k, v, attn_mask).transpose(1, 2).reshape(B, T, H * self.hd)  # (B, T, H hd)
+        return self.o_proj(y) if residual is None else add_linear(residual, y, self.o_proj.weight)
 
 
 class FusedMLP(MLP):
     """SwiGLU whose gate and up projections run as one matmul (gate_up_weight 2I x C; their weights are views
-    of it). Inference only: training goes through MLP's memory-saving backward on the unfused policy."""
+    of it); given the residual stream, it returns it with the MLP added (down_proj and the add in one addmm).
+    Inference only: training goes through MLP's memory-saving backward on the unfused policy."""
 
     gate_up_weight: Tensor
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # (..., I) each
-        return self.down_proj(F.silu(gate) * up)
+        h = F.silu(gate) * up
+        return self.down_proj(h) if residual is None else add_linear(residual, h, self.down_proj.weight)
+
+
+class FusedBlock(Block):
+    """Block whose residual adds happen inside the projections that feed them (FusedAttention, FusedMLP)."""
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None, attn_mask: Tensor | None = None) -> Tensor:
+        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, attn_mask, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class FusedRMSNorm(RMSNorm):
@@ -92,4 +120,5 @@ def fuse_for_sampling(model: Transformer) -> Transformer:
         attn.__class__ = FusedAttention
         mlp.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
         mlp.__class__ = FusedMLP
+        block.__class__ = FusedBlock
     return model

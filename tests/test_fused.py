@@ -18,10 +18,10 @@ from sampler import generate
 
 # Aten ops one decode step dispatches per layer (qwen2 shape, bf16, the fused rollout copy), eager and static (the
 # step graphs.py captures), counted by test_decode_step_op_budget; and the same without the view ops (slice,
-# transpose, ...: no kernel). Before fusion: 50 and 44 (30 compute ops each), 7 matmuls, 4 ops per bf16 norm (now
-# 1). Lower them when you cut ops.
-OPS_PER_LAYER = {"eager": 41, "static": 35}
-COMPUTE_OPS_PER_LAYER = 17
+# transpose, ...: no kernel). Before fusion: 50 and 44 (30 compute ops each): 7 matmuls, 4 ops per bf16 norm (now
+# 1), RoPE twice, two residual adds (now inside addmm). Lower them when you cut ops.
+OPS_PER_LAYER = {"eager": 46, "static": 40}
+COMPUTE_OPS_PER_LAYER = 14
 VIEWS = {"slice", "select", "transpose", "view", "reshape", "chunk", "split", "expand", "unsqueeze", "t", "alias"}
 
 
@@ -77,7 +77,8 @@ def step_ops(model: Transformer, static: bool) -> Counter:
 def test_fused_copy_computes_what_the_model_does(family):
     """Guards the fused rollout copy computing something else than the HF-layout model (a q/k/v or gate/up
     order mixed up, a bias lost, RoPE or Qwen3's q/k norms applied to the wrong heads): logits of a forward
-    and of cached decoding, and sampled tokens, equal the unfused model's in float32; the parameters keep
+    and of cached decoding match the unfused model's in float32 (within 1e-5: fused kernels round differently)
+    and the sampled tokens are the same; the parameters keep
     their names, shapes and values; in bf16 the fused copy is as close to float32 as the plain bf16 copy."""
     model = tiny(family)
     fused = fuse_for_sampling(cast_copy(model, torch.float32))
@@ -141,7 +142,7 @@ def test_decode_step_op_budget(static):
     ops = per_layer[1] - per_layer[0]
     ops = Counter({k: v // 2 for k, v in ops.items()})
     compute = sum(v for k, v in ops.items() if k not in VIEWS)
-    assert ops["linear"] == 4, ops
+    assert ops["linear"] + ops["addmm"] == 4, ops
     assert sum(ops.values()) <= OPS_PER_LAYER["static" if static else "eager"], ops
     assert compute <= COMPUTE_OPS_PER_LAYER, ops
     unfused = [step_ops(cast_copy(tiny("qwen2", n), torch.bfloat16), static) for n in (2, 4)]
