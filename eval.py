@@ -157,6 +157,7 @@ class EvalConfig(tools.Flags):  # --tools python: evaluate with the tool (method
         device, cuda = re.fullmatch(r"cpu|cuda(:\d+)?", self.device), self.device == "cpu" or torch.cuda.is_available()
         checks = [
             (not self.pass_rates or bool(self.out), "--pass-rates writes one row per example to --out FILE.jsonl"),
+            (not (self.pass_rates and self.tools != "off"), "--pass-rates samples without a tool: drop --tools"),
             (self.task in TASK_NAMES, f"--task must be one of {', '.join(TASK_NAMES)}, got {self.task!r}"),
             (self.examples >= 1, f"--examples must be >= 1 (held-out prompts to evaluate), got {self.examples}"),
             (self.n >= 0, f"--n must be >= 0 (samples per prompt; 0 = greedy only), got {self.n}"),

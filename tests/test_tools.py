@@ -154,3 +154,28 @@ def test_multiplication_demonstrations_mask_the_tool_output_as_rl_does(tmp_path)
     assert ids == tok.encode(text)
     masked = tok.decode([i for i, t in zip(ids, trained) if t == 0.0])
     assert masked == f"\n{ex['answer']}\n```\n" == tools.PythonTool().step(text[: text.index("```output") + 9])[0]
+
+
+def test_held_out_evaluation_runs_with_the_tool():
+    """Guards eval.py --tools: the held-out evaluation samples through the same multi-turn rollouts as training
+    (the tool's output appended after each call), and --pass-rates, which samples without a tool, refuses it."""
+    import os
+
+    from eval import EvalConfig
+    from heldout import evaluate
+    from tasks import get_task
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-tool-model")
+    model, tok, task = load_model(path), load_tokenizer(path), get_task("synthetic-mul")
+    examples = task.test(16, 0)
+    rollout = tools.evaluator(EvalConfig(tools="python"), tok, task)
+    out = rollout(model, examples, n=2, max_new_tokens=64, temperature=1.0, seed=list(range(16)))
+    texts = [tok.decode(t) for t in out.tokens]
+    called = [(t, ex) for t, ex in zip(texts, [ex for ex in examples for _ in range(2)]) if "```output" in t]
+    assert called and all(f"```output\n{ex['answer']}\n```\n" in t for t, ex in called)  # the true product
+    texts = [tok.decode(t) for t in rollout(model, examples, n=1, max_new_tokens=64, temperature=0.0).tokens]
+    res = evaluate(model, tok, task, examples, n=0, max_new_tokens=64, rollout=rollout)
+    assert res["greedy_accuracy"] == sum(task.correct(t, ex) for t, ex in zip(texts, examples)) / 16
+    assert tools.evaluator(EvalConfig(), tok, task) is None
+    with pytest.raises(ValueError, match="--pass-rates samples without a tool"):
+        EvalConfig(tools="python", pass_rates=True, out="x.jsonl")
