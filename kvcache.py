@@ -151,6 +151,8 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
     b = len(tok)
     valid = cache.key_valid[:b, : cache.span]  # (b, span)
     valid.index_copy_(1, cache.slot, alive[:, None])
-    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=valid[:, None, None])
+    # one additive mask (0 or -inf) for every layer: SDPA would turn a boolean one into it in each layer
+    mask = torch.zeros(valid.shape, dtype=cache.k.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask[:, None, None])
     cache.next_pos[:b] += alive
     return logits[:, -1]
