@@ -164,3 +164,16 @@ def test_same_seed_same_rollouts_and_no_call_is_generate(model):
     assert out.tokens == ref.tokens and out.finish == ref.finish and sum(out.calls) == 0
     for x, y in zip(out.logprobs, ref.logprobs):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-6, rtol=0)
+
+
+def test_static_decode_path_samples_what_the_eager_path_does(model):
+    """Guards the GPU's path (a graphs.StaticDecode adopts each turn's cache into its static buffers: power-of-two
+    rows and slots, the batch shrinking by buckets), run eagerly here: the same rows, calls, tokens and log-probs
+    as the eager decode, across forks and observation appends."""
+    from kvcache import decode_step_static
+
+    ref = run(model, Recorder())
+    out = run(model, Recorder(), static_step=decode_step_static)
+    assert out.tokens == ref.tokens and out.context == ref.context and out.calls == ref.calls
+    for x, y in zip(out.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
