@@ -17,9 +17,9 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cli import FlagError, out_of_range
+from cli import FlagError, UserError, out_of_range
 from distributed import all_sum
-from envs import ENVS, PythonTool
+from envs import ENVS, PythonTool, run_code
 from multiturn import sample_turns
 from sampler import Generation, Tree
 from stop_text import StopText
@@ -53,6 +53,16 @@ def check(cfg) -> Iterator[FlagError]:
 
 def enabled(cfg) -> bool:
     return cfg.tools != "off"
+
+
+def start(run) -> None:
+    """--tools python: one call through the sandbox before the first step, so a machine that cannot build it (no
+    namespaces, no seccomp library) is one sentence now, not a traceback from a worker thread mid-step."""
+    if run.cfg.tools == "python":
+        try:
+            run_code("print(1)", run.cfg.tool_timeout_s, run.cfg.tool_memory_mb, 16)
+        except RuntimeError as e:
+            raise UserError(f"--tools python runs code in the sandbox, which this machine refuses: {e}") from None
 
 
 def make_env(cfg):

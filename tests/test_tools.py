@@ -179,3 +179,18 @@ def test_held_out_evaluation_runs_with_the_tool():
     assert tools.evaluator(EvalConfig(), tok, task) is None
     with pytest.raises(ValueError, match="--pass-rates samples without a tool"):
         EvalConfig(tools="python", pass_rates=True, out="x.jsonl")
+
+
+def test_a_machine_without_the_sandbox_is_one_sentence_at_the_start(monkeypatch):
+    """Guards the start of a --tools python run where the sandbox cannot be built: one sentence before the first
+    step (a UserError), not a traceback from a worker thread in the middle of sampling."""
+    from cli import UserError
+
+    def refuse(*args, **kw):
+        raise RuntimeError("the code sandbox needs Linux namespaces that this machine refused (net_namespace)")
+
+    monkeypatch.setattr(tools, "run_code", refuse)
+    run = SimpleNamespace(cfg=TrainConfig(algo="grpo", tools="python"))
+    with pytest.raises(UserError, match="--tools python runs code in the sandbox, which this machine refuses"):
+        tools.start(run)
+    tools.start(SimpleNamespace(cfg=TrainConfig(algo="grpo", tools="countdown")))  # no sandbox needed
