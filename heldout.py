@@ -27,6 +27,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
+def texts_of(tokenizer, generation) -> list[str]:
+    """The completions' texts as rewards see them; a rollout with a tool also returns each completion's context
+    mask (methods/tools.py: its stop tokens end nothing)."""
+    context = getattr(generation, "context", None) or [()] * len(generation.tokens)
+    return [decode_completion(tokenizer, t, c) for t, c in zip(generation.tokens, context)]
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -59,11 +66,11 @@ def evaluate(
         kw = dict(max_new_tokens=max_new_tokens, stop_ids=tokenizer.stop_ids, static_step=static_step)
         sample = functools.partial(rollout, model, exs) if rollout else functools.partial(generate, model, chunk)
         greedy = sample(temperature=0.0, n=1, **kw)
-        greedy_correct += [task.correct(decode_completion(tokenizer, t), ex) for t, ex in zip(greedy.tokens, exs)]
+        greedy_correct += [task.correct(text, ex) for text, ex in zip(texts_of(tokenizer, greedy), exs)]
         if n > 0:
             seeds = [seed + start + i for i in range(len(chunk))]  # per prompt: independent of batching
             sampled = sample(n=n, temperature=temperature, top_p=top_p, seed=seeds, **kw)
-            texts = [decode_completion(tokenizer, t) for t in sampled.tokens]
+            texts = texts_of(tokenizer, sampled)
             sampled_correct += [[task.correct(texts[i * n + j], ex) for j in range(n)] for i, ex in enumerate(exs)]
             lengths += [len(t) for t in sampled.tokens]
             truncated += [f == "length" for f in sampled.finish]

@@ -17,6 +17,7 @@ the one reproduced gets a warning naming the built-in used instead: its prompts 
 import hashlib
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -197,8 +198,11 @@ def warn_if_not_reproduced(path: Path, own: str | None, built_in: tuple[str, boo
     )
 
 
-def decode_completion(tokenizer: Tokenizer, tokens: list[int]) -> str:
-    """Completion text as rewards see it: everything before the first stop token."""
+def decode_completion(tokenizer: Tokenizer, tokens: list[int], context: Sequence[bool] = ()) -> str:
+    """Completion text as rewards see it: everything before the first stop token. context: per token, True where
+    it was appended (a tool's output, multiturn.py), whose stop tokens end nothing (Qwen's <tool_response> turn
+    holds an <|im_end|>)."""
     stops = set(tokenizer.stop_ids)
-    end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+    own = list(context) + [False] * (len(tokens) - len(context))
+    end = next((i for i, t in enumerate(tokens) if t in stops and not own[i]), len(tokens))
     return tokenizer.decode(tokens[:end])

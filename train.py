@@ -95,7 +95,8 @@ def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, 
     cfg = run.cfg
     groups = rollouts(examples, prompts, tree, cfg.thoughts, cfg.answers)
     done = list(completions(groups))
-    texts = [decode_completion(run.tokenizer, t.tokens + a.tokens) for _, t, a in done]
+    context = [[False] * len(t.tokens) + a.context for _, t, a in done]  # a tool's output: its stop ids end nothing
+    texts = [decode_completion(run.tokenizer, t.tokens + a.tokens, c) for (_, t, a), c in zip(done, context)]
     exs = [g.example for g, _, _ in done]
     reward = torch.tensor(score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), dtype=torch.float32)
     correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]

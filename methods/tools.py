@@ -86,6 +86,13 @@ class ToolTree(Tree):
     stats: dict | None = None
 
 
+@dataclass
+class ToolGeneration(Generation):
+    """sampler.Generation plus each completion's context mask: what heldout.evaluate reads of a tool rollout."""
+
+    context: list[list[bool]] | None = None
+
+
 def tool_rollouts(model, tokenizer, task, examples: list[dict], cfg, *, n: int, max_new_tokens: int, **sampling):
     """n multi-turn completions per example, each with its own environment: (prompts, sample_turns' Turns, the
     stats of the calls). sampling: temperature, top_p, seed, static_step (and top_k)."""
@@ -152,6 +159,6 @@ def evaluator(cfg, tokenizer, task):
         _, turns, _ = tool_rollouts(
             model, tokenizer, task, examples, cfg, n=n, max_new_tokens=max_new_tokens, **sampling
         )
-        return Generation(turns.tokens, turns.logprobs, turns.finish)
+        return ToolGeneration(turns.tokens, turns.logprobs, turns.finish, turns.context)
 
     return rollout

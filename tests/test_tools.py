@@ -194,3 +194,19 @@ def test_a_machine_without_the_sandbox_is_one_sentence_at_the_start(monkeypatch)
     with pytest.raises(UserError, match="--tools python runs code in the sandbox, which this machine refuses"):
         tools.start(run)
     tools.start(SimpleNamespace(cfg=TrainConfig(algo="grpo", tools="countdown")))  # no sandbox needed
+
+
+def test_a_stop_token_inside_a_tool_output_ends_nothing(tiny):
+    """Guards Qwen's tool form, whose <tool_response> turn holds an <|im_end|>: the reward's text (training and
+    held-out evaluation alike) runs to the policy's own stop token, not to the first one in a tool's output."""
+    from heldout import texts_of
+    from tokenizer import decode_completion
+
+    _, tok = tiny
+    end = tok.token_to_id("<|im_end|>")
+    ids = tok.encode("12") + [end] + tok.encode("34") + [end, *tok.encode("junk")]
+    context = [False, False, True, False, False, False]
+    assert decode_completion(tok, ids) == "12"
+    assert decode_completion(tok, ids, context) == "12<|im_end|>34"
+    gen = tools.ToolGeneration([ids], [[0.0] * len(ids)], ["stop"], [context])
+    assert texts_of(tok, gen) == ["12<|im_end|>34"]
