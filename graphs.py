@@ -16,6 +16,7 @@ where the tests check it samples exactly what the eager path does. Left out: cap
 (the draw and the stop checks run eagerly after each replay), and capturing every bucket up front.
 """
 
+import copy
 import weakref
 from collections.abc import Callable
 
@@ -49,7 +50,7 @@ class StaticDecode:
         self.step, self.capture = step, capture
         self.k = self.v = self.key_valid = self.next_pos = self.slot = None  # (L, rows, Hkv, slots, hd), ...
         self.tok = self.alive = self.logits = None  # (rows,) inputs and (rows, V) output of every graph
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (batch, span, autocast) -> graph of self.model
+        self.graphs: dict[tuple, Callable[[], None]] = {}  # (batch, span, autocast) -> replay of self.model's graph
         self.model: weakref.ref | None = None
         self.owner: weakref.ref | None = None  # the cache living in the buffers
         self.pool = None  # the graphs' shared memory pool: one graph replays at a time
@@ -125,28 +126,53 @@ class StaticDecode:
         key = (b, cache.span, torch.is_autocast_enabled("cuda"))
         if key not in self.graphs:
             self.graphs[key] = self._capture(model, cache, b)
-        self.graphs[key].replay()
+        self.graphs[key]()  # replay
         return self.logits[:n]
 
-    def _capture(self, model: Transformer, cache: KVCache, b: int) -> "torch.cuda.CUDAGraph":
-        """Record the step at batch b and cache.span as a CUDA graph writing its logits into self.logits. A
-        warm-up call comes first (lazy inits, cuBLAS workspaces, torch.compile's compile); its writes at the
-        current slot are the replay's own, but the positions it advanced are put back."""
+    def _capture(self, model: Transformer, cache: KVCache, b: int) -> Callable[[], None]:
+        """Record the step at batch b and cache.span as a CUDA graph writing its logits into self.logits; returns
+        its replay. A warm-up call comes first (lazy inits, cuBLAS workspaces, torch.compile's compile); its
+        writes at the current slot are the replay's own, but the positions it advanced are put back."""
         tok, alive = self.tok[:b], self.alive[:b]
+        # the graph's own view of the buffers at this span: nothing of the caller's cache object is recorded
+        view = copy.copy(cache)
+        view.k, view.v, view.key_valid, view.next_pos, view.slot = (
+            self.k,
+            self.v,
+            self.key_valid,
+            self.next_pos,
+            self.slot,
+        )
+
+        def step() -> Tensor:
+            return self.step(model, view, tok, alive)
+
         pos = self.next_pos.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            logits = self.step(model, cache, tok, alive)
-        torch.cuda.current_stream().wait_stream(side)
+        logits = warm_up(step)
         self.next_pos.copy_(pos)
         if self.logits is None:  # (rows, V) in the logits' dtype, shared by every graph (a normal tensor)
             with torch.inference_mode(False):
                 self.logits = logits.new_empty(len(self.tok), logits.shape[-1])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[:b] = self.step(model, cache, tok, alive)
-        return graph
+        return record(lambda: self.logits[:b].copy_(step()), self.pool)
+
+
+def warm_up(fn: Callable[[], Tensor]) -> Tensor:
+    """Run fn once on a side stream, as CUDA graph capture wants its first call made (PyTorch's recipe)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return out
+
+
+def record(fn: Callable[[], object], pool) -> Callable[[], None]:
+    """Capture fn's kernels as a CUDA graph (nothing runs now) in the memory pool `pool`; returns its replay,
+    which runs them again on whatever the captured buffers then hold."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph.replay
 
 
 def decode_runner(device: torch.device, *, graphs: bool = True, compile: bool = False) -> StaticDecode | None:

@@ -177,6 +177,43 @@ def test_buffers_serve_inference_mode_and_no_grad_callers():
     assert torch.equal(out.tokens, ref.tokens)
 
 
+def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
+    """Guards the CUDA path's bookkeeping, run on CPU with a stand-in for CUDA graphs (capturing runs nothing; a
+    replay runs the recorded step again on the captured buffers, at the span it was recorded with): the
+    warm-up's advanced positions are put back, each (batch, span) bucket is captured once and replayed after,
+    the graphs serve every later cache of the same buffers (once warmed up, a call captures nothing), a new
+    model gets new graphs, and the tokens equal the eager path's, tree and text marker included."""
+    from stop_text import StopText
+
+    captures = []
+    monkeypatch.setattr(graphs, "warm_up", lambda fn: fn())
+    monkeypatch.setattr(graphs, "record", lambda fn, pool: captures.append(fn) or fn)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    model = tiny(seed=1)
+    args = dict(k=4, m=3, max_thought_tokens=30, max_answer_tokens=40, temperature=1.0, seed=[1, 2])
+    probe = sample_tree(model, PROMPTS[:2], end_of_thought=[0, 0, 0], **args)
+    common = [t for t, _ in Counter(t for th in probe.thoughts for t in set(th[:-3])).most_common(6)]
+    text = StopText("m", [common[0]], lambda ids: "".join("m" if i == common[0] else "x" for i in ids), 128)
+    args |= dict(end_of_thought=text, stop_ids=common[1:4])
+    ref = sample_tree(model, PROMPTS[:2], **args)
+    static = StaticDecode(capture=True)
+    out = sample_tree(model, PROMPTS[:2], static_step=static, **args)
+    assert out.thoughts == ref.thoughts and out.answers == ref.answers and out.answer_finish == ref.answer_finish
+    assert 0 < sum(ref.thought_truncated) < 8 and "stop" in ref.answer_finish
+    # the thoughts' graphs, then the answers' (more rows: larger buffers, so the thoughts' graphs are dropped)
+    assert len(captures) > len(static.graphs) > 2 and {s for _, s, _ in static.graphs} == {64, 128}
+    sample_tree(model, PROMPTS[:2], static_step=static, **args)  # the thoughts' buckets again, in the grown buffers
+    n = len(captures)
+    again = sample_tree(model, PROMPTS[:2], static_step=static, **args)
+    assert again.answers == ref.answers and len(captures) == n  # warmed up: no shape is new
+    other = tiny(seed=2)
+    assert (
+        sample_tree(other, PROMPTS[:2], static_step=static, **args).answers
+        == sample_tree(other, PROMPTS[:2], **args).answers
+    )
+    assert len(captures) > n
+
+
 def test_compiled_static_step_samples_what_eager_does():
     """Guards --compile's step (torch.compile of decode_step_static with dynamic shapes, which the graphs then
     capture) failing to trace as one graph over the buckets, or sampling differently: traced here with
