@@ -136,13 +136,7 @@ class StaticDecode:
         tok, alive = self.tok[:b], self.alive[:b]
         # the graph's own view of the buffers at this span: nothing of the caller's cache object is recorded
         view = copy.copy(cache)
-        view.k, view.v, view.key_valid, view.next_pos, view.slot = (
-            self.k,
-            self.v,
-            self.key_valid,
-            self.next_pos,
-            self.slot,
-        )
+        view.__dict__.update(k=self.k, v=self.v, key_valid=self.key_valid, next_pos=self.next_pos, slot=self.slot)
 
         def step() -> Tensor:
             return self.step(model, view, tok, alive)
