@@ -16,8 +16,9 @@ One step is the README's numbered algorithm, one function each, called in this o
   7. log, evaluate, save
 
 Each paper's extension enters at one seam, one call into its file in methods/ (skip the file, skip the paper):
-choose the data (hard_examples), transform rewards (noise, dapo), transform rollouts (dapo's dynamic sampling,
-dagrpo's anchors), advantages and weights (noise, dagrpo, gtpo), the policy loss (methods.LOSSES). config.py
+choose the data (hard_examples), sample (tools: completions that call a tool), transform rewards (noise, dapo),
+transform rollouts (dapo's dynamic sampling, dagrpo's anchors), advantages and weights (noise, dagrpo, gtpo), the
+policy loss (methods.LOSSES). config.py
 gathers the core's flags and the methods'; setup(cfg) in run.py builds the run's long-lived objects.
 Left out on purpose: one optimizer step per epoch over the whole batch (mu = 1 is fully on-policy, no
 mini-batches); rows of a micro-batch are padded to its longest row; evaluation runs on rank 0 only.
