@@ -210,3 +210,53 @@ def test_a_stop_token_inside_a_tool_output_ends_nothing(tiny):
     assert decode_completion(tok, ids, context) == "12<|im_end|>34"
     gen = tools.ToolGeneration([ids], [[0.0] * len(ids)], ["stop"], [context])
     assert texts_of(tok, gen) == ["12<|im_end|>34"]
+
+
+class Answer42:
+    """An environment whose turn ends at "e" and whose observation is the ToRL output block "\\n42\\n```\\n"."""
+
+    stop = "e"
+
+    def __init__(self) -> None:
+        self.errors, self.seconds, self.seen = 0, 0.0, []
+
+    def reset(self, example: dict) -> str:
+        return example["prompt"]
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.seen.append(text)
+        return "\n42\n```\n", 0.0, False
+
+
+def test_a_bpe_row_is_what_was_sampled_and_appended_never_re_encoded(tmp_path, monkeypatch):
+    """Guards token in, token out where it matters, a byte-level BPE (verl issue 6719: re-encoding the conversation
+    from text merged or dropped a token at every assistant/tool boundary). A multi-call row decodes to the policy's
+    text and the observations in order, its ids are exactly the sampled ids and each observation encoded alone,
+    and re-encoding its decoded text would have given other ids: the trainer never does."""
+    from helpers import make_bpe_tokenizer
+
+    tok = load_tokenizer(make_bpe_tokenizer(tmp_path / "bpe", "qwen2"))
+    model = load_model(make_hf_checkpoint(tmp_path, "qwen2", vocab_size=tok.vocab_size))
+    envs = []
+    monkeypatch.setattr(tools, "make_env", lambda cfg: envs.append(Answer42()) or envs[-1])
+    cfg = TrainConfig(algo="grpo", thoughts=4, tools="python", max_tool_calls=3)
+    task = Task("t", None, None, None, None, None)
+    examples = [{"prompt": "The quick brown fox"}, {"prompt": "def f(x):"}]
+    _, turns, _ = tools.tool_rollouts(model, tok, task, examples, cfg, n=4, max_new_tokens=40, seed=[5, 6])
+    obs = tok.encode("\n42\n```\n")
+    multi = [r for r, c in enumerate(turns.calls) if c >= 2]
+    assert multi, "the test needs a row with two calls"
+    changed = 0
+    for r in multi:
+        ids, ctx = turns.tokens[r], turns.context[r]
+        segments, start = [], 0
+        for i in range(1, len(ids) + 1):  # the row's runs: policy, observation, policy, ...
+            if i == len(ids) or ctx[i] != ctx[start]:
+                segments.append((ctx[start], ids[start:i]))
+                start = i
+        assert [s for c, s in segments if c] == [obs] * turns.calls[r]  # each observation, encoded alone
+        texts = [tok.decode(s) for _, s in segments]
+        assert tok.decode(ids) == "".join(texts)
+        assert envs[r].seen[1] == "".join(texts[:3])  # the second call saw the policy's text and the first output
+        changed += tok.encode(tok.decode(ids)) != ids
+    assert changed, "re-encoding would have changed no row: the boundary hazard is not exercised"
