@@ -41,13 +41,13 @@ def _field_docs(cls: type) -> tuple[dict[str, str], dict[str, str]]:
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        group = "options"
+        group, names = "options", {f.name for f in dataclasses.fields(klass)}  # not a ClassVar with a comment
         for line in inspect.getsource(klass).splitlines():
             header = re.match(r"\s+# -- (.*)$", line)
             if header:
                 group = header.group(1).strip()
             m = re.match(r"\s+(\w+)\s*:[^=]*=.*?#\s*(.*)$", line)
-            if m:
+            if m and m.group(1) in names:
                 helps[m.group(1)], groups[m.group(1)] = m.group(2).strip(), group
     return helps, groups
 
