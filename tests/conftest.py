@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -49,3 +50,14 @@ def no_sandbox_residue():
     yield
     left = new_residue(before)
     assert not left, f"the code sandbox left these on the host: {sorted(left)}"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a test module (pytestmark = pytest.mark.usefixtures("one_thread")): tiny models gain
+    nothing from a second thread, OpenMP's spinning threads on a shared 2-core machine can make runs 10x slower,
+    and a multi-threaded CPU sum may add in a run-dependent order where a test needs bit equality."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,15 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, P, K, THOUGHT, ANSWER = 3, 4, 4, 32, 16  # the minimal file's one limit is train.py's two added
 
 
-@pytest.fixture
-def one_thread():
-    """One thread: a multi-threaded CPU kernel may sum in a run-dependent order, and bit equality needs one order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_grpo_minimal_computes_train_py_grpo_bit_for_bit(tmp_path, one_thread, beta):
     """Guards the claim at the top of grpo_minimal.py: STEPS steps of it and of `train.py --algo grpo
