@@ -119,7 +119,9 @@ def parse_config(
 
 def int_or_auto(text: str) -> int | str:
     """A count flag's value that may also be the word auto (--micro-batch-rows auto)."""
-    return text if text == "auto" else int(text)
+    if text == "auto" or text.lstrip("-").isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"must be a whole number or auto, got {text!r}")
 
 
 def flag(name: str) -> str:

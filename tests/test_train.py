@@ -713,6 +713,17 @@ def test_a_preset_refusal_names_the_default_preset_and_help_shows_effective_defa
     assert "--prompts-per-step INT P, global over all ranks (default: 16)" in text
 
 
+def test_micro_batch_rows_takes_a_count_or_auto_and_says_so():
+    """Guards against argparse's `invalid int_or_auto value: 'foo'` (the parser function's name) as the sentence a
+    user reads for a mistyped --micro-batch-rows."""
+    for bad in ("foo", "1.5"):
+        with pytest.raises(cli.UserExit, match=rf"--micro-batch-rows: must be a whole number or auto, got '{bad}'"):
+            cli.parse_config(TrainConfig, ["--micro-batch-rows", bad], presets=PRESETS, preset_field="algo")
+    for good, want in (("auto", "auto"), ("16", 16)):
+        cfg, _ = cli.parse_config(TrainConfig, ["--micro-batch-rows", good], presets=PRESETS, preset_field="algo")
+        assert cfg.micro_batch_rows == want
+
+
 def test_the_end_summary_names_the_merged_weights():
     """Guards against a --merge run whose summary pointed only at final/ (the adapters), never at OUT/merged."""
     text = cli.end_summary([], 5.0, "runs/x", ["metrics.jsonl"], "", 3, merged=True)
