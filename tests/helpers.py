@@ -250,3 +250,25 @@ def machine() -> dict:
     flags = next((line.split(":")[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     isa = [f for f in ISA_FLAGS if f in flags]
     return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "vendor": vendor, "isa": isa}
+
+
+def tiny_transformer(family: str = "qwen2", layers: int = 2, seed: int = 0, tie: bool = False):
+    """A tiny random decoder of `family` (vocabulary 128, width 64, 4 query and 2 key/value heads of 16, SwiGLU
+    128), built after torch.manual_seed(seed), in eval mode: the sampler's and decode path's tests share it."""
+    from model import ModelConfig, Transformer
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        model_type=family,
+        tie_word_embeddings=tie,
+    )
+    return Transformer(cfg).eval()

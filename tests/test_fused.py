@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lora
 from fused import FusedAttention, FusedMLP, FusedRMSNorm, fuse_for_sampling
 from graphs import StaticDecode
+from helpers import tiny_transformer
 from kvcache import decode_step, prefill
-from model import ModelConfig, Transformer, cast_copy, copy_weights_
+from model import Transformer, cast_copy, copy_weights_
 from sampler import generate
 
 # Aten ops one decode step dispatches per layer (qwen2 shape, bf16, the fused rollout copy), eager and static (the
@@ -26,21 +27,7 @@ VIEWS = {"slice", "select", "transpose", "view", "reshape", "chunk", "split", "e
 
 
 def tiny(family: str = "qwen2", layers: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
-        model_type=family,
-        tie_word_embeddings=family == "qwen3",
-    )
-    model = Transformer(cfg).eval()
+    model = tiny_transformer(family, layers, seed, tie=family == "qwen3")
     with torch.no_grad():
         for name, p in model.named_parameters():  # every parameter random: zero biases and unit norms hide bugs
             p.copy_(torch.randn_like(p) * 0.1 + name.endswith("norm.weight"))

@@ -10,8 +10,9 @@ import torch
 import graphs
 import sampler
 from graphs import StaticDecode, batch_bucket, decode_runner, span_bucket
+from helpers import tiny_transformer
 from kvcache import KVCache, decode_step_static, extend, prefill
-from model import ModelConfig, Transformer
+from model import Transformer
 from sampler import decode, generate, sample_tree
 
 PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]
@@ -22,20 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny(seed: int = 0, layers: int = 2, family: str = "qwen2", scale: float = 4.0) -> Transformer:
     """A random qwen2-shaped model; lm_head scaled up for peaked distributions (stop ids and markers get hit)."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
-        model_type=family,
-    )
-    model = Transformer(cfg).eval()
+    model = tiny_transformer(family, layers, seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale / 0.02 * 0.05)
     return model
