@@ -402,6 +402,7 @@ def finish(run: Run, seconds: float) -> dict:
     files = [f for f in ("metrics.jsonl", "samples.jsonl", "config.json") if os.path.isfile(os.path.join(cfg.out, f))]
     data = [("--task", cfg.task), ("--data", cfg.data), ("--test-data", cfg.test_data)]
     flags = "".join(f"{k} {v} " for k, v in data if v) + f"--max-new-tokens {cfg.completion_limit} "
+    flags += methods.eval_flags(cfg)  # --tools python: evaluate with the tool, as trained
     print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, merged=cfg.merge))
     checkpoint.release_run_dir(cfg.out)
     return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}

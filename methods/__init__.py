@@ -39,6 +39,7 @@ The rest have functions of their own here:
                                   objective(cfg, entry) -> entry                         dual_clip
                                   off_policy_objective(cfg, entry) -> entry: after them  dagrpo (LUFFY)
   metrics (log)                   metrics(run, sums, counts) -> dict                     noise, dagrpo
+  the end summary (train.finish)  eval_flags(cfg) -> str: eval.py's flags to evaluate as the run trained  tools
 
 Deleting a method's file (and its tests) leaves a working trainer: ORDER names the files, and those missing are
 skipped. The model, the sampler and the RL core (advantage.py, losses.py, pack.py) never import this package.
@@ -152,6 +153,11 @@ def evaluator(run):
     for hook in hooks(run.cfg, "evaluator"):
         return hook(run.cfg, run.tokenizer, run.task)
     return None
+
+
+def eval_flags(cfg) -> str:
+    """The flags eval.py needs to evaluate the run as it trained (the end summary's command): tools' --tools."""
+    return "".join(hook(cfg) for hook in hooks(cfg, "eval_flags"))
 
 
 def advantages(run, groups: list, reward: torch.Tensor, batch_accuracy: float) -> tuple:

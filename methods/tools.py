@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from cli import FlagError, UserError, out_of_range
+from cli import FlagError, UserError, flag, out_of_range
 from distributed import all_sum
 from envs import ENVS, PythonTool, run_code
 from multiturn import sample_turns
@@ -63,6 +63,14 @@ def start(run) -> None:
             run_code("print(1)", run.cfg.tool_timeout_s, run.cfg.tool_memory_mb, 16)
         except RuntimeError as e:
             raise UserError(f"--tools python runs code in the sandbox, which this machine refuses: {e}") from None
+
+
+def eval_flags(cfg) -> str:
+    """The end summary's eval.py command evaluates with the tool and its limits, as the run trained (without the
+    tool a model trained with it still writes its calls, and scores nothing)."""
+    return "".join(
+        f"{flag(f.name)} {getattr(cfg, f.name)} " for f in fields(Flags) if getattr(cfg, f.name) != f.default
+    )
 
 
 def make_env(cfg):

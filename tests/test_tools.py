@@ -260,3 +260,19 @@ def test_a_bpe_row_is_what_was_sampled_and_appended_never_re_encoded(tmp_path, m
         assert envs[r].seen[1] == "".join(texts[:3])  # the second call saw the policy's text and the first output
         changed += tok.encode(tok.decode(ids)) != ids
     assert changed, "re-encoding would have changed no row: the boundary hazard is not exercised"
+
+
+def test_the_end_summary_evaluates_with_the_tool_the_run_trained_with():
+    """Guards against a tool run's summary suggesting `eval.py` without --tools: a model trained with the tool still
+    writes its calls there, gets no output and scores 0. The summary's flags carry every tool flag the run changed,
+    and eval.py takes them; a run without tools adds none."""
+    import methods
+    from cli import parse_config
+    from eval import EvalConfig
+
+    cfg = TrainConfig(algo="grpo", answers=1, tools="python", max_tool_calls=2, tool_format="qwen")
+    flags = methods.eval_flags(cfg)
+    assert flags.split() == ["--tools", "python", "--tool-format", "qwen", "--max-tool-calls", "2"]
+    evaluated, _ = parse_config(EvalConfig, ["--model", "m", *flags.split()])
+    assert (evaluated.tools, evaluated.tool_format, evaluated.max_tool_calls) == ("python", "qwen", 2)
+    assert methods.eval_flags(TrainConfig()) == ""
