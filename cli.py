@@ -247,17 +247,22 @@ class StopRequest:
 def stop_signals(resume: str) -> Iterator[StopRequest]:
     """While the block runs, the first SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) only sets
     the returned request's signum: the loop checks it at each step boundary, writes a checkpoint and
-    leaves through Stopped. A second one raises KeyboardInterrupt at once (user_errors: one line, exit
-    status 130); one that comes after the block was left by a stop (the run is winding down) ends the
-    process at once with the same status. The last complete checkpoint stays: every save is atomic.
-    `resume`: the command that continues the run. Outside the main thread (no signal handlers there) it does nothing."""
+    leaves through Stopped. A second one, in the block or after a stop left it (the run winding down), ends the
+    process at once: one line, exit status 128 + the signal's number (130 for Ctrl-C), no traceback, whatever
+    Python was running (an exception raised there could land in a generator's close, where Python prints it and
+    goes on). The last complete checkpoint stays: every save is atomic, and a partial one's temporary directory is
+    removed at the next start. `resume`: the command that continues the run. Outside the main thread (no signal
+    handlers there) it does nothing."""
     stop = StopRequest(resume=resume)
+
+    def stop_now(signum: int, frame) -> None:  # the second signal
+        message = f"stopped at once by a second signal; the last complete checkpoint is intact: {resume}"
+        print(f"\n{message}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     def handle(signum: int, frame) -> None:
         if stop.signum:
-            raise KeyboardInterrupt(
-                f"stopped at once by a second signal; the last complete checkpoint is intact: {resume}"
-            )
+            stop_now(signum, frame)
         stop.signum = signum
         name = signal.Signals(signum).name
         print(f"\n{name}: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
@@ -267,11 +272,6 @@ def stop_signals(resume: str) -> Iterator[StopRequest]:
     except ValueError:  # not the main thread
         old = {}
 
-    def handle_late(signum: int, frame) -> None:  # a signal after the stop began, while the run winds down
-        message = f"stopped at once by a second signal; the last complete checkpoint is intact: {resume}"
-        print(f"\n{message}", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-
     def ignore_at_exit() -> None:  # interpreter shutdown resets Python handlers to the default (death by SIGINT,
         for s in old:  # status -2), but leaves an ignored signal ignored: the stopped run exits with its own status
             signal.signal(s, signal.SIG_IGN)
@@ -280,7 +280,7 @@ def stop_signals(resume: str) -> Iterator[StopRequest]:
         yield stop
     finally:
         for s, h in old.items():
-            signal.signal(s, handle_late if stop.signum else h)
+            signal.signal(s, stop_now if stop.signum else h)
         if stop.signum and old:
             atexit.register(ignore_at_exit)
 

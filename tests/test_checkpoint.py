@@ -353,6 +353,34 @@ def test_case2_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_pat
     load_model(checkpoint.find_checkpoint(str(out)))
 
 
+def test_case2_a_second_signal_inside_a_generators_close_ends_the_run_at_once():
+    """Guards against the race the slow tier met: the second Ctrl-C landed while the loop's progress bar (a
+    generator) was being closed as Stopped unwound the loop; the KeyboardInterrupt the handler raised there was
+    printed by Python as 'Exception ignored in: <generator ...>' with a traceback, and the run went on winding
+    down. The second signal ends the process at once, wherever it lands: one line, status 130."""
+    code = """if True:
+        import os, signal, time
+        from cli import stop_signals
+        def bar():
+            try:
+                yield 1
+            finally:  # tqdm's close: where the second signal landed
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)
+        with stop_signals("python train.py --resume RUN") as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            for _ in bar():
+                break  # the loop left, the generator closed
+            time.sleep(2)
+            print("not stopped")
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130 and "Traceback" not in r.stderr and "not stopped" not in r.stdout, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("stopped at once by a second signal")
+
+
 def test_case2_a_second_signal_while_a_stopped_run_winds_down_ends_it_at_once():
     """Guards against the race CI met: the second Ctrl-C lands after the step's checkpoint, once the loop
     has left the signal block; it must still end the process with status 130 and one line, not with
