@@ -27,7 +27,7 @@ import torch
 from checkpoint import hold_lock
 from cli import user_errors
 from fused import fuse_for_sampling
-from graphs import decode_runner
+from graphs import can_compile, decode_runner
 from heldout import evaluate
 from hf import BUNDLED, bundled
 from methods import tools
@@ -227,8 +227,8 @@ def main(cfg: EvalConfig) -> dict:
             model = lora.merged_copy(lora.load_adapted(cfg.model, device=cfg.device)[0])
         else:
             model = load_model(cfg.model, device=cfg.device)
-        if model.lm_head.weight.is_cuda:  # fused projections: fewer kernels per decode step (fused.py)
-            model = fuse_for_sampling(model)
+        if model.lm_head.weight.is_cuda:  # fused projections, compiled small functions: fewer kernels (fused.py)
+            model = fuse_for_sampling(model, can_compile(model.lm_head.weight.device, cfg.cuda_graphs))
         context = model.config.max_position_embeddings
         if cfg.max_new_tokens >= context:
             raise ValueError(

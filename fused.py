@@ -11,15 +11,23 @@ The trained model keeps Hugging Face's layout (q_proj, k_proj, ... : checkpoints
 untouched). In the copy, each projection's weight is a view into its layer's fused weight, so refreshing the copy
 after an update (copy_weights_, lora.copy_merged_: in-place copies into its parameters) refreshes the fused
 weights with it, at the same addresses (the CUDA graphs replay them). The policy itself is never fused: the float32
-sampler on CPU (the default) computes exactly what it always did. Left out: fusing SiLU-and-mul, the residual adds
-and the norms into fewer kernels, which needs generated kernels (train.py --compile compiles the whole step).
+sampler on CPU (the default) computes exactly what it always did.
+
+What plain PyTorch cannot fuse, generated kernels can: with compile=True (the default on CUDA with CUDA graphs,
+as nano-vllm does) the copy's three small elementwise functions, rope, silu_mul and rms_norm, run through
+torch.compile, each one generated kernel instead of 3, 2 and 1 (or more) of PyTorch's: 15 kernel-launching ops a
+layer become 11. They compile once each (dynamic shapes) in the first decode step's warm-up, before its capture.
+train.py --compile compiles the whole decode step instead (inductor then also fuses across functions).
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from graphs import compiled
 from model import MLP, Attention, Block, RMSNorm, Transformer, attend
 
 
@@ -37,13 +45,31 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SwiGLU's activation: silu(gate) * up for gate_up (..., 2I), its halves gate and up -> (..., I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as one F.rms_norm in x's dtype (float32 inside the kernel): in float32 model.RMSNorm's own path."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def kernels(compile: bool) -> dict:
+    """The copy's small elementwise functions by name: as written, or compiled (graphs.compiled: one generated
+    kernel each)."""
+    return {fn.__name__: compiled(fn) if compile else fn for fn in (rope, silu_mul, rms_norm)}
+
+
 class FusedAttention(Attention):
     """Attention whose q, k, v projections run as one matmul (qkv_weight (H + 2 Hkv) hd x C; their weights
-    are views of it), whose RoPE runs over q and k together, and which, given the residual stream, returns it
-    with the attention added (o_proj and the add in one addmm)."""
+    are views of it), whose RoPE runs over q and k together (self.rope: rope, maybe compiled), and which, given
+    the residual stream, returns it with the attention added (o_proj and the add in one addmm)."""
 
     qkv_weight: Tensor
     qkv_bias: Tensor | None
+    rope: Callable[[Tensor, Tensor, Tensor], Tensor]
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, attn_mask: Tensor | None, residual: Tensor | None = None
@@ -55,7 +81,7 @@ class FusedAttention(Attention):
             qk = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])], 2)
         else:
             qk = qkv[:, :, : H + Hkv]  # (B, T, H + Hkv, hd)
-        qk = rope(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos, sin (B, T, 1, hd): every head
+        qk = self.rope(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos, sin (B, T, 1, hd): every head
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, heads, T, hd)
         v = qkv[:, :, H + Hkv :].transpose(1, 2)
         if cache is not None:
@@ -66,14 +92,15 @@ class FusedAttention(Attention):
 
 class FusedMLP(MLP):
     """SwiGLU whose gate and up projections run as one matmul (gate_up_weight 2I x C; their weights are views
-    of it); given the residual stream, it returns it with the MLP added (down_proj and the add in one addmm).
-    Inference only: training goes through MLP's memory-saving backward on the unfused policy."""
+    of it), then silu(gate) * up (self.silu_mul: silu_mul, maybe compiled); given the residual stream, it
+    returns it with the MLP added (down_proj and the add in one addmm). Inference only: training goes through
+    MLP's memory-saving backward on the unfused policy."""
 
     gate_up_weight: Tensor
+    silu_mul: Callable[[Tensor], Tensor]
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # (..., I) each
-        h = F.silu(gate) * up
+        h = self.silu_mul(F.linear(x, self.gate_up_weight))  # (..., I)
         return self.down_proj(h) if residual is None else add_linear(residual, h, self.down_proj.weight)
 
 
@@ -86,10 +113,12 @@ class FusedBlock(Block):
 
 
 class FusedRMSNorm(RMSNorm):
-    """RMSNorm as one F.rms_norm in the input's dtype (float32 inside the kernel): in float32 RMSNorm's own path."""
+    """RMSNorm as one kernel in the input's dtype (self.rms_norm: rms_norm, maybe compiled)."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.rms_norm(x, self.weight, self.eps)
 
 
 def _fuse(linears: list[nn.Linear], name: str) -> Tensor | None:
@@ -107,18 +136,20 @@ def _fuse(linears: list[nn.Linear], name: str) -> Tensor | None:
 
 
 @torch.no_grad()
-def fuse_for_sampling(model: Transformer) -> Transformer:
-    """Fuse a frozen copy's projections and norms in place (see the module docstring) and return it. Its
-    parameters keep their names, shapes, values and order (copy_weights_ and state_dict see no difference). Not
-    for a model that trains, nor one moved to another device afterwards (.to() would copy the views apart)."""
+def fuse_for_sampling(model: Transformer, compile: bool = False) -> Transformer:
+    """Fuse a frozen copy's projections and norms in place (see the module docstring) and return it; compile:
+    its rope, silu_mul and rms_norm run compiled. Its parameters keep their names, shapes, values and order
+    (copy_weights_ and state_dict see no difference). Not for a model that trains, nor one moved to another
+    device afterwards (.to() would copy the views apart)."""
+    fns = kernels(compile)
     for norm in (m for m in model.modules() if type(m) is RMSNorm):
-        norm.__class__ = FusedRMSNorm
+        norm.__class__, norm.rms_norm = FusedRMSNorm, fns["rms_norm"]
     for block in model.model.layers:
         attn, mlp = block.self_attn, block.mlp
         attn.qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
         attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
-        attn.__class__ = FusedAttention
+        attn.__class__, attn.rope = FusedAttention, fns["rope"]
         mlp.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        mlp.__class__ = FusedMLP
+        mlp.__class__, mlp.silu_mul = FusedMLP, fns["silu_mul"]
         block.__class__ = FusedBlock
     return model

@@ -17,6 +17,7 @@ where the tests check it samples exactly what the eager path does. Left out: cap
 """
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -46,8 +47,9 @@ class StaticDecode:
     (train.py --compile: inductor fuses the small ops inside the graph). The graphs hold the weights' addresses:
     refresh a model's weights in place (model.copy_weights_), never by replacing its tensors."""
 
-    def __init__(self, step: Callable = decode_step_static, capture: bool = False):
+    def __init__(self, step: Callable = decode_step_static, capture: bool = False, compiled_draw: bool = False):
         self.step, self.capture = step, capture
+        self.compiled_draw = compiled_draw  # sampler.decode draws tokens through compiled(sample_next)
         self.k = self.v = self.key_valid = self.next_pos = self.slot = None  # (L, rows, Hkv, slots, hd), ...
         self.tok = self.alive = self.logits = None  # (rows,) inputs and (rows, V) output of every graph
         self.graphs: dict[tuple, Callable[[], None]] = {}  # (batch, span, autocast) -> replay of self.model's graph
@@ -169,12 +171,30 @@ def record(fn: Callable[[], object], pool) -> Callable[[], None]:
     return graph.replay
 
 
+def can_compile(device: torch.device, graphs: bool = True) -> bool:
+    """Whether decoding runs its small functions compiled (the rollout copy's, fused.py, and the token draw,
+    sampler.sample_next): on CUDA with CUDA graphs (--no-cuda-graphs keeps the whole eager path, the reference),
+    where Triton can generate the kernels."""
+    from torch.utils._triton import has_triton
+
+    return device.type == "cuda" and graphs and has_triton()
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """fn through torch.compile with dynamic shapes (compiled on its first call, once for every batch size, as
+    nano-vllm compiles its norms, RoPE, SiLU-and-mul and sampler): the few ops of a small function become one
+    generated kernel, or a few. One compiled version per function."""
+    return torch.compile(fn, dynamic=True)
+
+
 def decode_runner(device: torch.device, *, graphs: bool = True, compile: bool = False) -> StaticDecode | None:
     """The decode path a run samples through (sampler.decode's static_step): on CUDA, CUDA graphs unless
-    graphs=False (--no-cuda-graphs: the eager path, the reference); compile=True (--compile) first compiles the
-    static step with torch.compile (dynamic shapes: one compile for all buckets), on any device. None: eager."""
+    graphs=False (--no-cuda-graphs: the eager path, the reference), with the token draw compiled where
+    can_compile; compile=True (--compile) first compiles the static step with torch.compile (dynamic shapes:
+    one compile for all buckets), on any device. None: eager."""
     capture = device.type == "cuda" and graphs
     if not (capture or compile):
         return None
     step = torch.compile(decode_step_static, dynamic=True, fullgraph=True) if compile else decode_step_static
-    return StaticDecode(step, capture=capture)
+    return StaticDecode(step, capture=capture, compiled_draw=can_compile(device, graphs))

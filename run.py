@@ -25,7 +25,7 @@ import methods
 from cli import UserError, changed_flags, start_line
 from config import RESUMABLE, TrainConfig, lr_factor
 from fused import fuse_for_sampling
-from graphs import StaticDecode, decode_runner
+from graphs import StaticDecode, can_compile, decode_runner
 from hf import config_from_hf, load_model, read_model_config
 from losses import Objective
 from memory import check_memory
@@ -167,15 +167,17 @@ def setup(cfg: TrainConfig) -> Run:
             optimizer.copy_from_params()
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     guard = distributed.WeightGuard(list(names), masters, world, f"lower --lr (now {cfg.lr:g})")
+    # On CUDA decode replays CUDA graphs (graphs.py), which hold the weights' addresses: not when FSDP gathers
+    # the policy's weights anew for each rollout. --compile compiles the step they capture.
+    graphs = cfg.cuda_graphs and not (fsdp and rollout == "float32")
     copy = lora.merged_copy if cfg.lora_rank else cast_copy  # LoRA: the sampler runs the merged weights
-    # a copy runs fused projections and norms (fused.py: fewer kernels per decode step); the policy never does
-    sampler = policy if rollout == "float32" else fuse_for_sampling(copy(policy, getattr(torch, rollout)))
+    # a copy runs fused projections and norms (fused.py: fewer kernels per decode step, its small functions
+    # compiled on CUDA with graphs); the policy never does
+    small = can_compile(device, graphs)
+    sampler = policy if rollout == "float32" else fuse_for_sampling(copy(policy, getattr(torch, rollout)), small)
     run = Run(cfg, rank, world, device, task, pool, streams, heldout, policy, model, sampler, reference, tokenizer)
     run.micro_batch_rows = memory.micro_batch_rows
     run.marker, run.optimizer, run.scheduler, run.state, run.guard = marker, optimizer, scheduler, state, guard
-    # On CUDA decode replays CUDA graphs (graphs.py), which hold the weights' addresses: not when FSDP gathers
-    # the policy's weights anew for each rollout. --compile compiles the step they capture.
-    graphs = cfg.cuda_graphs and not (run.fsdp and sampler is policy)
     run.static_step = decode_runner(device, graphs=graphs, compile=cfg.compile)
     methods.start(run)  # the methods' checks and state (a resumed run keeps its own)
     if rank == 0:

@@ -36,8 +36,9 @@ Decisions (deliberate simplifications):
   each answer a whole completion of at most max_answer_tokens.
 * Greedy (temperature 0) reports temperature-1 log-probs (the point mass it samples from has 0).
 * The static path is the caller's choice: decode takes `static_step`, a graphs.StaticDecode (train.py and
-  eval.py pass one by default on CUDA: CUDA graphs per batch and span bucket over static buffers; --compile
-  compiles its step first). Finished rows then move the batch to a smaller power of two, never to any size.
+  eval.py pass one by default on CUDA: CUDA graphs per batch and span bucket over static buffers, and the token
+  draw compiled; --compile compiles its step first). Finished rows then move the batch to a smaller power of
+  two, never to any size.
   The same code runs eagerly on CPU, where tests check it samples what the eager path does;
   bench/gpu_check.sh measures the CUDA graphs on a GPU.
 """
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from graphs import StaticDecode, batch_bucket
+from graphs import StaticDecode, batch_bucket, compiled
 from kvcache import KVCache, chunk_mask, decode_step, decode_step_static, extend, prefill  # noqa: F401  (still sampler.X)
 from model import Transformer, token_logprobs
 from stop_text import StopText, TextWatch, text_hits, watch_text
@@ -258,12 +259,14 @@ def decode(
     mark = torch.tensor(list(marker), dtype=torch.long, device=dev)
     watch = watch_text(stop_text, logits.shape[-1], cache) if stop_text is not None else None
     sync_every = host_sync_every(dev)
+    draw_next = sample_next
     if static_step is not None:
         static_step = static_step if isinstance(static_step, StaticDecode) else StaticDecode(static_step)
         static_step.adopt(cache)
+        draw_next = compiled(sample_next) if static_step.compiled_draw else sample_next  # on CUDA: a few kernels
     for t in range(max_steps):
         rows = cache.rows[: cache.batch]  # caller's row ids of the active rows
-        tok, lp = sample_next(logits, uniforms[rows, t], temperature, top_k, top_p)
+        tok, lp = draw_next(logits, uniforms[rows, t], temperature, top_k, top_p)
         out.tokens[rows, t], out.logp[rows, t] = tok, lp
         alive = end_on_ids(out, t, rows, tok, alive, stop, mark)
         last, sync = t + 1 == max_steps, (t + 1) % sync_every == 0
