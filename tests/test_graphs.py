@@ -7,12 +7,13 @@ from collections import Counter
 import pytest
 import torch
 
+import fused
 import graphs
 import sampler
 from graphs import StaticDecode, batch_bucket, decode_runner, span_bucket
 from helpers import tiny_transformer
 from kvcache import KVCache, decode_step_static, extend, prefill
-from model import Transformer
+from model import Transformer, cast_copy
 from sampler import decode, generate, sample_tree
 
 PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8]]
@@ -213,9 +214,40 @@ def test_decode_runner_by_device(monkeypatch):
     """Guards the default: CUDA graphs on CUDA (unless turned off: the eager reference), nothing on CPU unless
     --compile asks for the compiled static step."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: ("compiled", kw))
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert decode_runner(cpu) is None and decode_runner(cuda, graphs=False) is None
     runner = decode_runner(cuda)
-    assert runner.capture and runner.step is decode_step_static
+    assert runner.capture and runner.step is decode_step_static and runner.compiled_draw
     runner = decode_runner(cpu, compile=True)
     assert not runner.capture and runner.step == ("compiled", dict(dynamic=True, fullgraph=True))
+    assert not runner.compiled_draw
+    # the small functions compile on CUDA with graphs where Triton is: never on CPU, never for the eager reference
+    assert graphs.can_compile(cuda) and not graphs.can_compile(cuda, graphs=False) and not graphs.can_compile(cpu)
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
+    assert not graphs.can_compile(cuda) and not decode_runner(cuda).compiled_draw
+
+
+@pytest.mark.slow
+def test_compiled_small_functions_sample_what_eager_does():
+    """Guards the CUDA default's compiled small functions (graphs.compiled through inductor, here generating CPU
+    code): the fused copy with rope, silu_mul and rms_norm compiled, drawing through a compiled sample_next,
+    samples the plain copy's tokens in float32 (trees and stop ids included), log-probs within float32
+    rounding; and --compile's whole-step compile traces through them as one graph."""
+    base = tiny(seed=3)
+    plain = fused.fuse_for_sampling(cast_copy(base, torch.float32))
+    fast = fused.fuse_for_sampling(cast_copy(base, torch.float32), compile=True)
+    assert fast.model.layers[0].mlp.silu_mul is graphs.compiled(fused.silu_mul)
+    args = dict(temperature=1.0, stop_ids=[3, 17, 50], seed=[4, 5, 6])
+    gen = dict(max_new_tokens=12, n=2)
+    tree = dict(k=2, m=2, end_of_thought=[7], max_thought_tokens=6, max_answer_tokens=5)
+    whole = torch.compile(decode_step_static, backend="eager", dynamic=True, fullgraph=True)
+    for step in (decode_step_static, whole):
+        ref = generate(plain, PROMPTS, static_step=StaticDecode(), **gen, **args)
+        out = generate(fast, PROMPTS, static_step=StaticDecode(step, compiled_draw=True), **gen, **args)
+        assert out.tokens == ref.tokens and out.finish == ref.finish
+        gaps = [abs(a - b) for r, s in zip(out.logprobs, ref.logprobs) for a, b in zip(r, s)]
+        assert max(gaps) < 1e-5
+        ref = sample_tree(plain, PROMPTS, static_step=StaticDecode(), **tree, **args)
+        out = sample_tree(fast, PROMPTS, static_step=StaticDecode(step, compiled_draw=True), **tree, **args)
+        assert (out.thoughts, out.answers) == (ref.thoughts, ref.answers)
