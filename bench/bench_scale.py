@@ -73,7 +73,7 @@ import bench_trl  # noqa: E402
 from random_checkpoint import MODELS, checkpoint  # noqa: E402
 
 from fused import fuse_for_sampling  # noqa: E402
-from graphs import decode_runner  # noqa: E402
+from graphs import can_compile, decode_runner  # noqa: E402
 from hf import config_from_hf, load_model  # noqa: E402
 from methods.mismatch import truncated_is_weights  # noqa: E402
 from model import Transformer, cast_copy, token_logprobs  # noqa: E402
@@ -152,7 +152,8 @@ def bench_sample(path: Path, args, clock: Callable[[], float]) -> None:
     )
     generate(ours, make_prompts(1, 8, 1000, 0), max_new_tokens=2, seed=0)  # warm-up
     sample_table(ours, hf, args, clock, bw)
-    fast = fuse_for_sampling(cast_copy(ours, torch.bfloat16))  # the copy train.py samples from
+    device = torch.device(args.device)  # the copy train.py samples from (small functions compiled on CUDA)
+    fast = fuse_for_sampling(cast_copy(ours, torch.bfloat16), can_compile(device))
     hf = hf.to(torch.bfloat16)
     generate(fast, make_prompts(1, 8, 1000, 0), max_new_tokens=2, seed=0)
     sample_table(fast, hf, args, clock, bw)

@@ -16,11 +16,12 @@ seeded random weights, built on the spot into --cache and reused; nothing is dow
    the sampled tokens (train.py logs the same quantity as logp_gap).
 3. tok/s and ms per step at each batch size, new tokens only, temperature 1, no stop, in train.py's
    rollout dtype (the fused bf16 copy on CUDA, float32 on CPU), for each decode path: eager (the
-   reference); CUDA graphs (graphs.py, train.py's default on CUDA); CUDA graphs over the compiled step
+   reference); CUDA graphs with the copy's small functions and the token draw compiled (graphs.py,
+   fused.py: train.py's default on CUDA); CUDA graphs alone; CUDA graphs over the compiled step
    (--compile); and transformers.generate, with each path's ratio to it. A path's first call (captures,
    compiles) is timed on its own, then the best of a few; its tokens are compared with eager's.
 4. the decode step's profile at each batch size (decode_profile.py): kernels per step and GPU-busy
-   ms per step (torch.profiler), eager against graphs, and the step's wall time as a % of the HBM
+   ms per step (torch.profiler), eager against the default path, and the step's wall time as a % of the HBM
    floor (weights + KV read once per step, at the copy bandwidth measured in the same run).
 5. greedy, each path against eager in bf16: the rows identical and the first differing position.
 6. GRPO-MA: one step of train.py --algo grpo_ma in a subprocess on the same checkpoint (its second
@@ -236,13 +237,24 @@ def check_eager(fast: Transformer, prompts: list[list[int]], sizes: Sizes, runs:
     return f"{len(prompts) * sizes.new_tokens / t:,.0f} tok/s", f"{1e3 * t / sizes.new_tokens:.2f} ms per step"
 
 
-def decode_paths(device: torch.device) -> dict[str, StaticDecode]:
-    """The decode paths besides eager, by name: train.py's default on CUDA (CUDA graphs) and --compile's. On
-    CPU the graphs' static code runs eagerly, and the compile traces with dynamo's eager backend."""
+def decode_paths(
+    device: torch.device, compiled: Transformer | None
+) -> dict[str, tuple[Transformer | None, StaticDecode]]:
+    """The decode paths besides eager, by name, each with the model it samples from (None: the eager rows'):
+    train.py's default on CUDA first (CUDA graphs, with the copy's small functions and the draw compiled: the
+    `compiled` copy), the graphs alone, and --compile's. On CPU the graphs' static code runs eagerly, and the
+    compile traces with dynamo's eager backend."""
     if device.type == "cuda":
-        return {"CUDA graphs": decode_runner(device), "CUDA graphs + compile": decode_runner(device, compile=True)}
+        return {
+            "CUDA graphs + compiled kernels": (compiled, decode_runner(device)),
+            "CUDA graphs alone": (None, StaticDecode(capture=True)),
+            "CUDA graphs + --compile": (compiled, decode_runner(device, compile=True)),
+        }
     step = torch.compile(decode_step_static, backend="eager", dynamic=True, fullgraph=True)
-    return {"static step": StaticDecode(), "static step + compile (dynamo, eager backend)": StaticDecode(step)}
+    return {
+        "static step": (None, StaticDecode()),
+        "static step + compile (dynamo, eager backend)": (None, StaticDecode(step)),
+    }
 
 
 def check_path(
@@ -307,9 +319,9 @@ def check_profile(
 ) -> tuple[str, str]:
     """Kernels (aten ops on CPU) per step and GPU-busy ms per step, eager against the default path, and the
     default path's wall time per step as a % of the HBM floor."""
-    name, path = next(iter(paths.items()))
+    name, (model, path) = next(iter(paths.items()))
     steps = dict(short=8, long=40) if bandwidth else dict(short=2, long=6)  # CPU: counting ops is slow
-    eager, graphs = step_profile(fast, prompts, None, **steps), step_profile(fast, prompts, path, **steps)
+    eager, graphs = step_profile(fast, prompts, None, **steps), step_profile(model or fast, prompts, path, **steps)
     unit = "kernels" if bandwidth else "aten ops"
     result = f"{graphs['per_step']:.0f} {unit} per step ({name}); eager {eager['per_step']:.0f}"
     if not bandwidth:
@@ -325,9 +337,11 @@ def check_profile(
 
 def check_greedy_paths(fast: Transformer, prompts: list[list[int]], sizes: Sizes, paths: dict) -> tuple[str, str]:
     """Greedy tokens of each path against eager's, in the rollout dtype: rounding parts greedy paths somewhere."""
-    call = lambda path: generate(fast, prompts, max_new_tokens=sizes.new_tokens, temperature=0.0, static_step=path)  # noqa: E731
-    eager = call(None).tokens
-    parts = [f"{name}: {first_differences(call(path).tokens, eager)}" for name, path in paths.items()]
+    call = lambda model, path: generate(
+        model, prompts, max_new_tokens=sizes.new_tokens, temperature=0.0, static_step=path
+    )  # noqa: E731
+    eager = call(fast, None).tokens
+    parts = [f"{name}: {first_differences(call(m or fast, path).tokens, eager)}" for name, (m, path) in paths.items()]
     return parts[0].split(": ", 1)[1], "; ".join(parts)
 
 
@@ -388,24 +402,27 @@ def main() -> None:
     t_start = time.perf_counter()
     path = TINY if args.cpu else build_checkpoint(Path(args.cache), args.seed)
     ours = load_model(path, device=device).eval()
-    fast = fuse_for_sampling(cast_copy(ours, torch.bfloat16))  # the rollout copy train.py samples from on CUDA
+    fast = fuse_for_sampling(cast_copy(ours, torch.bfloat16))  # the rollout copy, uncompiled: the eager reference
+    # the copy train.py samples from on CUDA: its small functions compiled (fused.py)
+    compiled = fuse_for_sampling(cast_copy(ours, torch.bfloat16), compile=True) if device.type == "cuda" else None
     run_row(rows, "greedy == transformers.generate", check_greedy, ours, path, sizes, args.seed)
     run_row(rows, "bf16 rollout logp_gap", check_logp_gap, ours, fast, sizes, args.seed)
     # the tok/s rows sample in train.py's rollout dtype on this device (--rollout-dtype auto)
     sampler, dtype = (fast, "bf16") if device.type == "cuda" else (ours, "fp32")
-    paths = decode_paths(device)
+    paths = decode_paths(device, compiled)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 0.0
     for B in sizes.batches:
         prompts = make_prompts(B, sizes.prompt_tokens, sampler.config.vocab_size, args.seed + 2)
         runs: dict = {}  # each path's samples and time, for the later rows
         run_row(rows, f"B={B} sampler eager, {dtype}", check_eager, sampler, prompts, sizes, runs)
-        for name, runner in paths.items():
-            run_row(rows, f"B={B} sampler {name}, {dtype}", check_path, sampler, prompts, sizes, runs, name, runner)
+        for name, (model, runner) in paths.items():
+            row = f"B={B} sampler {name}, {dtype}"
+            run_row(rows, row, check_path, model or sampler, prompts, sizes, runs, name, runner)
         run_row(rows, f"B={B} transformers.generate, {dtype}", check_hf, path, sampler, prompts, sizes, runs)
         run_row(rows, f"B={B} decode step profile", check_profile, sampler, prompts, sizes, runs, paths, bandwidth)
     prompts = make_prompts(sizes.batches[0], sizes.prompt_tokens, sampler.config.vocab_size, args.seed + 3)
     run_row(rows, f"greedy vs eager, {dtype}", check_greedy_paths, sampler, prompts, sizes, paths)
-    del ours, fast, sampler
+    del ours, fast, compiled, sampler, paths
     run_row(rows, "GRPO-MA step (train.py)", check_grpo_ma, path, sizes, device, args.seed)
     if device.type == "cuda":  # against the default before --micro-batch-rows auto (which is 64 on CPU)
         old = ("--micro-batch-rows=64",)
