@@ -15,7 +15,7 @@ sampler on CPU (the default) computes exactly what it always did.
 
 What plain PyTorch cannot fuse, generated kernels can: with compile=True (the default on CUDA with CUDA graphs,
 as nano-vllm does) the copy's three small elementwise functions, rope, silu_mul and rms_norm, run through
-torch.compile, each one generated kernel instead of 3, 2 and 1 (or more) of PyTorch's: 15 kernel-launching ops a
+torch.compile, each one generated kernel instead of 3, 2 and 1 (or more) of PyTorch's: 14 kernel-launching ops a
 layer become 11. They compile once each (dynamic shapes) in the first decode step's warm-up, before its capture.
 train.py --compile compiles the whole decode step instead (inductor then also fuses across functions).
 """
