@@ -230,8 +230,11 @@ def test_lora_runs_under_torchrun_equal_one_process_and_resume_bit_for_bit(mode,
         a, b = adapters(one, ckpt), adapters(two, ckpt)
         assert not os.path.exists(os.path.join(two, ckpt, "model.safetensors"))
         assert a.keys() == b.keys()
+        # Two ranks reduce gradients in another order (float32, ~1e-7 apart); Adam divides by sqrt(v), so an
+        # element whose gradient is near zero can move by part of a step differently (seen: 1 element of 512,
+        # 1.5e-5 apart on an AVX-512 EPYC, under 1e-5 on AVX2). A wrong update moves them by whole steps (lr 3e-3).
         for k in a:
-            torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0)
+            torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=0)
     assert any(not torch.equal(start[k], adapters(two)[k]) for k in start)  # the second step moved them
     assert [r["kl"] for r in steps(two)] == pytest.approx([r["kl"] for r in steps(one)], abs=1e-6)
     torchrun(resumed, port + 2, "--resume", os.path.join(two, "step-1"), fsdp=mode == "fsdp")
