@@ -12,8 +12,10 @@ so:
 
 So a run sees at most log2(rows) x log2(slots) shapes, each captured the first time it is needed (a warm-up
 call, then the capture); after warm-up no shape is new. The same static code runs eagerly on CPU (capture=False),
-where the tests check it samples exactly what the eager path does. Left out: capturing the sampler's own ops
-(the draw and the stop checks run eagerly after each replay), and capturing every bucket up front.
+where the tests check it samples exactly what the eager path does. Small functions run compiled where
+can_compile (the rollout copy's RoPE, SiLU-and-mul and RMSNorm, fused.py, and the token draw): `compiled`.
+Left out: capturing the sampler's own ops (the draw, compiled, and the stop checks run after each replay), and
+capturing every bucket up front.
 """
 
 import copy
