@@ -59,7 +59,7 @@ class CoreFlags:
     system_prompt: str | None = None  # system turn of every prompt, replacing the task's ("" = no system turn)
     enable_thinking: bool = True  # Qwen3 chat template's thinking switch (off: an empty thought is pre-filled)
     compile: bool = False  # torch.compile the decode step (inside the CUDA graphs on a GPU; on CPU it takes minutes)
-    cuda_graphs: bool = True  # on CUDA, decode replays CUDA graphs (graphs.py); --no-cuda-graphs: eager, the reference
+    cuda_graphs: bool = True  # CUDA: CUDA-graph decode, small functions compiled (graphs.py); --no-cuda-graphs: eager
     rollout_dtype: str = "auto"  # sampler and eval weights: a cast copy of the masters; auto = bf16 on CUDA, else fp32
     # -- rewards
     reward_workers: int = 1  # threads scoring rewards in parallel (raise for --task code: sandboxed runs)

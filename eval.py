@@ -143,7 +143,7 @@ class EvalConfig(tools.Flags):  # --tools python: evaluate with the tool (method
     system_prompt: str | None = None  # system turn of every prompt, replacing the task's ("" = no system turn)
     enable_thinking: bool = True  # Qwen3 chat template's thinking switch (off: an empty thought is pre-filled)
     compile: bool = False  # torch.compile the decode step (inside the CUDA graphs on a GPU; on CPU it takes minutes)
-    cuda_graphs: bool = True  # on CUDA, decode replays CUDA graphs (graphs.py); --no-cuda-graphs: eager, the reference
+    cuda_graphs: bool = True  # CUDA: CUDA-graph decode, small functions compiled (graphs.py); --no-cuda-graphs: eager
     # -- output
     device: str = "cpu"  # where to run (cuda:N picks a GPU)
     out: str = ""  # write the results as JSON here (empty = print only)
