@@ -21,8 +21,8 @@ seeded random weights, built on the spot into --cache and reused; nothing is dow
    (--compile); and transformers.generate, with each path's ratio to it. A path's first call (captures,
    compiles) is timed on its own, then the best of a few; its tokens are compared with eager's.
 4. the decode step's profile at each batch size (decode_profile.py): kernels per step and GPU-busy
-   ms per step (torch.profiler), eager against the default path, and the step's wall time as a % of the HBM
-   floor (weights + KV read once per step, at the copy bandwidth measured in the same run).
+   ms per step (torch.profiler), eager against the default path, and the step's wall time as a % of
+   the HBM floor (weights + KV read once per step, at the copy bandwidth measured in the same run).
 5. greedy, each path against eager in bf16: the rows identical and the first differing position.
 6. GRPO-MA: one step of train.py --algo grpo_ma in a subprocess on the same checkpoint (its second
    step: the first warms up), by default (--micro-batch-rows auto on CUDA) and with the old default
@@ -337,9 +337,10 @@ def check_profile(
 
 def check_greedy_paths(fast: Transformer, prompts: list[list[int]], sizes: Sizes, paths: dict) -> tuple[str, str]:
     """Greedy tokens of each path against eager's, in the rollout dtype: rounding parts greedy paths somewhere."""
-    call = lambda model, path: generate(
-        model, prompts, max_new_tokens=sizes.new_tokens, temperature=0.0, static_step=path
-    )  # noqa: E731
+
+    def call(model: Transformer, path: StaticDecode | None):
+        return generate(model, prompts, max_new_tokens=sizes.new_tokens, temperature=0.0, static_step=path)
+
     eager = call(fast, None).tokens
     parts = [f"{name}: {first_differences(call(m or fast, path).tokens, eager)}" for name, (m, path) in paths.items()]
     return parts[0].split(": ", 1)[1], "; ".join(parts)
