@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from checkpoint import hold_lock
-from cli import user_errors
+from cli import first_error, user_errors
 from fused import fuse_for_sampling
 from graphs import can_compile, decode_runner
 from heldout import evaluate
@@ -170,6 +170,8 @@ class EvalConfig(tools.Flags):  # --tools python: evaluate with the tool (method
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+        if errors := list(tools.check_flags(self)):  # the tool flags' checks, as train.py runs them
+            raise first_error(errors)
         self.rate_samples() if self.pass_rates else self.pass_ks()  # raise on a bad --k
 
     def rate_samples(self) -> int:
@@ -237,6 +239,7 @@ def main(cfg: EvalConfig) -> dict:
             )
         limit = f"the model's context of {context} tokens minus --max-new-tokens {cfg.max_new_tokens}"
         check_prompt_lengths(tokenizer, examples, task.system_prompt, context - cfg.max_new_tokens, limit)
+        tools.ready(cfg, tokenizer)  # --tools: the tokenizer writes the call's marker, a call runs under the limits
         keys = ("model", "task", "data", "examples", "temperature", "top_p", "max_new_tokens", "seed")
         keys += ("system_prompt", "enable_thinking")  # they change the prompts
         settings = {**{key: getattr(cfg, key) for key in keys}, "k": cfg.rate_samples()} if cfg.pass_rates else {}

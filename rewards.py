@@ -108,10 +108,9 @@ def countdown_reward(completion: str, example: dict) -> float:
     EXACTLY ONCE (the TinyZero rule; a subset scores 0) and equals `example["target"]`.
     Allowed: integers, + - * /, parentheses, spaces; `x`/`×`/`÷` are read as * and /; a trailing
     `= N` is ignored. No unary minus, no `**`. Exact arithmetic with Fraction: 7/2*2 == 7."""
-    expr = extract_tag(answer_text(completion), "answer")
+    expr = countdown_equation(completion)
     if expr is None:
         return 0.0
-    expr = expr.split("=", 1)[0].replace("×", "*").replace("x", "*").replace("÷", "/")
     if len(expr) > MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
         return 0.0
     tokens = _EXPR_TOKEN.findall(expr)
@@ -127,6 +126,12 @@ def countdown_reward(completion: str, example: dict) -> float:
     except ZeroDivisionError:  # a division by zero anywhere makes the equation invalid
         return 0.0
     return float(value == example["target"])
+
+
+def countdown_equation(completion: str) -> str | None:
+    """The equation of the last `<answer>...</answer>`, before any `=`, with x, × and ÷ read as * and /."""
+    expr = extract_tag(answer_text(completion), "answer")
+    return None if expr is None else expr.split("=", 1)[0].replace("×", "*").replace("x", "*").replace("÷", "/")
 
 
 def _parse_sum(tokens: list[str], i: int, depth: int) -> tuple[Fraction, int]:

@@ -68,7 +68,8 @@ CODE_NPROC = 16  # processes (and threads) each interpreter may have at once
 CODE_FILE_MB = 16  # largest file (and total output) the code may write (MiB)
 CODE_TMPFS_MB = 64  # size of each interpreter's private tmpfs (/tmp, /dev/shm) (MiB)
 CODE_TMPFS_INODES = 4096  # files and directories in that tmpfs (the kernel spends about 1 KiB on each)
-CODE_OUTPUT_BYTES = 4000  # tail of stdout+stderr kept in the run's report (bytes)
+CODE_OUTPUT_CHARS = 4000  # stdout+stderr kept in the run's report: its head and tail, cut between (characters)
+OUTPUT_CUT = "\n[... output cut ...]\n"  # stands where the middle of a longer output was cut
 _POLL_S = 0.05  # how often the harness reads the run's CPU time (s)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,16 +86,17 @@ def run_sandboxed(
     cpu_s: float = CODE_CPU_S,
     memory_mb: int = CODE_MEMORY_MB,
     nproc: int = CODE_NPROC,
+    output_chars: int = CODE_OUTPUT_CHARS,
 ) -> dict:
     """Run untrusted `code` (after `setup`) in one sandboxed interpreter and `tests` (after `setup`, then
     `check(entry_point)` when given) in another, calling the code's functions across (see the module docstring).
     `functions`, without an entry point: the functions under test, bound for the tests even where they shadow a
     builtin (MBPP's `sum`); the code must define them. Returns {"passed", "status", "output", "isolation",
     "run_id"}. "status" is the tests' process's end ("exit 0", "exit 1", "timeout", "cpu time limit", ...);
-    "output" is the tail (CODE_OUTPUT_BYTES) of both interpreters' stdout+stderr; "isolation" says which layers
-    were active. PASSING means the tests ran to the end: the tests' process writes the nonce drawn here after the
-    last one, and exits 0. RuntimeError (one sentence) where the sandbox cannot be built: code is never run
-    with less."""
+    "output" is both interpreters' stdout+stderr, cut to `output_chars` (`cut_output`: head and tail, a marker
+    between); "isolation" says which layers were active. PASSING means the tests ran to the end: the tests'
+    process writes the nonce drawn here after the last one, and exits 0. RuntimeError (one sentence) where the
+    sandbox cannot be built: code is never run with less."""
     import subprocess  # here, not at the top: the harness runs this file, and starts faster without them
     import tempfile
 
@@ -135,7 +137,6 @@ def run_sandboxed(
             }
         _feed_and_wait(proc, frame(solution_part) + frame(tests_part), timeout_s + 5)
         report.seek(0)
-        output.seek(max(0, os.fstat(output.fileno()).st_size - CODE_OUTPUT_BYTES))
         result.seek(0)
         try:
             info = json.loads(report.read() or b"{}")
@@ -146,10 +147,32 @@ def run_sandboxed(
         return {
             "passed": result.read(len(nonce) + 1) == nonce.encode() and info.get("status") == "exit 0",
             "status": info.get("status", f"harness failed ({proc.returncode})"),
-            "output": output.read().decode(errors="replace"),
+            "output": _read_output(output, output_chars),
             "isolation": info.get("isolation", {}),
             "run_id": run_id,
         }
+
+
+def cut_output(text: str, chars: int) -> str:
+    """`text` if it has at most `chars` characters, else its first chars // 2 and its last chars - chars // 2
+    with OUTPUT_CUT between them: whatever was cut, the marker says so, and both the start and the end of the
+    output (a traceback's last line, a loop's last values) are kept."""
+    if len(text) <= chars:
+        return text
+    return text[: chars // 2] + OUTPUT_CUT + text[len(text) - (chars - chars // 2) :]
+
+
+def _read_output(file, chars: int) -> str:
+    """`cut_output` of the output file (at most CODE_FILE_MB): of a long one only its first and last 4 x chars
+    bytes are read, which hold at least `chars` characters each (a character is at most 4 bytes)."""
+    size, window = os.fstat(file.fileno()).st_size, 4 * chars
+    file.seek(0)
+    if size <= 2 * window:
+        return cut_output(file.read().decode(errors="replace"), chars)
+    head = file.read(window).decode(errors="replace")
+    file.seek(size - window)
+    tail = file.read().decode(errors="replace")
+    return head[: chars // 2] + OUTPUT_CUT + tail[len(tail) - (chars - chars // 2) :]
 
 
 def _feed_and_wait(proc, request: bytes, timeout_s: float) -> None:

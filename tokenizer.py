@@ -199,10 +199,19 @@ def warn_if_not_reproduced(path: Path, own: str | None, built_in: tuple[str, boo
 
 
 def decode_completion(tokenizer: Tokenizer, tokens: list[int], context: Sequence[bool] = ()) -> str:
-    """Completion text as rewards see it: everything before the first stop token. context: per token, True where
-    it was appended (a tool's output, multiturn.py), whose stop tokens end nothing (Qwen's <tool_response> turn
-    holds an <|im_end|>)."""
-    stops = set(tokenizer.stop_ids)
-    own = list(context) + [False] * (len(tokens) - len(context))
-    end = next((i for i, t in enumerate(tokens) if t in stops and not own[i]), len(tokens))
-    return tokenizer.decode(tokens[:end])
+    """Completion text as rewards see it: the policy's own tokens before its first stop token. context: per token,
+    True where it was appended (a tool's output, multiturn.py): each such run reads as one "\\n" (observations are
+    context, never the policy's answer, whatever they print), and its stop tokens end nothing (Qwen's
+    <tool_response> turn holds an <|im_end|>)."""
+    stops, own = set(tokenizer.stop_ids), list(context) + [False] * (len(tokens) - len(context))
+    parts, run, observed = [], [], False
+    for t, appended in zip(tokens, own):
+        if appended and not observed:
+            parts += [tokenizer.decode(run), "\n"]
+            run = []
+        elif not appended and t in stops:
+            break
+        elif not appended:
+            run.append(t)
+        observed = appended
+    return "".join(parts) + tokenizer.decode(run)

@@ -27,6 +27,7 @@ mini-batches); rows of a micro-batch are padded to its longest row; evaluation r
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
 import math
@@ -34,7 +35,9 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import asdict, replace
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -45,7 +48,7 @@ import checkpoint
 import distributed
 import lora
 import methods
-from cli import Stopped, end_summary, parse_config, stop_signals, user_errors
+from cli import Stopped, UserError, end_summary, parse_config, stop_signals, user_errors
 from config import PRESETS, TrainConfig, resume_config, score_pass_needs
 from distributed import all_sum, derive_seed
 from heldout import evaluate
@@ -117,9 +120,13 @@ def draw(run: Run, examples: list[dict], seeds: list[int]) -> list[Group]:
 
 
 def log_samples(run: Run, step: int, groups: list[Group]) -> None:
-    """A few of the step's completions, as sampled, to OUT/samples.jsonl."""
-    for g, _, a in itertools.islice(completions(groups), 4):
-        log(run, dict(step=step, prompt=g.example["prompt"], completion=a.text, reward=a.reward), file="samples.jsonl")
+    """A few of the step's completions, as sampled, to OUT/samples.jsonl: the text the reward read and, with a tool,
+    the whole transcript (the policy's turns and the observations)."""
+    for g, t, a in itertools.islice(completions(groups), 4):
+        row = dict(step=step, prompt=g.example["prompt"], completion=a.text, reward=a.reward)
+        if any(a.context):
+            row["transcript"] = run.tokenizer.decode(t.tokens + a.tokens)
+        log(run, row, file="samples.jsonl")
 
 
 # -----------------------------------------------------------------------------
@@ -317,58 +324,68 @@ def main(cfg: TrainConfig) -> dict:
     bar = tqdm(range(run.state["step"], cfg.max_steps), disable=run.rank != 0, desc="train", dynamic_ncols=True)
     resume = ("python" if run.world == 1 else "torchrun ...") + f" train.py --resume {cfg.out}"
     with stop_signals(resume) as stop:  # SIGINT, SIGTERM: stop at the next step boundary, with a checkpoint
-        for step in bar:
-            clock = StepClock(run.device)  # each phase's time and peak memory
-            slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
-            examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
-            with run.rollout_weights():  # FSDP: whole weights while ranks run different numbers of forwards
-                # 1. sample: K thoughts x M answers for this rank's share of the global batch
-                seeds = [derive_seed(cfg.seed, step, s) for s in slots]
-                prompts, tree = sample(run, examples, seeds)
-                clock.lap("sample")
-                # 2. score: the step's record, rewards [P, K, M]
-                groups = score(run, examples, prompts, tree, seeds)
-                correct = per_completion(groups, "correct")
-                batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
-                counts = {"resampled": 0}  # this rank's counts of the resample and rollouts seams, for the metrics
-                # resample: DAPO's dynamic sampling redraws the groups whose rewards are all equal
-                groups = methods.chain(run, "resample", groups, step, slots, functools.partial(draw, run), counts)
-            sampled = rollout_metrics(groups, run.world, cfg.answers)
-            if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
-                log_samples(run, step + 1, groups)
-            # transform rollouts (after their metrics): DaGRPO's anchors, a reference in groups with no correct rollout
-            groups = methods.chain(run, "rollouts", groups, counts)
-            clock.lap("score")
+        state, step = run.state, run.state["step"]
+        try:
+            for step in bar:
+                state = copy.deepcopy(run.state)  # the step's start: what a checkpoint after an error in it holds
+                clock = StepClock(run.device)  # each phase's time and peak memory
+                slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
+                examples = [run.pool[step * cfg.prompts_per_step + s] for s in slots]
+                with run.rollout_weights():  # FSDP: whole weights while ranks run different numbers of forwards
+                    # 1. sample: K thoughts x M answers for this rank's share of the global batch
+                    seeds = [derive_seed(cfg.seed, step, s) for s in slots]
+                    prompts, tree = sample(run, examples, seeds)
+                    clock.lap("sample")
+                    # 2. score: the step's record, rewards [P, K, M]
+                    groups = score(run, examples, prompts, tree, seeds)
+                    correct = per_completion(groups, "correct")
+                    batch_accuracy = (all_sum(correct.mean(dim=(1, 2)).sum(), run.world) / cfg.prompts_per_step).item()
+                    counts = {"resampled": 0}  # this rank's counts of the resample and rollouts seams, for the metrics
+                    # resample: DAPO's dynamic sampling redraws the groups whose rewards are all equal
+                    groups = methods.chain(run, "resample", groups, step, slots, functools.partial(draw, run), counts)
+                sampled = rollout_metrics(groups, run.world, cfg.answers)
+                if cfg.samples_every and (step + 1) % cfg.samples_every == 0:
+                    log_samples(run, step + 1, groups)
+                # transform rollouts (after their metrics): DaGRPO's anchors, a reference where no rollout is correct
+                groups = methods.chain(run, "rollouts", groups, counts)
+                clock.lap("score")
 
-            # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
-            batch = pack(groups, run.tokenizer.pad_id, run.device, cfg.share_prompt)
-            cuts = split_rows(batch, run.micro_batch_rows, cfg.micro_batch_tokens)  # auto: what fits
-            micro = [(rows, select_rows(batch, rows)) for rows in cuts]
-            # 4. score pass (no grad): old log-probs, reference log-probs, entropy
-            batch.score_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
-            batch.old_logp = batch.score_logp if cfg.mu > 1 else None
-            clock.lap("score_pass")
-            # 5. advantages: per sequence, then per-token adv and weight for the whole step
-            batch.adv, batch.weight, batch.mask, selection = advantages(run, groups, batch, batch_accuracy)
-            # 6. update: mu epochs, each one optimizer step over all micro-batches
-            sums, grad_norm = update(run, step, batch, micro)
-            clock.lap("update")
+                # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
+                batch = pack(groups, run.tokenizer.pad_id, run.device, cfg.share_prompt)
+                cuts = split_rows(batch, run.micro_batch_rows, cfg.micro_batch_tokens)  # auto: what fits
+                micro = [(rows, select_rows(batch, rows)) for rows in cuts]
+                # 4. score pass (no grad): old log-probs, reference log-probs, entropy
+                batch.score_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
+                batch.old_logp = batch.score_logp if cfg.mu > 1 else None
+                clock.lap("score_pass")
+                # 5. advantages: per sequence, then per-token adv and weight for the whole step
+                batch.adv, batch.weight, batch.mask, selection = advantages(run, groups, batch, batch_accuracy)
+                # 6. update: mu epochs, each one optimizer step over all micro-batches
+                state = None  # the weights change: no checkpoint after an error until the step is done
+                sums, grad_norm = update(run, step, batch, micro)
+                clock.lap("update")
 
-            # 7. log, evaluate, save
-            run.state["step"] = step + 1
-            row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": counts["resampled"]}
-            lr, kl = run.scheduler.get_last_lr()[0], {} if cfg.beta > 0 else {"kl": None}  # no reference, no KL
-            row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr, **kl)
-            row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
-            log(run, row)
-            bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['accuracy']:.3f}", gss=f"{row['gss']:.2f}")
-            # the last step's evaluation too: every row of a step is logged before its checkpoint is written
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.max_steps:
-                evaluate_heldout(run, step + 1)
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                save(run, os.path.join(cfg.out, f"step-{step + 1}"))
-            if all_sum(stop.signum, run.world).item() and step + 1 < cfg.max_steps:  # a SIGINT or SIGTERM came
-                stop_at_boundary(run, step + 1, stop.signum, stop.resume)
+                # 7. log, evaluate, save
+                run.state["step"] = step + 1
+                state = run.state
+                row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": counts["resampled"]}
+                lr, kl = run.scheduler.get_last_lr()[0], {} if cfg.beta > 0 else {"kl": None}  # no reference, no KL
+                row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr, **kl)
+                row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
+                log(run, row)
+                reward, acc, gss = f"{row['reward/mean']:.3f}", f"{row['accuracy']:.3f}", f"{row['gss']:.2f}"
+                bar.set_postfix(reward=reward, acc=acc, gss=gss)
+                # the last step's evaluation too: every row of a step is logged before its checkpoint is written
+                if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.max_steps:
+                    evaluate_heldout(run, step + 1)
+                if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                    save(run, os.path.join(cfg.out, f"step-{step + 1}"))
+                if all_sum(stop.signum, run.world).item() and step + 1 < cfg.max_steps:  # a SIGINT or SIGTERM came
+                    stop_at_boundary(run, step + 1, stop.signum, stop.resume)
+        except UserError:  # a stop the trainer chose (broken weights, a removed run directory): its sentence says all
+            raise
+        except Exception as e:  # a bug, a library's error, a full disk: never lose the steps done
+            stop_on_error(run, e, step, state, stop.resume)
     save(run, os.path.join(cfg.out, "final"))
     if cfg.merge:
         save_merged(run)
@@ -389,6 +406,40 @@ def stop_at_boundary(run: Run, step: int, signum: int, resume: str) -> None:
         print(f"\n{message}", file=sys.stderr)  # below the progress bar's line
         checkpoint.release_run_dir(cfg.out)
     raise Stopped(signum, message)
+
+
+def stop_on_error(run: Run, error: Exception, step: int, state: dict | None, resume: str) -> NoReturn:
+    """An unexpected exception ended the run in step `step` + 1: as for a signal, a checkpoint of the last completed
+    step first (`state`: the trainer state it ended with; None when the error came mid-update, whose weights no
+    checkpoint may hold), then the traceback and a last line that says what holds the run (exit status 1). A
+    ValueError or OSError is one sentence instead, with that line appended (status 2, as cli.user_errors)."""
+    cfg, done = run.cfg, (state or {}).get("step", 0)
+    path = os.path.join(cfg.out, f"step-{done}")
+    last = checkpoint.checkpoint_dirs(cfg.out)
+    kept = f"the last checkpoint, {last[0]}, stands" if last else "no checkpoint was written"
+    if state is None:
+        note = f"it came during the update, whose weights are not saved: {kept}"
+    elif done == 0:
+        note = "no step had completed, so no checkpoint was written: start the run again (--overwrite)"
+    elif run.world > 1:  # the other ranks may be gone: a save would wait for them forever
+        note = f"with several processes no checkpoint is written after an error: {kept}"
+    else:
+        note = f"{path} holds step {done}: {resume}"
+        if not os.path.isdir(path):  # --save-every may have just written it
+            run.state = state
+            try:
+                save(run, path)
+            except Exception as e:  # noqa: BLE001 -- the first error is the one to report
+                note = f"a checkpoint of step {done} could not be written ({e}): {kept}"
+    if run.rank == 0:
+        checkpoint.release_run_dir(cfg.out)
+    message = f"the run stopped on an error in step {step + 1} of {cfg.max_steps}; {note}"
+    if isinstance(error, (ValueError, OSError)) and not os.environ.get("NANORL_TRACEBACK"):
+        said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"{said}; {message}") from None
+    traceback.print_exception(error)
+    print(f"\nerror: {message}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 def finish(run: Run, seconds: float) -> dict:

@@ -5,8 +5,10 @@ qwen) runs in the sandbox and its output is appended; --tools countdown: each pr
   --tool-workers threads; the appended tokens are each completion's context mask (pack.Answer.context);
 - the loss: pack.py puts context tokens in neither the thought nor an answer, so every mask, weight, ratio, KL,
   entropy and the sampler/trainer log-prob gap is over the policy's own tokens only;
-- metrics: tool/calls, tool/calls_per_completion, tool/errors, tool/error_rate, tool/time_s (the calls' wait at the
-  sync point), tool/env_reward (the environments' own reward) per step; the same rollouts evaluate (heldout.py).
+- a call: the environment reads the policy's current turn only (the text since the last observation), and anything
+  it raises becomes an error observation, counted in tool/errors: no completion can end the run (`tool_rollouts`);
+- metrics (docs/runs.md defines each): tool/calls, tool/calls_per_completion, tool/errors, tool/error_rate,
+  tool/time_s, tool/wait_s, tool/turns, tool/env_reward per step; the same rollouts evaluate (heldout.py).
 Budget: a completion (sampled and appended tokens) has --max-thought-tokens + --max-answer-tokens tokens.
 Refused: GRPO-MA's answers (--answers > 1) fork after a thought, which a tool call would have to cross.
 """
@@ -22,6 +24,7 @@ from distributed import all_sum
 from envs import ENVS, PythonTool, run_code
 from multiturn import sample_turns
 from sampler import Generation, Tree
+from sandbox import CODE_FILE_MB
 from stop_text import StopText
 from tasks import render_prompt
 
@@ -34,18 +37,36 @@ class Flags:
     tools: str = "off"  # environment a completion talks to mid-way: off | python (a sandboxed tool) | countdown
     tool_format: str = "torl"  # python tool's call form: torl (```python ... ``` then ```output) | qwen (<tool_call>)
     max_tool_calls: int = 4  # calls per completion; a call past it ends the completion
-    tool_timeout_s: float = 5.0  # time limit of one call, CPU and wall clock (s)
+    tool_timeout_s: float = 5.0  # CPU time limit of one call (s); its wall clock gets a margin (envs.wall_limit)
     tool_memory_mb: int = 512  # address-space limit of one call's processes (MiB)
-    tool_output_chars: int = 256  # a call's output past this is cut, with a marker
+    tool_output_chars: int = 256  # a call's output past this keeps its head and tail, a marker between
     tool_workers: int = 4  # calls run in parallel (each is a sandboxed subprocess)
 
 
 CHOICES = dict(tools=("off", *ENVS), tool_format=("torl", "qwen"))
 
 
+# Values a call can run under: a CPU limit the sandbox can enforce (it reads the run's CPU every 0.05 s) and the
+# rlimits can hold, an address space an interpreter starts in, an output the sandbox's file (CODE_FILE_MB) holds.
+RANGES = dict(max_tool_calls=">= 1", tool_workers=">= 1", tool_timeout_s="[0.25, 3600]")
+RANGES |= dict(tool_memory_mb=f"[64, {1 << 20}]", tool_output_chars=f"[16, {CODE_FILE_MB << 20}]")
+
+
+def check_flags(cfg) -> Iterator[FlagError]:
+    """The tool flags' own checks, which train.py and eval.py both run: each a choice or in its range, and the
+    environment one that serves --task."""
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            yield FlagError((name,), f"must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    yield from out_of_range(cfg, RANGES)
+    tasks = getattr(ENVS.get(cfg.tools), "tasks", None)
+    if tasks is not None and cfg.task not in tasks:
+        why = f"gives feedback on {' and '.join(tasks)} only: it needs --task {tasks[0]}, got --task {cfg.task}"
+        yield FlagError(("tools",), why, ("task",), f"--tools {cfg.tools}")
+
+
 def check(cfg) -> Iterator[FlagError]:
-    yield from out_of_range(cfg, dict(max_tool_calls=">= 1", tool_timeout_s="> 0", tool_workers=">= 1"))
-    yield from out_of_range(cfg, dict(tool_memory_mb=">= 64", tool_output_chars=">= 16"))
+    yield from check_flags(cfg)
     if cfg.tools != "off" and cfg.answers > 1:
         why = "pauses completions for a tool, and GRPO-MA's answers fork from a finished thought: it needs --answers 1"
         yield FlagError(("tools",), why, ("answers",), f"--tools {cfg.tools}")
@@ -56,13 +77,28 @@ def enabled(cfg) -> bool:
 
 
 def start(run) -> None:
-    """--tools python: one call through the sandbox before the first step, so a machine that cannot build it (no
-    namespaces, no seccomp library) is one sentence now, not a traceback from a worker thread mid-step."""
-    if run.cfg.tools == "python":
+    ready(run.cfg, run.tokenizer)
+
+
+def ready(cfg, tokenizer) -> None:
+    """Before the first call (train.py and eval.py): the tokenizer can write the call's end marker, or the tool is
+    never called; --tools python: print(1) runs in the sandbox under the tool's flags, so a machine that cannot
+    build it (no namespaces, no seccomp library) or limits that fail every call are one sentence now, not a run
+    of failed calls or a traceback from a worker thread mid-step."""
+    if cfg.tools == "off":
+        return
+    stop = make_env(cfg).stop
+    if tokenizer.decode(tokenizer.encode(stop)) != stop:
+        how = f"--tool-format {cfg.tool_format}" if cfg.tools == "python" else f"--tools {cfg.tools}"
+        raise UserError(f"{how} ends a call at {stop!r}, which this model's tokenizer cannot write: pick another")
+    if cfg.tools == "python":
         try:
-            run_code("print(1)", run.cfg.tool_timeout_s, run.cfg.tool_memory_mb, 16)
+            out, failed = run_code("print(1)", cfg.tool_timeout_s, cfg.tool_memory_mb, 64)
         except RuntimeError as e:
             raise UserError(f"--tools python runs code in the sandbox, which this machine refuses: {e}") from None
+        if failed or out != "1":
+            limits = f"--tool-timeout-s {cfg.tool_timeout_s} --tool-memory-mb {cfg.tool_memory_mb}"
+            raise UserError(f"--tools python: print(1) fails in the sandbox under {limits} ({out}): raise them")
 
 
 def eval_flags(cfg) -> str:
@@ -76,8 +112,13 @@ def eval_flags(cfg) -> str:
 def make_env(cfg):
     """A fresh environment of --tools for one completion."""
     if cfg.tools == "python":
-        return PythonTool(cfg.tool_format, cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.tool_output_chars)
+        return PythonTool(
+            cfg.tool_format, cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.tool_output_chars, cfg.tool_workers
+        )
     return ENVS[cfg.tools]()
+
+
+ENV_FAILED = "\nError: the environment failed on this call ({}).\n"  # an observation for a step that raised
 
 
 @functools.cache
@@ -112,16 +153,29 @@ def tool_rollouts(model, tokenizer, task, examples: list[dict], cfg, *, n: int, 
     for i, ex in enumerate(examples):
         for env in envs[i * n + 1 : (i + 1) * n]:
             env.reset(ex)
-    env_reward = [0.0] * len(envs)
+    env_reward, calls, errors, turn = [0.0] * len(envs), [0] * len(envs), [0] * len(envs), [0] * len(envs)
 
     def respond(row: int, ids: list[int]) -> list[int] | None:
-        obs, env_reward[row], done = envs[row].step(tokenizer.decode(ids))
-        return None if done or obs is None else tokenizer.encode(obs)
+        """One call: the environment reads the policy's current turn (ids[turn[row]:], since the last observation),
+        and its observation's ids come back. Whatever it raises (a parser on hostile text, a bug in a user's Env)
+        is an error observation: a completion's text cannot end the run. Counted: every call, and each that
+        failed (raised, or the environment counted an error) once."""
+        env, before, failed = envs[row], envs[row].errors, False
+        calls[row] += 1
+        try:
+            obs, env_reward[row], done = env.step(tokenizer.decode(ids[turn[row] :]))
+            obs_ids = None if done or obs is None else tokenizer.encode(obs)
+        except Exception as e:  # noqa: BLE001 -- the guarantee: nothing a completion holds raises out of a rollout
+            obs_ids, failed = tokenizer.encode(ENV_FAILED.format(type(e).__name__)), True
+        errors[row] += failed or env.errors != before
+        if obs_ids is not None:
+            turn[row] = len(ids) + len(obs_ids)  # the policy's next turn starts after this observation
+        return obs_ids
 
     kw = dict(max_calls=cfg.max_tool_calls, workers=cfg.tool_workers, stop_ids=tokenizer.stop_ids, respond=respond)
     end = call_end(tokenizer, envs[0].stop)  # one marker for every row: the environments are of one kind
     turns = sample_turns(model, prompts, n=n, max_tokens=max_new_tokens, call_end=end, **kw, **sampling)
-    stats = dict(calls=sum(turns.calls), errors=sum(e.errors for e in envs), time_s=sum(e.seconds for e in envs))
+    stats = dict(calls=sum(calls), errors=sum(errors), time_s=sum(e.seconds for e in envs))
     stats |= dict(completions=len(envs), env_reward=sum(env_reward), turns=len(turns.wait_s), wait_s=sum(turns.wait_s))
     return prompts, turns, stats
 

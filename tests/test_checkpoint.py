@@ -103,6 +103,53 @@ def test_resume_extends_a_run_and_logs_each_step_once(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_error_mid_run_leaves_a_checkpoint_that_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
+    """Guards against an unexpected exception losing the run (a RecursionError from a policy's text ended one after
+    2 steps with no checkpoint under the default --save-every 0): as for SIGTERM, a checkpoint of the last completed
+    step is written first, the last line says so, and resuming from it gives the uninterrupted run bit for bit. An
+    error mid-update writes none (its weights may be half-stepped); a user's error stays one sentence."""
+    a, b, c, d = (tmp_path / x for x in "abcd")
+    run(a, max_steps=3)
+    real_score, real_step = train.score, train.optimizer_step
+
+    def fail_at(n, real, error):
+        calls = []
+
+        def fails(*args, **kw):
+            calls.append(1)
+            if len(calls) == n:
+                raise error
+            return real(*args, **kw)
+
+        return fails
+
+    monkeypatch.setattr(train, "score", fail_at(3, real_score, RecursionError("maximum recursion depth exceeded")))
+    with pytest.raises(SystemExit) as e:
+        run(b, max_steps=3)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "RecursionError: maximum recursion depth exceeded" in err
+    last = f"error: the run stopped on an error in step 3 of 3; {b}/step-2 holds step 2: python train.py --resume {b}"
+    assert err.rstrip().splitlines()[-1] == last
+    monkeypatch.setattr(train, "score", real_score)
+    train.main(resume_config(TrainConfig(resume=str(b)), typed={"resume"}))
+    assert steps_logged(b) == [1, 2, 3] == steps_logged(a)
+    wa, wb = load_model(str(a / "final")).state_dict(), load_model(str(b / "final")).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    monkeypatch.setattr(train, "optimizer_step", fail_at(2, real_step, RuntimeError("CUDA error: an illegal access")))
+    with pytest.raises(SystemExit):
+        run(c, max_steps=3)
+    assert "during the update, whose weights are not saved: no checkpoint was written" in capsys.readouterr().err
+    assert not checkpoint.checkpoint_dirs(str(c))
+    monkeypatch.setattr(train, "optimizer_step", real_step)
+    monkeypatch.setattr(train, "score", fail_at(2, real_score, ValueError("a reward function refused its input")))
+    said = r"^a reward function refused its input; the run stopped on an error in step 2 of 3; .*step-1 holds step 1"
+    with pytest.raises(UserError, match=said):
+        run(d, max_steps=3)
+    assert checkpoint.checkpoint_dirs(str(d)) == [str(d / "step-1")]
+
+
+@pytest.mark.slow
 def test_fresh_run_into_a_used_out_is_refused_unless_overwrite(tmp_path):
     """Guards against a second run into the same --out overwriting the first run's checkpoints and
     interleaving both runs' rows in metrics.jsonl."""

@@ -4,7 +4,8 @@ error, never an exception, and Countdown's feedback names the rule a proposal br
 
 import pytest
 
-from envs import ENVS, TRUNCATED, CountdownFeedback, PythonTool, countdown_feedback, run_code
+from envs import ENVS, CountdownFeedback, PythonTool, countdown_feedback, run_code
+from sandbox import OUTPUT_CUT
 
 TORL = "<think>```python\nprint(37*8)\n```\n```output"
 QWEN = '<tool_call>\n{"name": "python", "arguments": {"code": "print(37*8)"}}\n</tool_call>'
@@ -46,9 +47,9 @@ def test_a_faulty_call_is_a_short_error_string(code, error):
 
 
 def test_ten_megabytes_of_print_are_cut_with_a_marker():
-    """Guards the output cap: 10 MB of output becomes max_chars of it and the truncation marker."""
-    out, failed = run_code("print('a' * 10_000_000)", timeout_s=5.0, memory_mb=256, max_chars=100)
-    assert not failed and out == "a" * 100 + TRUNCATED
+    """Guards the output cap: 10 MB of output becomes max_chars of it, its head and tail, the cut marker between."""
+    out, failed = run_code("print('a' * 5_000_000 + 'b' * 5_000_000)", timeout_s=5.0, memory_mb=256, max_chars=100)
+    assert not failed and out == "a" * 50 + OUTPUT_CUT + "b" * 50
 
 
 def test_countdown_feedback_names_the_broken_rule():
@@ -61,7 +62,7 @@ def test_countdown_feedback_names_the_broken_rule():
         countdown_feedback("<answer>3 * 5 + 5</answer>", ex) == "it uses [3, 5, 5]; use each of [3, 5, 7] exactly once."
     )
     assert countdown_feedback("<answer>3 + 5 + 7</answer>", ex) == "it equals 15, not 22."
-    assert countdown_feedback("<answer>3 + x</answer>", ex).startswith("that is not an equation")
+    assert countdown_feedback("<answer>3 + y</answer>", ex).startswith("that is not an equation")
     obs, reward, done = env.step("<answer>3 + 5 + 7</answer>")
     assert obs == "\nFeedback: it equals 15, not 22.\n" and reward == 0.0 and not done and env.errors == 1
     assert env.step("<answer>3 * 5 + 7</answer>") == (None, 1.0, True)

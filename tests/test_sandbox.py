@@ -24,7 +24,7 @@ import confine
 from calls import PLAIN_DEPTH, from_plain, to_plain
 from confine import root_plan
 from rewards import code_reward, code_rewards
-from sandbox import CODE_OUTPUT_BYTES, CODE_TMPFS_INODES, run_sandboxed
+from sandbox import CODE_OUTPUT_CHARS, CODE_TMPFS_INODES, OUTPUT_CUT, run_sandboxed
 
 FAST = {"timeout_s": 2.0, "cpu_s": 2}
 
@@ -273,11 +273,11 @@ def test_killing_the_parent_does_not_reach_the_trainer(isolation: dict) -> None:
 
 def test_huge_output_is_capped() -> None:
     """Guards against 100 MB of output filling memory or disk: the file-size limit stops it and
-    only a tail comes back."""
+    only its head and tail come back, the cut marker between."""
     start = time.perf_counter()
     report = run("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))")
     assert not report["passed"]
-    assert len(report["output"]) <= CODE_OUTPUT_BYTES
+    assert len(report["output"]) == CODE_OUTPUT_CHARS + len(OUTPUT_CUT) and OUTPUT_CUT in report["output"]
     assert time.perf_counter() - start < 3.0
 
 

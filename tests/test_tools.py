@@ -111,14 +111,15 @@ def test_trainer_logprobs_of_a_tool_rollout_equal_the_sampler_and_metrics_count_
     of every policy token equal the sampler's (so the gap metric measures only precision); the step's metrics count
     the calls, errors and time."""
     model, tok = tiny
-    monkeypatch.setattr(tools, "make_env", lambda cfg: Echo())
+    envs = []
+    monkeypatch.setattr(tools, "make_env", lambda cfg: envs.append(Echo()) or envs[-1])
     cfg = TrainConfig(algo="grpo", thoughts=4, tools="python", max_thought_tokens=40, max_answer_tokens=20)
     task = Task("t", None, None, None, None, None)
     examples = [{"prompt": "2+3=?"}, {"prompt": "what is ab"}]
     prompts, turns, stats = tools.tool_rollouts(
         model, tok, task, examples, cfg, n=4, max_new_tokens=60, temperature=1.0, seed=[3, 4]
     )
-    assert stats["calls"] == sum(turns.calls) > 0 and stats["completions"] == 8
+    assert stats["calls"] == sum(e.turns for e in envs) >= sum(turns.calls) > 0 and stats["completions"] == 8
     run = SimpleNamespace(cfg=cfg, sampler=model, tokenizer=tok, task=task, static_step=None, state={}, world=1)
     _, tree = tools.sample(run, examples, [3, 4])
     assert tree.answers == turns.tokens and tree.answer_context == turns.context
@@ -181,7 +182,7 @@ def test_held_out_evaluation_runs_with_the_tool():
         EvalConfig(tools="python", pass_rates=True, out="x.jsonl")
 
 
-def test_a_machine_without_the_sandbox_is_one_sentence_at_the_start(monkeypatch):
+def test_a_machine_without_the_sandbox_is_one_sentence_at_the_start(monkeypatch, tmp_path):
     """Guards the start of a --tools python run where the sandbox cannot be built: one sentence before the first
     step (a UserError), not a traceback from a worker thread in the middle of sampling."""
     from cli import UserError
@@ -189,11 +190,14 @@ def test_a_machine_without_the_sandbox_is_one_sentence_at_the_start(monkeypatch)
     def refuse(*args, **kw):
         raise RuntimeError("the code sandbox needs Linux namespaces that this machine refused (net_namespace)")
 
+    from helpers import make_bpe_tokenizer
+
+    tok = load_tokenizer(make_bpe_tokenizer(tmp_path / "bpe", "qwen2"))
     monkeypatch.setattr(tools, "run_code", refuse)
-    run = SimpleNamespace(cfg=TrainConfig(algo="grpo", tools="python"))
+    run = SimpleNamespace(cfg=TrainConfig(algo="grpo", tools="python"), tokenizer=tok)
     with pytest.raises(UserError, match="--tools python runs code in the sandbox, which this machine refuses"):
         tools.start(run)
-    tools.start(SimpleNamespace(cfg=TrainConfig(algo="grpo", tools="countdown")))  # no sandbox needed
+    tools.start(SimpleNamespace(cfg=TrainConfig(algo="grpo", tools="countdown", task="countdown"), tokenizer=tok))
 
 
 def test_a_stop_token_inside_a_tool_output_ends_nothing(tiny):
@@ -207,9 +211,9 @@ def test_a_stop_token_inside_a_tool_output_ends_nothing(tiny):
     ids = tok.encode("12") + [end] + tok.encode("34") + [end, *tok.encode("junk")]
     context = [False, False, True, False, False, False]
     assert decode_completion(tok, ids) == "12"
-    assert decode_completion(tok, ids, context) == "12<|im_end|>34"
+    assert decode_completion(tok, ids, context) == "12\n34"  # the observation reads as one newline
     gen = tools.ToolGeneration([ids], [[0.0] * len(ids)], ["stop"], [context])
-    assert texts_of(tok, gen) == ["12<|im_end|>34"]
+    assert texts_of(tok, gen) == ["12\n34"]
 
 
 class Answer42:
@@ -257,7 +261,7 @@ def test_a_bpe_row_is_what_was_sampled_and_appended_never_re_encoded(tmp_path, m
         assert [s for c, s in segments if c] == [obs] * turns.calls[r]  # each observation, encoded alone
         texts = [tok.decode(s) for _, s in segments]
         assert tok.decode(ids) == "".join(texts)
-        assert envs[r].seen[1] == "".join(texts[:3])  # the second call saw the policy's text and the first output
+        assert envs[r].seen[: turns.calls[r]] == texts[0 : 2 * turns.calls[r] : 2]  # each: the policy's turn only
         changed += tok.encode(tok.decode(ids)) != ids
     assert changed, "re-encoding would have changed no row: the boundary hazard is not exercised"
 
