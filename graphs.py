@@ -16,10 +16,16 @@ where the tests check it samples exactly what the eager path does. Small functio
 can_compile (the rollout copy's RoPE, SiLU-and-mul and RMSNorm, fused.py, and the token draw): `compiled`.
 Left out: capturing the sampler's own ops (the draw, compiled, and the stop checks run after each replay), and
 capturing every bucket up front.
+
+Nothing here may strand a run: if building the buffers, compiling, capturing or the first replay of a bucket
+raises, one line says what failed, and the run goes on with the eager step for the rest of the run, same seeds,
+same tokens (`StaticDecode.give_up`); a compiled small function or the compiled draw that raises falls back to its
+plain version on its own (`Guarded`). `describe` says which decode path ran (train.py's end summary).
 """
 
 import copy
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -30,6 +36,15 @@ from kvcache import KVCache, decode_step_static
 from model import Transformer
 
 MIN_SPAN = 64  # the smallest attention span bucket, in cache slots
+FELL_BACK: dict[str, str] = {}  # what fell back to eager in this process -> why (one line each, said once)
+
+
+def fall_back(what: str, error: BaseException) -> None:
+    """Say once, in one line, that `what` failed and the run continues eager."""
+    why = (str(error).strip().splitlines() or [""])[0][:200] or type(error).__name__
+    if what not in FELL_BACK:
+        FELL_BACK[what] = f"{type(error).__name__}: {why}"
+        print(f"{what} failed ({FELL_BACK[what]}); continuing eager (--no-cuda-graphs silences this)", file=sys.stderr)
 
 
 def batch_bucket(rows: int) -> int:
@@ -58,11 +73,33 @@ class StaticDecode:
         self.model: weakref.ref | None = None
         self.owner: weakref.ref | None = None  # the cache living in the buffers
         self.pool = None  # the graphs' shared memory pool: one graph replays at a time
+        self.failed = False  # a build, compile, capture or replay raised: eager from then on (give_up)
+        self.tried = False  # the step has run once (a compiled step that ran once has compiled)
 
-    def adopt(self, cache: KVCache) -> None:
+    def give_up(self, what: str, error: BaseException) -> None:
+        """The static path failed: say so once, drop its graphs and buffers, and run eager from now on."""
+        fall_back(what, error)
+        self.failed, self.capture, self.step = True, False, decode_step_static
+        self.graphs, self.logits, self.pool, self.model = {}, None, None, None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a failed capture's stream work is finished before the eager step runs
+
+    def adopt(self, cache: KVCache) -> bool:
         """Move `cache` into the static buffers (growing them if it does not fit): its k, v, key_valid and
         next_pos become views of them, padded to a power-of-two rows and slots; its slot tensor is the
-        graphs'. A cache adopted before and still alive is first copied out (it keeps its contents)."""
+        graphs'. A cache adopted before and still alive is first copied out (it keeps its contents). False where
+        the buffers cannot be made (out of memory, say): the caller decodes on the eager path."""
+        if self.failed and self.k is None:
+            return False
+        try:
+            self._adopt(cache)
+            return True
+        except Exception as e:  # noqa: BLE001 -- a run never ends on the fast path: the eager one remains
+            self.give_up("decode: building the static buffers", e)
+            self.k = self.v = self.key_valid = self.next_pos = self.slot = self.tok = self.alive = None
+            return False
+
+    def _adopt(self, cache: KVCache) -> None:
         if self.k is not None and cache.k.data_ptr() == self.k.data_ptr():  # already here (decode, extend, decode)
             cache.slot = self.slot.fill_(cache.length)
             return
@@ -123,15 +160,30 @@ class StaticDecode:
         cache.span = span_bucket(cache.length, self.k.shape[3])
         self.tok[:n], self.alive[:n] = tok, alive
         self.alive[n:b] = False  # rows past the active ones: dead (finished) or padding
-        if not self.capture:
+        if not self.capture and (self.tried or self.step is decode_step_static):
             return self.step(model, cache, self.tok[:b], self.alive[:b])[:n]
         if self.model is None or self.model() is not model:  # graphs hold a model's weights: a new model, new graphs
             self.graphs, self.logits, self.model = {}, None, weakref.ref(model)
         key = (b, cache.span, torch.is_autocast_enabled("cuda"))
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(model, cache, b)
-        self.graphs[key]()  # replay
-        return self.logits[:n]
+        if key in self.graphs:
+            self.graphs[key]()  # replay
+            return self.logits[:n]
+        pos, stage = self.next_pos.clone(), "compiling the decode step"
+        try:  # a new bucket: its warm-up (a compile), its capture and its first replay may each fail
+            if not self.capture:  # --compile without graphs: its first call compiles
+                logits = self.step(model, cache, self.tok[:b], self.alive[:b])[:n]
+                self.tried = True
+                return logits
+            stage = "capturing the decode step as a CUDA graph"
+            replay = self._capture(model, cache, b)
+            stage = "replaying the captured decode step"
+            replay()
+            self.graphs[key], self.tried = replay, True
+            return self.logits[:n]
+        except Exception as e:  # noqa: BLE001 -- the eager step computes the same tokens
+            self.give_up(f"decode: {stage} (batch {b}, span {cache.span})", e)
+            self.next_pos.copy_(pos)  # what the failed attempt advanced is put back
+            return self.step(model, cache, self.tok[:b], self.alive[:b])[:n]
 
     def _capture(self, model: Transformer, cache: KVCache, b: int) -> Callable[[], None]:
         """Record the step at batch b and cache.span as a CUDA graph writing its logits into self.logits; returns
@@ -182,12 +234,37 @@ def can_compile(device: torch.device, graphs: bool = True) -> bool:
     return device.type == "cuda" and graphs and has_triton()
 
 
+class Guarded:
+    """A compiled function that, the first time its compiled version raises (a compile, Triton or capture error),
+    says so once for its kind (`what`) and runs the plain function from then on: the same values, eagerly."""
+
+    def __init__(self, fn: Callable, what: str):
+        self.fn, self.what, self.run = fn, what, torch.compile(fn, dynamic=True)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kw):
+        if self.run is not self.fn and not torch.compiler.is_compiling():  # inside a compiled step: traced as fn
+            try:
+                return self.run(*args, **kw)
+            except Exception as e:  # noqa: BLE001 -- the plain function computes the same values
+                fall_back(self.what, e)
+                self.run = self.fn
+        return self.fn(*args, **kw)
+
+
 @functools.cache
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, what: str = "the compiled small functions") -> Guarded:
     """fn through torch.compile with dynamic shapes (compiled on its first call, once for every batch size, as
     nano-vllm compiles its norms, RoPE, SiLU-and-mul and sampler): the few ops of a small function become one
-    generated kernel, or a few. One compiled version per function."""
-    return torch.compile(fn, dynamic=True)
+    generated kernel, or a few. One compiled version per function, falling back to fn where it fails (Guarded)."""
+    return Guarded(fn, what)
+
+
+def decode_path(runner: StaticDecode | None) -> str:
+    """Which decode path ran, and what fell back to eager and why: what train.py's end summary says."""
+    path = "eager" if runner is None or runner.failed else "CUDA graphs" if runner.capture else "static shapes"
+    path += " (decode step compiled)" if runner is not None and runner.step is not decode_step_static else ""
+    return "; ".join([path] + [f"{what} failed, ran eager ({why})" for what, why in FELL_BACK.items()])
 
 
 def decode_runner(device: torch.device, *, graphs: bool = True, compile: bool = False) -> StaticDecode | None:

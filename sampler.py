@@ -262,8 +262,10 @@ def decode(
     draw_next = sample_next
     if static_step is not None:
         static_step = static_step if isinstance(static_step, StaticDecode) else StaticDecode(static_step)
-        static_step.adopt(cache)
-        draw_next = compiled(sample_next) if static_step.compiled_draw else sample_next  # on CUDA: a few kernels
+        if not static_step.adopt(cache):  # its buffers could not be made: the eager path (graphs.py said why)
+            static_step = None
+    if static_step is not None:
+        draw_next = compiled(sample_next, "the compiled draw") if static_step.compiled_draw else sample_next
     for t in range(max_steps):
         rows = cache.rows[: cache.batch]  # caller's row ids of the active rows
         tok, lp = draw_next(logits, uniforms[rows, t], temperature, top_k, top_p)

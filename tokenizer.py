@@ -15,6 +15,7 @@ the one reproduced gets a warning naming the built-in used instead: its prompts 
 """
 
 import hashlib
+import itertools
 import os
 import warnings
 from collections.abc import Sequence
@@ -204,14 +205,6 @@ def decode_completion(tokenizer: Tokenizer, tokens: list[int], context: Sequence
     context, never the policy's answer, whatever they print), and its stop tokens end nothing (Qwen's
     <tool_response> turn holds an <|im_end|>)."""
     stops, own = set(tokenizer.stop_ids), list(context) + [False] * (len(tokens) - len(context))
-    parts, run, observed = [], [], False
-    for t, appended in zip(tokens, own):
-        if appended and not observed:
-            parts += [tokenizer.decode(run), "\n"]
-            run = []
-        elif not appended and t in stops:
-            break
-        elif not appended:
-            run.append(t)
-        observed = appended
-    return "".join(parts) + tokenizer.decode(run)
+    end = next((i for i, t in enumerate(tokens) if t in stops and not own[i]), len(tokens))
+    runs = itertools.groupby(zip(tokens[:end], own[:end]), key=lambda pair: pair[1])  # the policy's, an observation
+    return "".join("\n" if appended else tokenizer.decode([t for t, _ in run]) for appended, run in runs)

@@ -51,6 +51,7 @@ import methods
 from cli import Stopped, UserError, end_summary, parse_config, stop_signals, user_errors
 from config import PRESETS, TrainConfig, resume_config, score_pass_needs
 from distributed import all_sum, derive_seed
+from graphs import decode_path
 from heldout import evaluate
 from hf import bundled, save_model
 from losses import Tokens, policy_loss
@@ -366,15 +367,13 @@ def main(cfg: TrainConfig) -> dict:
                 clock.lap("update")
 
                 # 7. log, evaluate, save
-                run.state["step"] = step + 1
-                state = run.state
+                run.state["step"], state = step + 1, run.state  # the step is done: an error now keeps it
                 row = {"step": step + 1, **sampled, "batch_accuracy": batch_accuracy, "resampled": counts["resampled"]}
                 lr, kl = run.scheduler.get_last_lr()[0], {} if cfg.beta > 0 else {"kl": None}  # no reference, no KL
                 row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr, **kl)
                 row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
                 log(run, row)
-                reward, acc, gss = f"{row['reward/mean']:.3f}", f"{row['accuracy']:.3f}", f"{row['gss']:.2f}"
-                bar.set_postfix(reward=reward, acc=acc, gss=gss)
+                bar.set_postfix({k: round(row[k], 3) for k in ("reward/mean", "accuracy", "gss")})
                 # the last step's evaluation too: every row of a step is logged before its checkpoint is written
                 if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.max_steps:
                     evaluate_heldout(run, step + 1)
@@ -382,8 +381,6 @@ def main(cfg: TrainConfig) -> dict:
                     save(run, os.path.join(cfg.out, f"step-{step + 1}"))
                 if all_sum(stop.signum, run.world).item() and step + 1 < cfg.max_steps:  # a SIGINT or SIGTERM came
                     stop_at_boundary(run, step + 1, stop.signum, stop.resume)
-        except UserError:  # a stop the trainer chose (broken weights, a removed run directory): its sentence says all
-            raise
         except Exception as e:  # a bug, a library's error, a full disk: never lose the steps done
             stop_on_error(run, e, step, state, stop.resume)
     save(run, os.path.join(cfg.out, "final"))
@@ -412,7 +409,10 @@ def stop_on_error(run: Run, error: Exception, step: int, state: dict | None, res
     """An unexpected exception ended the run in step `step` + 1: as for a signal, a checkpoint of the last completed
     step first (`state`: the trainer state it ended with; None when the error came mid-update, whose weights no
     checkpoint may hold), then the traceback and a last line that says what holds the run (exit status 1). A
-    ValueError or OSError is one sentence instead, with that line appended (status 2, as cli.user_errors)."""
+    ValueError or OSError is one sentence instead, with that line appended (status 2, as cli.user_errors); a
+    UserError, a stop the trainer chose, passes unchanged."""
+    if isinstance(error, UserError):  # a stop the trainer chose (broken weights, a removed run directory)
+        raise error  # its sentence says what is intact
     cfg, done = run.cfg, (state or {}).get("step", 0)
     path = os.path.join(cfg.out, f"step-{done}")
     last = checkpoint.checkpoint_dirs(cfg.out)
@@ -455,6 +455,7 @@ def finish(run: Run, seconds: float) -> dict:
     flags = "".join(f"{k} {v} " for k, v in data if v) + f"--max-new-tokens {cfg.completion_limit} "
     flags += methods.eval_flags(cfg)  # --tools python: evaluate with the tool, as trained
     print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, merged=cfg.merge))
+    print(f"decode path: {decode_path(run.static_step)}")  # CUDA graphs, or what fell back to eager and why
     checkpoint.release_run_dir(cfg.out)
     return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}
 

@@ -251,3 +251,63 @@ def test_compiled_small_functions_sample_what_eager_does():
         ref = sample_tree(plain, PROMPTS, static_step=StaticDecode(), **tree, **args)
         out = sample_tree(fast, PROMPTS, static_step=StaticDecode(step, compiled_draw=True), **tree, **args)
         assert (out.thoughts, out.answers) == (ref.thoughts, ref.answers)
+
+
+def failing(what: str):
+    """A stand-in stage that raises as a broken capture, compiler or driver would."""
+
+    def fail(*args, **kw):
+        raise RuntimeError(f"{what} failed: operation not permitted when stream is capturing")
+
+    return fail
+
+
+@pytest.mark.parametrize("stage", ["warm_up", "record", "replay", "buffers"])
+def test_a_failing_cuda_path_falls_back_to_eager_with_one_line(monkeypatch, capsys, stage):
+    """Guards a run against a GPU path that fails on the user's card, torch or driver: whichever stage raises
+    (the warm-up that compiles, the capture, the first replay, the static buffers), the run prints one line naming
+    it and --no-cuda-graphs, and goes on eager for the rest of the run: the same tokens as the eager path, tree
+    and later calls included, never a traceback; the end summary's decode path says eager and why."""
+    monkeypatch.setattr(graphs, "FELL_BACK", {})
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(graphs, "warm_up", failing("warm-up") if stage == "warm_up" else lambda fn: fn())
+    replay = (lambda fn, pool: failing("replay")) if stage == "replay" else (lambda fn, pool: fn)
+    monkeypatch.setattr(graphs, "record", failing("capture") if stage == "record" else replay)
+    if stage == "buffers":
+        monkeypatch.setattr(StaticDecode, "_make_room", failing("allocation"))
+    model = tiny(seed=1)
+    args = dict(k=4, m=3, end_of_thought=[7], max_thought_tokens=20, max_answer_tokens=12, temperature=1.0)
+    ref = sample_tree(model, PROMPTS[:2], seed=[1, 2], **args)
+    static = StaticDecode(capture=True)
+    for seed in ([1, 2], [1, 2]):  # the second call runs on the path the first fell back to
+        out = sample_tree(model, PROMPTS[:2], seed=seed, static_step=static, **args)
+        assert (out.thoughts, out.answers, out.answer_finish) == (ref.thoughts, ref.answers, ref.answer_finish)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "failed" in lines[0] and "continuing eager (--no-cuda-graphs silences this)" in lines[0]
+    assert static.failed and not static.capture and not static.graphs
+    assert graphs.decode_path(static).startswith("eager; decode: ") and "RuntimeError" in graphs.decode_path(static)
+
+
+def test_compiled_functions_that_fail_fall_back_on_their_own(monkeypatch, capsys):
+    """Guards the compiled small functions and the compiled draw: a compile (or Triton) failure makes each run its
+    plain version from then on, one line per kind, the same tokens; the static step itself stays in use."""
+    monkeypatch.setattr(graphs, "FELL_BACK", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: failing("compile"))
+    graphs.compiled.cache_clear()
+    try:
+        base = tiny(seed=3)
+        plain = fused.fuse_for_sampling(cast_copy(base, torch.float32))
+        fast = fused.fuse_for_sampling(cast_copy(base, torch.float32), compile=True)
+        args = dict(max_new_tokens=12, n=2, temperature=1.0, stop_ids=[3, 17, 50], seed=[4, 5, 6])
+        ref = generate(plain, PROMPTS, static_step=StaticDecode(), **args)
+        static = StaticDecode(compiled_draw=True)
+        out = generate(fast, PROMPTS, static_step=static, **args)
+    finally:
+        graphs.compiled.cache_clear()
+    assert out.tokens == ref.tokens and out.logprobs == ref.logprobs
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and {line.split(" failed")[0] for line in lines} == {
+        "the compiled small functions",
+        "the compiled draw",
+    }
+    assert not static.failed and graphs.decode_path(static).startswith("static shapes; the compiled small functions")
