@@ -27,7 +27,7 @@ import torch
 from checkpoint import hold_lock
 from cli import first_error, user_errors
 from fused import fuse_for_sampling
-from graphs import can_compile, decode_runner
+from graphs import can_compile, check_torch, decode_runner
 from heldout import evaluate
 from hf import BUNDLED, bundled
 from methods import tools
@@ -222,6 +222,7 @@ def main(cfg: EvalConfig) -> dict:
     # Data first, then the model: a bad file or flag fails in seconds, not after loading weights.
     # A user's error (data, checkpoint, a prompt too long) ends in one sentence, not a traceback.
     with user_errors():
+        check_torch()
         task, examples = load_examples(cfg)
         task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
         tokenizer = load_tokenizer(cfg.model, enable_thinking=cfg.enable_thinking)

@@ -36,7 +36,28 @@ from kvcache import KVCache, decode_step_static
 from model import Transformer
 
 MIN_SPAN = 64  # the smallest attention span bucket, in cache slots
+TORCH_FLOOR = "2.6"  # the oldest torch supported (requirements.txt): every API in TORCH_APIS exists in it
+TORCH_APIS = {  # what the CUDA path and FSDP call, under torch., with the release each became available in
+    **dict.fromkeys(("cuda.CUDAGraph", "cuda.graph", "cuda.graph_pool_handle", "cuda.Stream", "cuda.stream"), "1.10"),
+    **dict(compile="2.0", **{"compiler.is_compiling": "2.3", "utils._triton.has_triton": "2.1"}),
+    **dict.fromkeys(("get_autocast_dtype", "is_autocast_enabled", "nn.functional.rms_norm"), "2.4"),
+    "distributed.fsdp.fully_shard": "2.6",
+}
 FELL_BACK: dict[str, str] = {}  # what fell back to eager in this process -> why (one line each, said once)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'2.11.0+cu128' -> (2, 11)."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def check_torch(version: str = torch.__version__) -> None:
+    """Refuse, in one sentence at the start, a torch older than TORCH_FLOOR: not an AttributeError mid-run."""
+    if release(version) < release(TORCH_FLOOR):
+        raise ValueError(
+            f"torch {version} is older than {TORCH_FLOOR}, the oldest this project supports (its CUDA path and FSDP "
+            f"use APIs up to {TORCH_FLOOR}): install torch >= {TORCH_FLOOR}"
+        )
 
 
 def fall_back(what: str, error: BaseException) -> None:

@@ -25,7 +25,7 @@ import methods
 from cli import UserError, changed_flags, start_line
 from config import RESUMABLE, TrainConfig, lr_factor
 from fused import fuse_for_sampling
-from graphs import StaticDecode, can_compile, decode_runner
+from graphs import StaticDecode, can_compile, check_torch, decode_runner
 from hf import config_from_hf, load_model, read_model_config
 from losses import Objective
 from memory import check_memory
@@ -110,6 +110,7 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     """Distributed init; then data, output directory and checkpoint are checked before any model is
     loaded; then models, tokenizer, data streams, optimizer and, with --resume, their saved state."""
+    check_torch()  # a torch older than the floor: one sentence now
     rank, world, device = distributed.setup_distributed(cfg)
     rollout = distributed.rollout_dtype(cfg)  # float32: the policy samples itself; else a cast copy does
     methods.check_rollout_dtype(cfg, rollout)

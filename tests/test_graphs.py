@@ -311,3 +311,23 @@ def test_compiled_functions_that_fail_fall_back_on_their_own(monkeypatch, capsys
         "the compiled draw",
     }
     assert not static.failed and graphs.decode_path(static).startswith("static shapes; the compiled small functions")
+
+
+def test_the_oldest_supported_torch_has_every_api_the_cuda_path_calls():
+    """Guards the torch a GPU user already has: every API the CUDA path and FSDP call exists here and appeared no
+    later than the floor (TORCH_FLOOR, which requirements.txt and the README state); a torch older than it is one
+    sentence at the start, not an AttributeError mid-run."""
+    import importlib
+
+    for name, since in graphs.TORCH_APIS.items():
+        module, _, attr = ("torch." + name).rpartition(".")
+        assert hasattr(importlib.import_module(module), attr), name
+        assert graphs.release(since) <= graphs.release(graphs.TORCH_FLOOR), name
+    assert graphs.release("2.11.0+cu128") == (2, 11) and graphs.release(graphs.TORCH_FLOOR) <= (2, 11)
+    graphs.check_torch("2.11.0+cu128")
+    graphs.check_torch(graphs.TORCH_FLOOR + ".0")
+    with pytest.raises(ValueError, match=r"^torch 2\.5\.1 is older than 2\.6, the oldest this project supports"):
+        graphs.check_torch("2.5.1")
+    root = __file__.rsplit("/tests/", 1)[0]
+    assert f"torch >= {graphs.TORCH_FLOOR}" in open(f"{root}/requirements.txt").read()
+    assert f"torch ({graphs.TORCH_FLOOR} or newer" in open(f"{root}/README.md").read()
