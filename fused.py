@@ -18,6 +18,10 @@ as nano-vllm does) the copy's three small elementwise functions, rope, silu_mul 
 torch.compile, each one generated kernel instead of 3, 2 and 1 (or more) of PyTorch's: 14 kernel-launching ops a
 layer become 11. They compile once each (dynamic shapes) in the first decode step's warm-up, before its capture.
 train.py --compile compiles the whole decode step instead (inductor then also fuses across functions).
+
+A Qwen3.5 hybrid's copy fuses its MLPs (gate and up as one matmul, silu_mul) and nothing else: its zero-centred
+norms scale by 1 + w (no F.rms_norm weight), its attention gates its output and rotates part of each head, and a
+DeltaNet layer's four input projections feed a convolution, a norm gate and two gates: fusing those is future work.
 """
 
 from collections.abc import Callable
@@ -107,7 +111,7 @@ class FusedMLP(MLP):
 class FusedBlock(Block):
     """Block whose residual adds happen inside the projections that feed them (FusedAttention, FusedMLP)."""
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x, cos, sin, cache=None, attn_mask: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, cache, attn_mask, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
@@ -142,14 +146,17 @@ def fuse_for_sampling(model: Transformer, compile: bool = False) -> Transformer:
     (copy_weights_ and state_dict see no difference). Not for a model that trains, nor one moved to another
     device afterwards (.to() would copy the views apart)."""
     fns = kernels(compile)
-    for norm in (m for m in model.modules() if type(m) is RMSNorm):
+    for norm in (m for m in model.modules() if type(m) is RMSNorm and not m.zero_centred):
         norm.__class__, norm.rms_norm = FusedRMSNorm, fns["rms_norm"]
     for block in model.model.layers:
-        attn, mlp = block.self_attn, block.mlp
+        mlp = block.mlp
+        mlp.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+        mlp.__class__, mlp.silu_mul = FusedMLP, fns["silu_mul"]
+        if model.config.model_type == "qwen3_5":  # a hybrid fuses its MLPs only (see below)
+            continue
+        attn = block.self_attn
         attn.qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
         attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
         attn.__class__, attn.rope = FusedAttention, fns["rope"]
-        mlp.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        mlp.__class__, mlp.silu_mul = FusedMLP, fns["silu_mul"]
         block.__class__ = FusedBlock
     return model

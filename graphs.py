@@ -89,6 +89,7 @@ class StaticDecode:
         self.step, self.capture = step, capture
         self.compiled_draw = compiled_draw  # sampler.decode draws tokens through compiled(sample_next)
         self.k = self.v = self.key_valid = self.next_pos = self.slot = None  # (L, rows, Hkv, slots, hd), ...
+        self.conv = self.ssm = None  # a hybrid model's DeltaNet states (kvcache.py), (L', rows, ...), else None
         self.tok = self.alive = self.logits = None  # (rows,) inputs and (rows, V) output of every graph
         self.graphs: dict[tuple, Callable[[], None]] = {}  # (batch, span, autocast) -> replay of self.model's graph
         self.model: weakref.ref | None = None
@@ -127,8 +128,13 @@ class StaticDecode:
         L, B, Hkv, S, hd = cache.k.shape
         rows, slots = batch_bucket(B), max(batch_bucket(S), MIN_SPAN)
         self._make_room(L, rows, Hkv, slots, hd, cache.k.dtype, cache.k.device)
+        self._state_room(cache)
         self._release_owner()
         self.k[:, :B, :, :S], self.v[:, :B, :, :S] = cache.k, cache.v
+        if self.conv is not None:  # the states of rows past B: zeros, and never written (those rows are dead)
+            self.conv.zero_(), self.ssm.zero_()
+            self.conv[:, :B], self.ssm[:, :B] = cache.conv, cache.ssm
+            cache.conv, cache.ssm = self.conv[:, :rows], self.ssm[:, :rows]
         self.key_valid.fill_(False)
         self.key_valid[:B, :S] = cache.key_valid
         self.key_valid[B:, 0] = True  # padding rows attend to one (finite) slot: no fully masked row, no NaN
@@ -163,6 +169,19 @@ class StaticDecode:
         if self.capture:
             self.pool = torch.cuda.graph_pool_handle()
 
+    def _state_room(self, cache: KVCache) -> None:
+        """Static buffers for a hybrid model's DeltaNet states, as many rows as the others (new buffers, new graphs)."""
+        kind = [(t.shape[0], *t.shape[2:], t.dtype, t.device) for t in (cache.conv, cache.ssm) if t is not None]
+        have = [(t.shape[0], *t.shape[2:], t.dtype, t.device) for t in (self.conv, self.ssm) if t is not None]
+        if kind == have and (self.conv is None or self.conv.shape[1] == len(self.tok)):
+            return
+        self._release_owner()
+        self.graphs, self.conv, self.ssm = {}, None, None
+        if kind:
+            with torch.inference_mode(False):  # normal tensors (see _make_room)
+                self.conv = cache.conv.new_zeros(kind[0][0], len(self.tok), *kind[0][1:-2])
+                self.ssm = cache.ssm.new_zeros(kind[1][0], len(self.tok), *kind[1][1:-2])
+
     def _release_owner(self) -> None:
         """The cache adopted last, if still alive, gets copies of its tensors: the buffers are about to change."""
         prev = self.owner() if self.owner else None
@@ -171,6 +190,8 @@ class StaticDecode:
                 prev.k, prev.v, prev.key_valid, prev.next_pos = (
                     t.clone() for t in (prev.k, prev.v, prev.key_valid, prev.next_pos)
                 )
+                if prev.conv is not None:
+                    prev.conv, prev.ssm = prev.conv.clone(), prev.ssm.clone()
         self.owner = None
 
     def __call__(self, model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
@@ -208,19 +229,24 @@ class StaticDecode:
 
     def _capture(self, model: Transformer, cache: KVCache, b: int) -> Callable[[], None]:
         """Record the step at batch b and cache.span as a CUDA graph writing its logits into self.logits; returns
-        its replay. A warm-up call comes first (lazy inits, cuBLAS workspaces, torch.compile's compile); its
-        writes at the current slot are the replay's own, but the positions it advanced are put back."""
+        its replay. A warm-up call comes first (lazy inits, cuBLAS workspaces, torch.compile's compile)."""
         tok, alive = self.tok[:b], self.alive[:b]
         # the graph's own view of the buffers at this span: nothing of the caller's cache object is recorded
         view = copy.copy(cache)
         view.__dict__.update(k=self.k, v=self.v, key_valid=self.key_valid, next_pos=self.next_pos, slot=self.slot)
+        view.__dict__.update(conv=self.conv, ssm=self.ssm)
 
         def step() -> Tensor:
             return self.step(model, view, tok, alive)
 
-        pos = self.next_pos.clone()
-        logits = warm_up(step)
-        self.next_pos.copy_(pos)
+        # The warm-up feeds no row (alive all False): its key writes at the slot are the replay's own, and no
+        # position or DeltaNet state moves (a skipped token leaves a state exactly as it was: deltanet.py).
+        live = alive.clone()
+        alive.fill_(False)
+        try:
+            logits = warm_up(step)
+        finally:
+            alive.copy_(live)
         if self.logits is None:  # (rows, V) in the logits' dtype, shared by every graph (a normal tensor)
             with torch.inference_mode(False):
                 self.logits = logits.new_empty(len(self.tok), logits.shape[-1])

@@ -35,7 +35,8 @@ from torch import Tensor
 
 from cli import parse_config, user_errors
 from hf import BUNDLED, bundled, load_model, save_model
-from model import Transformer, head_logprobs
+from logprobs import head_logprobs
+from model import Transformer
 from rewards import score_batch
 from sampler import generate
 from tasks import get_task, render_prompt

@@ -37,6 +37,8 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
     """Parse an HF config.json: the published layout (top-level rope_theta / rope_scaling, whose
     type key is "rope_type" or the older "type") and the transformers-5 `rope_parameters` layout."""
     mt = d.get("model_type")
+    if mt in ("qwen3_5", "qwen3_5_text"):  # Qwen3.5/3.6: a multimodal checkpoint holds its text model's config
+        d, mt = qwen3_5_text_config(d, path), "qwen3_5"
     if mt not in ARCHITECTURES:
         raise ValueError(f"{path}: model_type {mt!r} is not supported (supported: {sorted(ARCHITECTURES)}).")
     if d.get("hidden_act", "silu") != "silu":
@@ -55,8 +57,9 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
     rp = d.get("rope_parameters") or {}
     rs = dict(rp or d.get("rope_scaling") or {})
     rope_type = rs.pop("rope_type", None) or rs.pop("type", None) or "default"
-    if rs.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{path}: partial_rotary_factor is not supported.")
+    partial = rs.pop("partial_rotary_factor", d.get("partial_rotary_factor", 0.25 if mt == "qwen3_5" else 1.0))
+    if partial != 1.0 and mt != "qwen3_5":
+        raise ValueError(f"{path}: partial_rotary_factor is not supported for model_type {mt!r}.")
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"{path}: rope type {rope_type!r} is not supported (only default and 'llama3').")
     scaling = None
@@ -82,8 +85,9 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=mt == "qwen2" or bool(d.get("attention_bias", False)),  # Qwen2: hard-coded in HF
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_5"),
             model_type=mt,
+            **(hybrid_fields(d, partial) if mt == "qwen3_5" else {}),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
@@ -91,6 +95,36 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
         )
     except ValueError as e:
         raise ValueError(f"{path}: {str(e).removeprefix('ModelConfig: ')}") from None
+
+
+def qwen3_5_text_config(d: dict, path: str) -> dict:
+    """The text model's fields of a Qwen3.5/3.6 config.json: the causal-LM layout (model_type "qwen3_5_text") is flat;
+    the published multimodal one (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") nests them under
+    text_config, its head tied by the top-level tie_word_embeddings, as transformers ties it."""
+    if d.get("model_type") == "qwen3_5_text":
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{path}: model_type 'qwen3_5' needs a text_config object (the text model's fields).")
+    return text | {"tie_word_embeddings": d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+
+
+def hybrid_fields(d: dict, partial: float) -> dict:
+    """ModelConfig's Qwen3.5 fields from its config.json: each layer's mixer and the Gated DeltaNet's shape."""
+    if d.get("attn_output_gate", True) is not True:
+        raise ValueError("attn_output_gate false is not supported; Qwen3.5's attention always gates its output.")
+    types = d.get("layer_types")
+    if types is None:  # transformers' default: every full_attention_interval-th layer is full attention
+        every = d.get("full_attention_interval", 4)
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(d["num_hidden_layers"])
+        ]
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    defaults = dict(zip(keys, (16, 32, 128, 128))) | {"linear_conv_kernel_dim": 4}  # Qwen3_5TextConfig's
+    return {k: d.get(k, v) for k, v in defaults.items()} | {
+        "layer_types": tuple(types),
+        "partial_rotary_factor": partial,
+    }
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -116,12 +150,17 @@ def config_to_hf(config: ModelConfig) -> dict:
         "eos_token_id": config.eos_token_id,
         "torch_dtype": config.torch_dtype,
     }
-    if config.model_type in ("llama", "qwen3"):
+    if config.model_type in ("llama", "qwen3", "qwen3_5"):
         d["attention_bias"] = config.attention_bias
     if config.model_type in ("qwen2", "qwen3"):
         d |= {"use_sliding_window": False, "sliding_window": None}
     if config.model_type == "mistral":
         d["sliding_window"] = None
+    if config.model_type == "qwen3_5":  # the causal-LM layout, which transformers loads as Qwen3_5ForCausalLM
+        keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        d |= {k: getattr(config, k) for k in (*keys, "linear_conv_kernel_dim")}
+        d |= {"model_type": "qwen3_5_text", "layer_types": list(config.layer_types)}
+        d |= {"partial_rotary_factor": config.partial_rotary_factor, "attn_output_gate": True}
     return d
 
 
@@ -176,6 +215,17 @@ def read_model_config(path: str | os.PathLike) -> dict:
     return read_json(path / "config.json")
 
 
+def text_model_name(key: str, config: ModelConfig) -> str | None:
+    """A checkpoint tensor's name in the model, or None for one it does not use: a Qwen3.5 multimodal checkpoint
+    stores the text model under model.language_model., beside its vision tower (model.visual.) and its
+    multi-token-prediction head (mtp.), which text generation never runs."""
+    if config.model_type != "qwen3_5":
+        return key
+    if key.startswith(("model.visual.", "mtp.")):
+        return None
+    return "model." + key.removeprefix("model.language_model.") if key.startswith("model.language_model.") else key
+
+
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:
@@ -195,14 +245,17 @@ def load_model(
         try:
             tensors = {}  # name -> tensor on the file's memory map (nothing read yet)
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                for key in f.keys():
+                    name = text_model_name(key, config)
+                    if name is None:
+                        continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some exports store the tied head too; HF ignores it, so do we
                     if name not in expected:
                         raise ValueError(f"{file}: unexpected tensor {name!r} for a {config.model_type} model.")
                     if name in loaded:
                         raise ValueError(f"{file}: tensor {name!r} appears in more than one file.")
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(key)
                     if name == "model.embed_tokens.weight":
                         stored = str(t.dtype).removeprefix("torch.")
                     if t.shape != expected[name].shape:

@@ -1,7 +1,13 @@
 """kvcache.py: the KV cache and the model's steps over it. A cache holds keys and values (L, B, Hkv, slots, hd)
-for every layer and each row's state (valid slots, next RoPE position); prefill runs left-padded prompts into a new
-cache, extend appends a chunk, decode_step one token per active row (decode_step_static: the same with static
-shapes, for torch.compile and CUDA graphs). sampler.py builds sampling on these; model.py writes into the cache.
+for every attention layer, the recurrent state of every Gated DeltaNet layer (a hybrid model's, deltanet.py: the
+convolution's window and the matrix S, a fixed size whatever the length) and each row's state (valid slots, next
+RoPE position); prefill runs left-padded prompts into a new cache, extend appends a chunk, decode_step one token per
+active row (decode_step_static: the same with static shapes, for torch.compile and CUDA graphs). sampler.py builds
+sampling on these; model.py writes into the cache.
+
+A slot a row does not use (left padding, a finished row's step) is a hole: attention masks it out and a DeltaNet
+layer passes over it (the `valid` of each forward), so holes never change what a row computes. Unlike a slot of
+keys, a state cannot be rewound: a token once fed is in it.
 """
 
 import torch
@@ -23,7 +29,16 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        layers: list[int] | None = None,
+        state: tuple[list[int], tuple[int, ...], tuple[int, ...]] | None = None,
     ):
+        """layers: the model layer of each of the n_layers KV entries (default 0 .. n_layers - 1). state: the
+        DeltaNet layers and the shapes of one row's convolution window and S, (layer ids, (D, K-1), (Hv, dk, dv))."""
+        self.kv_index = {layer: i for i, layer in enumerate(range(n_layers) if layers is None else layers)}
+        ids, conv, S = state if state is not None else ([], (), ())
+        self.state_index = {layer: i for i, layer in enumerate(ids)}
+        self.conv = torch.zeros(len(ids), batch, *conv, dtype=dtype, device=device) if ids else None
+        self.ssm = torch.zeros(len(ids), batch, *S, dtype=torch.float32, device=device) if ids else None  # S
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros: never NaN garbage behind a mask
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -42,15 +57,34 @@ class KVCache:
         dtype = (
             torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.lm_head.weight.dtype
         )
-        return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, dtype=dtype, device=dev)
+        attention = [i for i in range(c.num_hidden_layers) if c.mixer(i) == "full_attention"]
+        linear = [i for i in range(c.num_hidden_layers) if c.mixer(i) == "linear_attention"]
+        state = None
+        if linear:
+            D = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+            dv = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+            state = (linear, (D, c.linear_conv_kernel_dim - 1), dv)
+        kv = (len(attention), batch, c.num_key_value_heads, max_len, c.head_dim)
+        return cls(*kv, dtype=dtype, device=dev, layers=attention, state=state)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size() + self.key_valid.numel()
+        states = sum(t.numel() * t.element_size() for t in (self.conv, self.ssm) if t is not None)
+        return 2 * self.k.numel() * self.k.element_size() + self.key_valid.numel() + states
+
+    def state(self, layer_idx: int, b: int) -> tuple[Tensor, Tensor]:
+        """A DeltaNet layer's state of the first b rows: its convolution window (b, D, K-1) and S (b, Hv, dk, dv)."""
+        j = self.state_index[layer_idx]
+        return self.conv[j, :b], self.ssm[j, :b]
+
+    def set_state(self, layer_idx: int, conv: Tensor, S: Tensor) -> None:
+        j = self.state_index[layer_idx]
+        self.conv[j, : len(conv)].copy_(conv)  # in place: the buffers a static step reads stay where they are
+        self.ssm[j, : len(S)].copy_(S)
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new k, v (b, Hkv, T, hd) of one layer; return all keys/values (b, Hkv, S, hd)."""
-        b, T = k.shape[0], k.shape[2]
+        b, T, layer_idx = k.shape[0], k.shape[2], self.kv_index[layer_idx]
         if self.slot is not None:  # static shapes (graphs, compiled decode): in-place write, `span` slots wide
             k_all, v_all = self.k[layer_idx, :b, :, : self.span], self.v[layer_idx, :b, :, : self.span]
             k_all.index_copy_(2, self.slot, k)
@@ -66,6 +100,8 @@ class KVCache:
         b, s = len(perm), self.length
         self.k[:, :b, :, :s] = self.k[:, perm, :, :s]
         self.v[:, :b, :, :s] = self.v[:, perm, :, :s]
+        if self.conv is not None:
+            self.conv[:, :b], self.ssm[:, :b] = self.conv[:, perm], self.ssm[:, perm]
         for name in ("key_valid", "next_pos", "rows"):
             getattr(self, name)[:b] = getattr(self, name)[perm]
 
@@ -85,7 +121,14 @@ class KVCache:
     def fork(self, rows: Tensor, max_len: int) -> "KVCache":
         """A new cache of len(rows) rows; row i copies the caller's row rows[i] (prefix sharing)."""
         src, s, (L, _, Hkv, _, hd) = torch.argsort(self.rows)[rows], self.length, self.k.shape
-        new = KVCache(L, len(rows), Hkv, max_len, hd, dtype=self.k.dtype, device=self.k.device)
+        layers, state = list(self.kv_index), None
+        if self.conv is not None:  # a state is copied whole: forking a thought into M answers costs its size
+            state = (list(self.state_index), self.conv.shape[2:], self.ssm.shape[2:])
+        new = KVCache(
+            L, len(rows), Hkv, max_len, hd, dtype=self.k.dtype, device=self.k.device, layers=layers, state=state
+        )
+        if state is not None:
+            new.conv[:], new.ssm[:] = self.conv[:, src], self.ssm[:, src]
         new.k[:, :, :, :s] = self.k[:, src, :, :s]
         new.v[:, :, :, :s] = self.v[:, src, :, :s]
         new.key_valid[:, :s] = self.key_valid[src, :s]
@@ -112,7 +155,7 @@ def extend(model: Transformer, cache: KVCache, ids: Tensor, valid: Tensor, logit
     cache.key_valid[:b, s : s + T] = valid
     positions = cache.next_pos[:b, None] + (valid.cumsum(1) - 1).clamp(min=0)  # (b, T); pads: junk
     mask = chunk_mask(cache.key_valid[:b, : s + T], T)
-    logits = model(ids, positions=positions, cache=cache, attn_mask=mask, logits_to_keep=logits_to_keep)
+    logits = model(ids, positions=positions, cache=cache, attn_mask=mask, logits_to_keep=logits_to_keep, valid=valid)
     cache.length += T
     cache.next_pos[:b] += valid.sum(1)
     return logits
@@ -138,7 +181,7 @@ def decode_step(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) 
     b, s = len(tok), cache.length
     cache.key_valid[:b, s] = alive  # a finished row's slot is a hole
     mask = cache.key_valid[:b, None, None, : s + 1]  # (b, 1, 1, S): one query needs no causal part
-    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask)
+    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask, valid=alive[:, None])
     cache.length += 1
     cache.next_pos[:b] += alive
     return logits[:, -1]
@@ -153,6 +196,7 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
     valid.index_copy_(1, cache.slot, alive[:, None])
     # one additive mask (0 or -inf) for every layer: SDPA would turn a boolean one into it in each layer
     mask = torch.zeros(valid.shape, dtype=cache.k.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
-    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask[:, None, None])
+    positions, mask = cache.next_pos[:b, None], mask[:, None, None]
+    logits = model(tok[:, None], positions=positions, cache=cache, attn_mask=mask, valid=alive[:, None])
     cache.next_pos[:b] += alive
     return logits[:, -1]

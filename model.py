@@ -1,5 +1,6 @@
-"""The policy model: a Llama / Qwen2 / Qwen3 decoder in plain PyTorch and the one log-prob formula
-(on logits for the sampler, through lm_head chunk by chunk for the trainer).
+"""The policy model: a Llama / Mistral / Qwen2 / Qwen3 decoder in plain PyTorch, and Qwen3.5/3.6's hybrid of it, whose
+layers are three Gated DeltaNet (deltanet.py) to one full attention with an output gate, partial rotary and
+zero-centred norms. Its log-probs are logprobs.py's.
 
 Parameter names equal the Hugging Face checkpoint keys, so loading is a strict name-by-name copy
 (hf.py reads and writes checkpoint directories; tokenizer.py owns the tokenizer and chat templates).
@@ -16,13 +17,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from deltanet import GatedDeltaNet
+
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")  # config.json torch_dtype values we read and write
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",  # the hybrid: Gated DeltaNet (deltanet.py) and gated full attention
 }
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 # ----------------------------------------------------------------------------- config
@@ -42,8 +47,17 @@ class ModelConfig:
     rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
     tie_word_embeddings: bool = False  # lm_head shares embed_tokens' Parameter
     attention_bias: bool = False  # q/k/v bias (Qwen2: always True)
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    model_type: str = "qwen2"  # "llama" | "mistral" | "qwen2" | "qwen3"
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, Qwen3.5)
+    model_type: str = "qwen2"  # "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_5"
+    # Qwen3.5: each layer's mixer, gated attention over the first partial_rotary_factor of each head rotated,
+    # zero-centred norms (x * (1 + w)), and the Gated DeltaNet's heads and convolution
+    layer_types: tuple[str, ...] | None = None  # "full_attention" | "linear_attention" per layer
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
     max_position_embeddings: int = 4096  # informational: no tensor depends on it
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -57,8 +71,20 @@ class ModelConfig:
             raise ValueError("ModelConfig: model_type 'qwen2' always has q/k/v bias; set attention_bias=True.")
         if self.model_type == "mistral" and self.attention_bias:
             raise ValueError("ModelConfig: model_type 'mistral' has no q/k/v bias; use 'llama' for a biased model.")
-        if self.qk_norm != (self.model_type == "qwen3"):
-            raise ValueError("ModelConfig: qk_norm must be True exactly when model_type is 'qwen3'.")
+        if self.qk_norm != (self.model_type in ("qwen3", "qwen3_5")):
+            raise ValueError("ModelConfig: qk_norm must be True exactly when model_type is 'qwen3' or 'qwen3_5'.")
+        hybrid, types = self.model_type == "qwen3_5", self.layer_types
+        if hybrid != (types is not None) or (hybrid and len(types) != self.num_hidden_layers):
+            raise ValueError("ModelConfig: layer_types must list every layer exactly when model_type is 'qwen3_5'.")
+        if hybrid and not set(types) <= set(LAYER_TYPES):
+            raise ValueError(f"ModelConfig: layer_types may only hold {LAYER_TYPES}, got {sorted(set(types))}.")
+        if hybrid and "linear_attention" in types and self.linear_num_value_heads % max(self.linear_num_key_heads, 1):
+            raise ValueError("ModelConfig: linear_num_value_heads must be a multiple of linear_num_key_heads.")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(
+                f"ModelConfig: partial_rotary_factor {self.partial_rotary_factor} must give an even "
+                f"rotary dimension in (0, head_dim]."
+            )
         if self.torch_dtype not in CHECKPOINT_DTYPES:
             raise ValueError(f"ModelConfig: torch_dtype {self.torch_dtype!r} is not one of {CHECKPOINT_DTYPES}.")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -71,17 +97,29 @@ class ModelConfig:
                     f"only 'llama3' scaling with keys {sorted(need)} is implemented."
                 )
 
+    @property
+    def rotary_dim(self) -> int:  # the leading dimensions of each head that RoPE rotates
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def mixer(self, layer_idx: int) -> str:
+        return self.layer_types[layer_idx] if self.layer_types else "full_attention"
+
 
 # ----------------------------------------------------------------------------- the transformer
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.zero_centred = eps, zero_centred  # Qwen3.5: x * (1 + weight), the weight starting at 0
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.zero_centred:  # scaled in float32, then cast (transformers' Qwen3.5 order)
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(
+                x.dtype
+            )
         # x * rsqrt(mean(x^2) + eps) * weight. HF's order: normalise in float32, cast back to the input
         # dtype, THEN scale (matters in bf16). In float32 the fused kernel computes exactly that.
         if x.dtype == torch.float32:
@@ -91,7 +129,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
     """(hd/2,) float32 inverse frequencies, with Llama 3.1's smooth frequency scaling if configured."""
-    hd = config.head_dim
+    hd = config.rotary_dim
     inv = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
     if config.rope_scaling is None:
         return inv
@@ -121,6 +159,9 @@ def rope_cos_sin(positions: Tensor, config: ModelConfig, dtype: torch.dtype) -> 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # Split halves ("rotate_half", GPT-NeoX), NOT interleaved pairs: HF weights are permuted for this.
     # HF: x * cos + cat(-x2, x1) * sin; the minus sign lives in rope_cos_sin's sin (exact: a negation).
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary (Qwen3.5): the leading dimensions rotate, the rest pass
+        r = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
@@ -150,17 +191,20 @@ class Attention(nn.Module):
             config.head_dim,
         )
         C, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(C, self.H * self.hd, bias=bias)
+        self.gated = config.model_type == "qwen3_5"  # q_proj also gives each head a sigmoid gate on its output
+        self.q_proj = nn.Linear(C, self.H * self.hd * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(C, self.Hkv * self.hd, bias=bias)
         self.v_proj = nn.Linear(C, self.Hkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.H * self.hd, C, bias=False)
+        self.o_proj = nn.Linear(self.H * self.hd, C, bias=bias and self.gated)  # Qwen3.5's attention_bias: o too
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.hd, config.rms_norm_eps, zero_centred=self.gated)
+            self.k_norm = RMSNorm(self.hd, config.rms_norm_eps, zero_centred=self.gated)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache, attn_mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.hd)  # (B, T, H, hd)
+        q = self.q_proj(x).view(B, T, self.H, -1)  # (B, T, H, hd), or per head [q_h | gate_h] when gated
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x).view(B, T, self.Hkv, self.hd)  # (B, T, Hkv, hd)
         v = self.v_proj(x).view(B, T, self.Hkv, self.hd)
         if hasattr(self, "q_norm"):  # Qwen3: per-head norm BEFORE RoPE
@@ -169,8 +213,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd): all keys so far
-        y = attend(q, k, v, attn_mask)  # (B, H, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.hd))
+        y = attend(q, k, v, attn_mask).transpose(1, 2)  # (B, T, H, hd)
+        y = y * torch.sigmoid(gate) if self.gated else y
+        return self.o_proj(y.reshape(B, T, self.H * self.hd))
 
 
 class MLP(nn.Module):
@@ -233,13 +278,21 @@ class _SwiGLUDown(torch.autograd.Function):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        C, eps, zc = config.hidden_size, config.rms_norm_eps, config.model_type == "qwen3_5"
+        self.input_layernorm = RMSNorm(C, eps, zero_centred=zc)
+        if config.mixer(layer_idx) == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(C, eps, zero_centred=zc)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None, attn_mask: Tensor | None = None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attn_mask)
+    def forward(self, x, cos, sin, cache=None, attn_mask: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
+        h = self.input_layernorm(x)
+        if hasattr(self, "linear_attn"):  # attends to no mask: its state holds the past; `valid` skips tokens
+            x = x + self.linear_attn(h, cache, valid)
+        else:
+            x = x + self.self_attn(h, cos, sin, cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -252,14 +305,14 @@ class Transformer(nn.Module):
             dict(
                 embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
                 layers=nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers)),
-                norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+                norm=RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=config.model_type == "qwen3_5"),
             )
         )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         for m in self.modules():  # HF-style init (std 0.02) for models built from scratch
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
+            if isinstance(m, (nn.Linear, nn.Conv1d)) and m.bias is not None:
                 nn.init.zeros_(m.bias)
         if config.tie_word_embeddings:  # share the Parameter, so training updates both
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -272,6 +325,7 @@ class Transformer(nn.Module):
         attn_mask: Tensor | None = None,
         logits_to_keep: int = 0,
         hidden: bool = False,
+        valid: Tensor | None = None,
     ) -> Tensor:
         """input_ids (B, T) -> logits (B, T or logits_to_keep, V) in the model dtype, or with
         hidden=True the final-norm hidden states (B, T or logits_to_keep, C) that lm_head would see:
@@ -279,7 +333,8 @@ class Transformer(nn.Module):
 
         positions (B, T): RoPE position of each token (default arange(T)). cache: an object with
         `update(layer_idx, k, v) -> (k_all, v_all)`. attn_mask (B, 1, T, S) bool, True = attend,
-        used as given; without mask and cache the forward is plainly causal."""
+        used as given; without mask and cache the forward is plainly causal. valid (B, T) bool: the real tokens
+        (False: padding), what Gated DeltaNet layers skip (deltanet.py); attention layers read attn_mask."""
         B, T = input_ids.shape
         if cache is not None and attn_mask is None:
             # is_causal is top-left aligned: wrong as soon as the cache already holds keys
@@ -291,165 +346,15 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config, x.dtype)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, cache, attn_mask, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, cache, attn_mask, valid, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cache, attn_mask)
+                x = layer(x, cos, sin, cache, attn_mask, valid)
         x = self.model.norm(x)
         if logits_to_keep > 0:
             # contiguous: on a strided slice, a bf16 lm_head falls back to a batched matmul that copies its
             # (V, C) weight once per row (8.4 of a bf16 sampler's 11.2 s at Qwen2.5-0.5B's shape)
             x = x[:, -logits_to_keep:].contiguous()
         return x if hidden else self.lm_head(x)  # (B, T, C) or (B, T, V)
-
-
-# ----------------------------------------------------------------------------- log-probs
-
-
-def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """THE log-prob formula: x = logits.float() / temperature, logp = x[target] - logsumexp(x).
-    logits (n, V), targets (n,) -> logp (n,), logsumexp (n,), float32. Every log-prob in the repo
-    (sampler, trainer, eval) is this function applied to some rows of logits."""
-    x = logits.float() / temperature
-    lse = torch.logsumexp(x, dim=-1)
-    return x.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
-
-
-def _entropy(logits: Tensor, temperature: float, lse: Tensor | None = None) -> Tensor:
-    """Entropy of softmax(x), x = logits.float() / temperature: H = logsumexp(x) - sum p x. (n, V) -> (n,)."""
-    x = logits.float() / temperature
-    lse = torch.logsumexp(x, dim=-1) if lse is None else lse
-    return lse - (torch.softmax(x, dim=-1) * x).sum(-1)
-
-
-def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tensor:
-    """Apply fn to row chunks of logits (N, V); under autograd each chunk is checkpointed, so only
-    one chunk's float32 copy exists at a time, in forward and in backward."""
-    step = chunk_rows or max(1, 2**24 // logits.shape[-1])  # default: ~64 MB of float32 per chunk
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    outs = []
-    for i in range(0, logits.shape[0], step):
-        chunk = [logits[i : i + step], *(a[i : i + step] for a in args)]
-        outs.append(checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk))
-    return torch.cat(outs) if outs else logits.new_empty(0, dtype=torch.float32)
-
-
-def _check_temperature(name: str, temperature: float) -> None:
-    if temperature <= 0:
-        raise ValueError(f"{name}: temperature must be > 0, got {temperature}.")
-
-
-def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
-    """log_softmax(logits.float() / temperature) at targets: logits (..., V), targets (...) long
-    -> float32 (...). For logits that already exist (the sampler's (B, V) rows); training goes
-    through `head_logprobs` instead, which never builds them."""
-    _check_temperature("token_logprobs", temperature)
-    V = logits.shape[-1]
-    fn = lambda x, t: _logp_lse(x, t, temperature)[0]  # noqa: E731 (n, V), (n,) -> (n,)
-    return _chunked(fn, logits.reshape(-1, V), targets.reshape(-1), chunk_rows=chunk_rows).view(targets.shape)
-
-
-def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
-    """Entropy of softmax(logits.float() / temperature): logits (..., V) -> float32 (...)."""
-    _check_temperature("token_entropy", temperature)
-    V = logits.shape[-1]
-    fn = lambda x: _entropy(x, temperature)  # noqa: E731
-    return _chunked(fn, logits.reshape(-1, V), chunk_rows=chunk_rows).view(logits.shape[:-1])
-
-
-class _HeadLogprobs(torch.autograd.Function):
-    """logp = _logp_lse(hidden @ weight.T, targets) over row chunks; backward recomputes each chunk's
-    logits and applies d logp / d logits = (onehot(target) - softmax(x)) / temperature by hand.
-
-    A hand-written backward rather than torch.utils.checkpoint per chunk: it saves only the (N,)
-    logsumexp, computes entropy once in forward (checkpoint would recompute it), skips the
-    recomputed logsumexp and its backward, and sums weight's gradient over the chunks in ONE
-    float32 buffer (checkpoint hands autograd one (V, C) gradient per chunk to add up, in bf16
-    under autocast)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad=False):
-        w = weight.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's weight cache does)
-        N = hidden.shape[0]
-        logp = hidden.new_empty(N, dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
-        for i in range(0, N, step):
-            logits = hidden[i : i + step].to(dtype) @ w.T  # (n, V): the only logits alive
-            logp[i : i + step], lse[i : i + step] = _logp_lse(logits, targets[i : i + step], temperature)
-            if want_entropy:
-                ent[i : i + step] = _entropy(logits, temperature, lse[i : i + step])
-        ctx.save_for_backward(hidden, w, targets, lse, ent if entropy_grad else lse.new_empty(0))
-        ctx.temperature, ctx.dtype, ctx.step, ctx.weight_dtype = temperature, dtype, step, weight.dtype
-        ctx.entropy_grad = entropy_grad
-        if not entropy_grad:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logp, g_ent):
-        hidden, w, targets, lse, ent = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[:2]
-        g_h = torch.empty_like(hidden) if need_h else None
-        g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
-        for i in range(0, hidden.shape[0], ctx.step):
-            h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
-            x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
-            if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
-                log_p = x.sub_(lse[i : i + ctx.step, None])
-                p = log_p.exp()
-                e = g_ent[i : i + ctx.step, None]
-                d = p * -g[:, None] - e * p * (log_p + ent[i : i + ctx.step, None])
-            else:
-                d = x.sub_(lse[i : i + ctx.step, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
-            d.scatter_add_(1, t[:, None], g[:, None])  # + g at the target: g * (onehot - softmax)
-            d = d.div_(ctx.temperature).to(ctx.dtype)  # d logp / d logits, in the matmul dtype
-            if need_h:
-                g_h[i : i + ctx.step] = d @ w  # (n, C)
-            if need_w:
-                if d.dtype == g_w.dtype:  # (V, C), summed in float32 across chunks
-                    g_w.addmm_(d.T, h)  # in place: no (V, C) temporary per chunk
-                else:  # autocast: the chunk's product in the matmul dtype, then added
-                    g_w += d.T @ h
-        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None
-
-
-def head_logprobs(
-    head: nn.Module,
-    hidden: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    *,
-    entropy: bool = False,
-    entropy_grad: bool = False,
-    chunk_tokens: int | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """token_logprobs(lm_head(hidden), targets, temperature) without ever holding more than one
-    chunk of logits, in forward or backward (at a 152k vocabulary the logits would be the largest
-    tensor of a training step).
-
-    head: the Transformer (its lm_head is used) or the lm_head Linear. hidden (..., C), e.g. from
-    `model(ids, hidden=True)`; targets (...) long. Returns logp (...) float32, differentiable
-    w.r.t. hidden and lm_head.weight (a tied embedding included), and, if entropy, the entropy of
-    softmax(logits / temperature) (...) float32, else None; without grad unless entropy_grad (an entropy bonus:
-    the backward then adds the entropy's gradient, -p (log p + H) / temperature per logit, chunk by chunk). Under
-    autocast the matmul runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))`
-    would.
-    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits)."""
-    _check_temperature("head_logprobs", temperature)
-    lm_head = getattr(head, "lm_head", head)
-    if getattr(lm_head, "bias", None) is not None:
-        raise ValueError("head_logprobs: lm_head has a bias; only bias-free heads are supported.")
-    weight = lm_head.weight  # (V, C)
-    dev = hidden.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    step = chunk_tokens or max(1, 2**24 // weight.shape[0])
-    C = hidden.shape[-1]
-    with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
-        logp, ent = _HeadLogprobs.apply(
-            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy, entropy_grad
-        )
-    return logp.view(targets.shape), ent.view(targets.shape) if entropy else None
 
 
 # ----------------------------------------------------------------------------- precision copies

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from kvcache import chunk_mask
-from model import head_logprobs
+from logprobs import head_logprobs
 
 
 @dataclass
@@ -247,16 +247,27 @@ def split_rows(batch: Batch, size: int, max_tokens: int = 0) -> list[torch.Tenso
 
 class PromptKV:
     """KV-cache stand-in for the shared-prompt forward: records each layer's keys/values of the
-    prompts (keeping their autograd graph); `rows(prompt_of)` then serves the completion rows,
-    prepending their prompt's keys/values to their own."""
+    prompts (keeping their autograd graph), and a hybrid's DeltaNet layers' states after them; `rows(prompt_of)`
+    then serves the completion rows, prepending their prompt's keys/values to their own and starting each
+    DeltaNet layer from its prompt's state."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: PromptRows | None = None) -> None:
+        self.inner = inner  # what these sequences continue themselves (a hybrid's trunks: their shared prompts)
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inner is not None:
+            k, v = self.inner.update(layer_idx, k, v)
         self.k[layer_idx], self.v[layer_idx] = k, v
         return k, v
+
+    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.inner is None else self.inner.state(layer_idx, batch)  # None: the empty state
+
+    def set_state(self, layer_idx: int, conv: torch.Tensor, S: torch.Tensor) -> None:
+        self.states[layer_idx] = conv, S
 
     def rows(self, prompt_of: torch.Tensor) -> PromptRows:
         return PromptRows(self, prompt_of)
@@ -275,6 +286,50 @@ class PromptRows:
         pv = self.prompts.v[layer_idx].index_select(0, self.prompt_of)
         return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
 
+    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.index_select(0, self.prompt_of) for t in self.prompts.states[layer_idx])
+
+    def set_state(self, layer_idx: int, conv: torch.Tensor, S: torch.Tensor) -> None:
+        pass  # nothing continues the rows
+
+
+def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_valid: torch.Tensor | None = None):
+    """The packed rows' hidden states (B, T', C) for a model with Gated DeltaNet layers (a Qwen3.5 hybrid), whose
+    state no attention mask can keep from reading across the answers of a tree row. Each row's trunk (its prompt,
+    unless shared, then its thought) runs once, recording each layer's keys and values and each DeltaNet layer's
+    state at the trunk's end (PromptKV); its M answers then run as M rows of their own, attending to the trunk's keys
+    and starting from its state, so each answer sees the prompt, its thought and itself, as the tree mask says. The
+    hidden states go back to their packed slots. Cost: the packed row's tokens, in two forwards (no T' x T' mask);
+    each answer reads a copy of the trunk's state (Hv dk dv floats per layer). prompts, prompt_valid (B, Lp): with a
+    shared prompt, the trunks continue it (its rows and their padding)."""
+    ids, pos, dev = batch.packed_ids, batch.packed_pos, batch.packed_ids.device
+    B, Tp = ids.shape
+    ans = torch.where(batch.to_logical >= 0, batch.answer_id.flatten()[batch.to_logical.clamp(min=0)], -1)
+    M, slot = int(ans.max()) + 1, torch.arange(Tp, device=dev)
+    trunk_len = torch.where(ans >= 0, slot, Tp).amin(1)  # the trunk is what comes before the first answer
+    Lt = max(int(trunk_len.max()), 1)
+    valid = slot[:Lt] < trunk_len[:, None]  # (B, Lt)
+    keys = valid if prompt_valid is None else torch.cat([prompt_valid, valid], 1)  # the trunk's keys, (B, Sk)
+    causal = torch.ones(Lt, Lt, dtype=torch.bool, device=dev).tril()
+    mask = torch.cat([keys[:, None, None, : keys.shape[1] - Lt].expand(-1, 1, Lt, -1), causal.expand(B, 1, Lt, Lt)], 3)
+    trunk = PromptKV(prompts)
+    kw = dict(cache=trunk, attn_mask=mask, valid=valid, hidden=True)
+    h = getattr(model, "module", model)(ids[:, :Lt], positions=pos[:, :Lt], **kw)  # DDP: the answers' pass is its own
+    # each answer as a row: its slots start[b, j] .. + length[b, j] (contiguous), right-padded to La
+    length = torch.stack([(ans == j).sum(1) for j in range(M)], 1)  # (B, M)
+    start = torch.stack([torch.where(ans == j, slot, Tp).amin(1) for j in range(M)], 1)
+    La = max(int(length.max()), 1)
+    own = torch.arange(La, device=dev) < length[..., None]  # (B, M, La)
+    at = (start[..., None] + torch.arange(La, device=dev)).clamp(max=Tp - 1).view(B, M * La)
+    of = torch.arange(B, device=dev).repeat_interleave(M)
+    tril = torch.ones(La, La, dtype=torch.bool, device=dev).tril()
+    mask = torch.cat([keys[of][:, None, None, :].expand(-1, 1, La, -1), tril.expand(B * M, 1, La, La)], 3)
+    a_ids, a_pos = (x.gather(1, at).view(B * M, La) for x in (ids, pos))
+    ha = model(a_ids, positions=a_pos, cache=trunk.rows(of), attn_mask=mask, valid=own.view(B * M, La), hidden=True)
+    out = torch.cat([h, h.new_zeros(B, Tp - Lt, h.shape[-1])], 1) if Tp > Lt else h[:, :Tp]
+    flat = (torch.arange(B, device=dev)[:, None] * Tp + at).view(B, M, La)[own]  # packed slot of each answer token
+    return out.flatten(0, 1).index_copy(0, flat, ha.flatten(0, 1)[own.flatten()]).view(B, Tp, -1)
+
 
 def token_stats(
     model,
@@ -288,12 +343,16 @@ def token_stats(
     (B, T) float32 in the logical layout (0 at prompt and padding positions).
 
     The model runs on the packed rows and returns hidden states; only the completion tokens' ones go
-    through lm_head, chunk by chunk (model.head_logprobs), so no (rows, T, V) logits ever exist.
+    through lm_head, chunk by chunk (logprobs.head_logprobs), so no (rows, T, V) logits ever exist.
     Token t is predicted by the hidden state at t - 1, except the first token of a segment that does
     not follow its predecessor (the `jumps`: answer j > 0 is predicted from its thought's end, a
     row's first token from its shared prompt's end)."""
     ids, first = batch.packed_ids, None
-    if batch.prompt_ids is None:
+    config = getattr(model, "module", model).config
+    tree = batch.packed_attn is not None and "linear_attention" in (config.layer_types or ())  # tree_hidden
+    if batch.prompt_ids is None and tree:
+        hidden = tree_hidden(model, batch)
+    elif batch.prompt_ids is None:
         hidden = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn, hidden=True)  # (B, T', C)
     else:  # 1. each prompt once, recording its keys/values  2. the rows, attending to their prompt's
         prompts, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
@@ -301,14 +360,17 @@ def token_stats(
         # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward.
         # Its last hidden state predicts each row's token 0; that use also keeps every layer's output in
         # the backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
-        kw = dict(cache=prompts, attn_mask=chunk_mask(valid, Lp), logits_to_keep=1, hidden=True)
+        kw = dict(cache=prompts, attn_mask=chunk_mask(valid, Lp), logits_to_keep=1, hidden=True, valid=valid)
         first = getattr(model, "module", model)(batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), **kw)
         first = first[:, 0].index_select(0, of)  # (B, C); index_select: see PromptRows.update
         own = batch.packed_attn
-        if own is None:
-            own = torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
-        mask = torch.cat([valid[of][:, None, None, :].expand(-1, 1, Tp, Lp), own], 3)  # (B, 1, T', Lp + T')
-        hidden = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask, hidden=True)
+        if tree:
+            hidden = tree_hidden(model, batch, prompts.rows(of), valid.index_select(0, of))
+        else:
+            if own is None:
+                own = torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
+            mask = torch.cat([valid[of][:, None, None, :].expand(-1, 1, Tp, Lp), own], 3)  # (B, 1, T', Lp + T')
+            hidden = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask, hidden=True)
 
     # The slot whose hidden state predicts each packed token: the one before it, or its jump's source.
     source = torch.arange(-1, ids.shape[1] - 1, device=ids.device).expand_as(ids).clone()

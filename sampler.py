@@ -51,7 +51,8 @@ from torch import Tensor
 
 from graphs import StaticDecode, batch_bucket, compiled
 from kvcache import KVCache, chunk_mask, decode_step, decode_step_static, extend, prefill  # noqa: F401  (still sampler.X)
-from model import Transformer, token_logprobs
+from logprobs import token_logprobs
+from model import Transformer
 from stop_text import StopText, TextWatch, text_hits, watch_text
 
 COMPACT_WHEN_DONE = 0.5  # compact the batch once this fraction of the active rows has finished
@@ -259,6 +260,8 @@ def decode(
     mark = torch.tensor(list(marker), dtype=torch.long, device=dev)
     watch = watch_text(stop_text, logits.shape[-1], cache) if stop_text is not None else None
     sync_every = host_sync_every(dev)
+    if watch is not None and cache.conv is not None:  # a DeltaNet state cannot be cut back: find the marker at once
+        sync_every = 1
     draw_next = sample_next
     if static_step is not None:
         static_step = static_step if isinstance(static_step, StaticDecode) else StaticDecode(static_step)

@@ -26,7 +26,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from cli import parse_config, user_errors
 from hf import BUNDLED, BUNDLED_DIR, save_model
-from model import ModelConfig, Transformer, token_logprobs
+from logprobs import token_logprobs
+from model import ModelConfig, Transformer
 from tasks import SYNTHETIC_CHARS, get_task, render_prompt, sft_completion
 from tokenizer import load_tokenizer
 

@@ -39,7 +39,8 @@ from random_checkpoint import MODELS  # noqa: E402
 
 from distributed import fixed_mmap_threshold, memory_peak  # noqa: E402
 from hf import config_from_hf  # noqa: E402
-from model import Transformer, head_logprobs  # noqa: E402
+from logprobs import head_logprobs  # noqa: E402
+from model import Transformer  # noqa: E402
 
 
 def step(model: Transformer, ids: torch.Tensor, autocast: bool) -> dict:

@@ -48,7 +48,7 @@ def step_side(path: str, rank: int, rows: int, tokens: int, steps: int, seed: in
     import lora
     from distributed import fixed_mmap_threshold, memory_peak
     from hf import load_model
-    from model import head_logprobs
+    from logprobs import head_logprobs
 
     fixed_mmap_threshold()  # as train.py: freed activations go back to the OS
     cpu = torch.device("cpu")

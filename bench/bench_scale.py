@@ -75,8 +75,9 @@ from random_checkpoint import MODELS, checkpoint  # noqa: E402
 from fused import fuse_for_sampling  # noqa: E402
 from graphs import can_compile, decode_runner  # noqa: E402
 from hf import config_from_hf, load_model  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
 from methods.mismatch import truncated_is_weights  # noqa: E402
-from model import Transformer, cast_copy, token_logprobs  # noqa: E402
+from model import Transformer, cast_copy  # noqa: E402
 from sampler import generate  # noqa: E402
 
 FULL = dict(batches=(16, 64), new_tokens=128)  # the sampler sizes; the header says what a run scaled

@@ -61,7 +61,8 @@ from decode_profile import copy_bandwidth, first_differences, floor_ms, step_pro
 from fused import fuse_for_sampling  # noqa: E402
 from graphs import StaticDecode, decode_runner  # noqa: E402
 from hf import load_model  # noqa: E402
-from model import Transformer, cast_copy, head_logprobs  # noqa: E402
+from logprobs import head_logprobs  # noqa: E402
+from model import Transformer, cast_copy  # noqa: E402
 from sampler import Generation, decode_step_static, generate  # noqa: E402
 
 TINY = ROOT / "assets" / "tiny-model"

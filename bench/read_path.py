@@ -42,7 +42,16 @@ LAYERS = {
     "tasks and rewards": ("tasks.py", "data.py", "rewards.py", "math_answers.py", "math_equal.py", "sandbox.py"),
     "methods' seams": ("methods/__init__.py",),
 }
-LANGUAGE_MODEL = ("model.py", "hf.py", "tokenizer.py", "kvcache.py", "sampler.py", "stop_text.py")
+LANGUAGE_MODEL = (
+    "model.py",
+    "deltanet.py",
+    "logprobs.py",
+    "hf.py",
+    "tokenizer.py",
+    "kvcache.py",
+    "sampler.py",
+    "stop_text.py",
+)
 STEP = ("sample", "score", "pack", "split_rows", "select_rows", "score_pass", "advantages", "update")
 SEAMS = ("chain", "metrics")  # the seams main() calls itself
 # The fields of the step's record (pack.Batch, losses.Tokens) that only methods fill: the tokens the policy did not

@@ -8,7 +8,7 @@ the policy loss and the bonus is verl's entropy_coeff * agg_loss(entropy) for th
 
 Seam: the loss's extra term, added in the update after policy_loss: loss = loss - entropy_bonus(ent, tok.weight, ...).
 What the trainer must supply: the token entropy WITH its gradient, in every epoch's update pass. Today
-pack.token_stats(entropy=True) returns it from model.head_logprobs, whose chunked autograd function marks the entropy
+pack.token_stats(entropy=True) returns it from logprobs.head_logprobs, whose chunked autograd function marks the entropy
 non-differentiable (and the update asks for it only in the first epoch, for a metric). Needed there: keep the entropy
 differentiable and, in _HeadLogprobs.backward, add g_ent * dH/dlogits to each chunk's d logp / d logits, where
 dH/dlogits = -p (log p + H) / temperature (entropy_logit_grad below; the logits are recomputed per chunk already, so

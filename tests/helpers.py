@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3")  # the hybrid qwen3_5 has its own tests (test_qwen35.py)
+QWEN35_PATTERN = ["linear_attention"] * 3 + ["full_attention"]  # the published checkpoints' [L, L, L, F] repeat
 
 
 def make_hf_model(
@@ -22,7 +23,7 @@ def make_hf_model(
     vocab_size: int = 128,
     hidden_size: int = 64,
     intermediate_size: int = 128,
-    num_hidden_layers: int = 2,
+    num_hidden_layers: int | None = None,  # 2, and 4 (one [L, L, L, F]) for qwen3_5
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     head_dim: int | None = None,
@@ -31,14 +32,16 @@ def make_hf_model(
 ):
     """A tiny transformers *ForCausalLM in float32 and eval mode, every parameter randomised
     (weights and biases N(0, 0.05), norm weights 1 + 0.1 N(0, 1)). family: llama (Llama 3 with
-    llama3 RoPE scaling, rope_theta 5e5) | qwen2 (q/k/v bias) | qwen3 (q/k norm, explicit head_dim)."""
+    llama3 RoPE scaling, rope_theta 5e5) | qwen2 (q/k/v bias) | qwen3 (q/k norm, explicit head_dim) | qwen3_5
+    (Qwen3.5's hybrid: num_hidden_layers in the [L, L, L, F] pattern, partial rotary 0.25, its zero-centred norm
+    weights 0.1 N(0, 1), A_log over the published range)."""
     import transformers
 
     kw = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
+        num_hidden_layers=num_hidden_layers or (4 if family == "qwen3_5" else 2),
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         tie_word_embeddings=tied,
@@ -66,6 +69,12 @@ def make_hf_model(
     elif family == "qwen3":
         kw |= dict(rope_theta=1000000.0, head_dim=head_dim or 32)  # != hidden / heads = 16
         cls, model_cls = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+    elif family == "qwen3_5":
+        L = kw["num_hidden_layers"]
+        kw |= dict(head_dim=head_dim or 32, layer_types=(QWEN35_PATTERN * L)[:L])
+        kw |= dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+        cls, model_cls = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}")
     if head_dim is not None:
@@ -76,6 +85,10 @@ def make_hf_model(
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+            if family == "qwen3_5" and "norm" in name and "linear_attn" not in name:
+                p.copy_(0.1 * noise)  # x * (1 + w)
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=g).log())  # transformers' init range
     return model.float().eval()
 
 

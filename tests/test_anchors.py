@@ -19,8 +19,8 @@ import torch
 import train
 from helpers import BUNDLED, SMALL_RUN
 from hf import load_model
+from logprobs import token_logprobs
 from methods import dagrpo
-from model import token_logprobs
 from pack import Answer, Group, completions, per_completion, rollouts
 from sampler import Tree
 from tasks import get_task, no_reference, render_prompt, sft_completion, solution_completion

@@ -628,7 +628,7 @@ def test_head_logprobs_entropy_gradient_equals_autograd():
     entropy bonus would then train nothing, or the wrong thing): with entropy_grad, d(a*logp + b*H) / d(hidden,
     weight) equals autograd through the full logits, over several chunks and at two temperatures; without it the
     entropy carries no gradient and the log-probs' gradient is unchanged."""
-    from model import head_logprobs, token_entropy, token_logprobs
+    from logprobs import head_logprobs, token_entropy, token_logprobs
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, generator=g, dtype=F64)

@@ -1,4 +1,4 @@
-"""The log-prob functions of model.py: token_logprobs / token_entropy on existing logits (the
+"""The log-prob functions of logprobs.py: token_logprobs / token_entropy on existing logits (the
 sampler's), and head_logprobs, which turns hidden states into target log-probs through lm_head
 chunk by chunk and must equal the unchunked formula in value and gradient while never holding
 (N, V) logits, in forward or backward. Tiny random models, CPU."""
@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import logprobs as L
 import model as M
 
 TOL = dict(atol=1e-6, rtol=1e-6)
@@ -56,18 +57,18 @@ def test_token_logprobs_and_entropy_match_reference():
     for T in (1.0, 0.7):
         ref = torch.log_softmax(logits.double() / T, -1).gather(-1, targets[..., None]).squeeze(-1)
         for chunk in (None, 1, 4):
-            out = M.token_logprobs(logits, targets, temperature=T, chunk_rows=chunk)
+            out = L.token_logprobs(logits, targets, temperature=T, chunk_rows=chunk)
             assert out.dtype == torch.float32 and out.shape == targets.shape
             torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
         p = torch.softmax(logits.double() / T, -1)
-        ent = M.token_entropy(logits, temperature=T, chunk_rows=4)
+        ent = L.token_entropy(logits, temperature=T, chunk_rows=4)
         torch.testing.assert_close(ent.double(), -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
-    bf = M.token_logprobs(logits.bfloat16(), targets)
+    bf = L.token_logprobs(logits.bfloat16(), targets)
     assert bf.dtype == torch.float32
     ref_bf = torch.log_softmax(logits.bfloat16().double(), -1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(bf.double(), ref_bf, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="temperature"):
-        M.token_logprobs(logits, targets, temperature=0.0)
+        L.token_logprobs(logits, targets, temperature=0.0)
 
 
 def test_token_logprobs_gradient_through_chunks():
@@ -77,13 +78,13 @@ def test_token_logprobs_gradient_through_chunks():
     logits = torch.randn(4, 5, 30, generator=g, requires_grad=True)
     targets = torch.randint(0, 30, (4, 5), generator=g)
     w = torch.randn(4, 5, generator=g)
-    (M.token_logprobs(logits, targets, 0.8, chunk_rows=3) * w).sum().backward()
+    (L.token_logprobs(logits, targets, 0.8, chunk_rows=3) * w).sum().backward()
     ours = logits.grad.clone()
     logits.grad = None
     (torch.log_softmax(logits / 0.8, -1).gather(-1, targets[..., None]).squeeze(-1) * w).sum().backward()
     torch.testing.assert_close(ours, logits.grad, atol=1e-6, rtol=1e-5)
     logits.grad = None
-    M.token_entropy(logits, chunk_rows=3).sum().backward()
+    L.token_entropy(logits, chunk_rows=3).sum().backward()
     ours = logits.grad.clone()
     logits.grad = None
     p = torch.softmax(logits, -1)
@@ -111,18 +112,18 @@ def test_head_logprobs_equal_unchunked(tied, chunk):
     weight = m.lm_head.weight
     assert (weight is m.model.embed_tokens.weight) == tied
 
-    ours, (gh, gw) = grads_of(lambda: M.head_logprobs(m, hidden, targets, T, chunk_tokens=chunk)[0], hidden, weight)
+    ours, (gh, gw) = grads_of(lambda: L.head_logprobs(m, hidden, targets, T, chunk_tokens=chunk)[0], hidden, weight)
     ref, (rh, rw) = grads_of(lambda: reference(m.lm_head, hidden, targets, T)[0], hidden, weight)
     assert ours.dtype == torch.float32 and ours.shape == (37,)
     torch.testing.assert_close(ours, ref, **TOL)
     torch.testing.assert_close(gh, rh, **TOL)
     torch.testing.assert_close(gw, rw, **TOL)
 
-    logp, ent = M.head_logprobs(m.lm_head, hidden, targets, T, entropy=True, chunk_tokens=chunk)  # the Linear too
+    logp, ent = L.head_logprobs(m.lm_head, hidden, targets, T, entropy=True, chunk_tokens=chunk)  # the Linear too
     torch.testing.assert_close(logp.detach(), ref, **TOL)
     torch.testing.assert_close(ent, reference(m.lm_head, hidden, targets, T)[1], **TOL)
     assert ent.dtype == torch.float32 and not ent.requires_grad
-    assert M.head_logprobs(m, hidden, targets, T)[1] is None
+    assert L.head_logprobs(m, hidden, targets, T)[1] is None
 
 
 def test_hidden_forward_then_head_logprobs_equal_full_logits_path():
@@ -142,10 +143,10 @@ def test_hidden_forward_then_head_logprobs_equal_full_logits_path():
     T = 0.6
 
     def ours():
-        return M.head_logprobs(m, m(ids, hidden=True)[:, :-1], ids[:, 1:], T, chunk_tokens=5)[0]
+        return L.head_logprobs(m, m(ids, hidden=True)[:, :-1], ids[:, 1:], T, chunk_tokens=5)[0]
 
     def full():
-        return M.token_logprobs(m(ids)[:, :-1], ids[:, 1:], T)
+        return L.token_logprobs(m(ids)[:, :-1], ids[:, 1:], T)
 
     a, ga = grads_of(ours, *params)
     b, gb = grads_of(full, *params)
@@ -154,10 +155,10 @@ def test_hidden_forward_then_head_logprobs_equal_full_logits_path():
     for p, x, y in zip(params, ga, gb):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=lambda s: f"{p.shape}: {s}")
     with torch.no_grad():
-        ent = M.head_logprobs(m, m(ids, hidden=True), ids, T, entropy=True)[1]
-        torch.testing.assert_close(ent, M.token_entropy(m(ids), T), **TOL)
+        ent = L.head_logprobs(m, m(ids, hidden=True), ids, T, entropy=True)[1]
+        torch.testing.assert_close(ent, L.token_entropy(m(ids), T), **TOL)
     with pytest.raises(ValueError, match="temperature"):
-        M.head_logprobs(m, h, ids, 0.0)
+        L.head_logprobs(m, h, ids, 0.0)
 
 
 def test_head_logprobs_respect_autocast():
@@ -172,7 +173,7 @@ def test_head_logprobs_respect_autocast():
     targets = torch.randint(0, 96, (20,), generator=g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours, (gh, gw) = grads_of(
-            lambda: M.head_logprobs(m, hidden, targets, 0.8, chunk_tokens=6)[0], hidden, m.lm_head.weight
+            lambda: L.head_logprobs(m, hidden, targets, 0.8, chunk_tokens=6)[0], hidden, m.lm_head.weight
         )
         ref, (rh, rw) = grads_of(lambda: reference(m.lm_head, hidden, targets, 0.8)[0], hidden, m.lm_head.weight)
     fp32 = reference(m.lm_head, hidden, targets, 0.8)[0].detach()
@@ -214,7 +215,7 @@ def test_head_logprobs_never_allocate_full_logits(tied):
     hidden = torch.randn(N, C, generator=g, requires_grad=True)
     targets = torch.randint(0, V, (N,), generator=g)
     with LargestOutput() as probe:
-        logp, ent = M.head_logprobs(head, hidden, targets, 0.9, entropy=True, chunk_tokens=64)
+        logp, ent = L.head_logprobs(head, hidden, targets, 0.9, entropy=True, chunk_tokens=64)
         (logp.sum() + ent.sum()).backward()
     assert hidden.grad is not None and head.weight.grad is not None and head.weight.grad.abs().sum() > 0
     assert probe.largest < N * V // 2, f"{probe.op} returned {probe.largest} elements (N * V = {N * V})"

@@ -20,6 +20,7 @@ import model as M
 from cli import UserExit, parse_config
 from helpers import hf_logits, make_hf_model
 from hf import load_model, save_model
+from logprobs import head_logprobs
 from sampler import generate
 
 ALL = tuple(lora.TARGETS)
@@ -87,7 +88,7 @@ def test_adapters_off_is_the_base_model_bit_for_bit(qwen2):
 
     def logp(model):
         h = model(x[:, :-1], hidden=True)
-        return M.head_logprobs(model, h, x[:, 1:])[0]
+        return head_logprobs(model, h, x[:, 1:])[0]
 
     with torch.no_grad():
         on, want = m(x), base(x)
@@ -115,7 +116,7 @@ def test_gradients_reach_every_target_as_plain_autograd(qwen2, autocast, monkeyp
         m.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             h = m(x[:, :-1], hidden=True)
-            lp = M.head_logprobs(m, h, x[:, 1:])[0]
+            lp = head_logprobs(m, h, x[:, 1:])[0]
         lp.sum().backward()
         return [lp.detach()] + [p.grad for p in lora.lora_parameters(m)]
 
@@ -128,7 +129,7 @@ def test_gradients_reach_every_target_as_plain_autograd(qwen2, autocast, monkeyp
     for a, b in zip(ours, plain):
         assert a.dtype == b.dtype and torch.equal(a, b)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        assert torch.equal(M.head_logprobs(m, m(x[:, :-1], hidden=True), x[:, 1:])[0], ours[0])
+        assert torch.equal(head_logprobs(m, m(x[:, :-1], hidden=True), x[:, 1:])[0], ours[0])
     m.gradient_checkpointing = True  # each layer recomputed in backward: the same gradients
     for a, b in zip(run(), ours):
         assert torch.equal(a, b)
@@ -210,7 +211,7 @@ def test_peft_loads_our_adapters_to_the_same_logits(qwen2, tmp_path):
     x = ids()
     for _ in range(3):
         h = m(x[:, :-1], hidden=True)
-        (-M.head_logprobs(m, h, x[:, 1:])[0].mean()).backward()
+        (-head_logprobs(m, h, x[:, 1:])[0].mean()).backward()
         opt.step()
         opt.zero_grad()
     out = tmp_path / "adapter"
@@ -337,6 +338,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 import lora, model as M
 from hf import load_model, save_model
+from logprobs import head_logprobs
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 rank, mode = dist.get_rank(), sys.argv[1]
@@ -355,7 +357,7 @@ else:
 rows = x[rank * 2 : rank * 2 + 2]
 with torch.no_grad(), lora.adapters_off(m):
     ref = m(rows)
-lp = M.head_logprobs(m, run(rows[:, :-1], hidden=True), rows[:, 1:])[0]
+lp = head_logprobs(m, run(rows[:, :-1], hidden=True), rows[:, 1:])[0]
 (lp.sum() / 2).backward()
 grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in lora.lora_parameters(m)]
 merged = lora.merged_state_dict(m)
@@ -387,7 +389,7 @@ def test_ddp_and_fsdp_wrap_the_adapters(mode, qwen2, tmp_path):
         for p in lora.lora_parameters(m):
             p.copy_(0.05 * torch.randn(p.shape, generator=g))
     x = ids(4, 16)
-    lp = M.head_logprobs(m, m(x[:, :-1], hidden=True), x[:, 1:])[0]
+    lp = head_logprobs(m, m(x[:, :-1], hidden=True), x[:, 1:])[0]
     (lp.sum() / 4).backward()
     for a, p in zip(got["grads"], lora.lora_parameters(m)):
         torch.testing.assert_close(a, p.grad, **TOL)

@@ -178,7 +178,19 @@ def imports(path: str) -> set[str]:
     return found
 
 
-LANGUAGE_MODEL = ("model", "hf", "tokenizer", "kvcache", "graphs", "fused", "sampler", "stop_text", "multiturn")
+LANGUAGE_MODEL = (
+    "model",
+    "deltanet",
+    "logprobs",
+    "hf",
+    "tokenizer",
+    "kvcache",
+    "graphs",
+    "fused",
+    "sampler",
+    "stop_text",
+    "multiturn",
+)
 RL_CORE = ("advantage", "losses", "pack", "lora")
 TASKS_AND_REWARDS = ("tasks", "data", "rewards", "math_answers", "math_equal", "sandbox", "confine", "calls", "envs")
 LOOP = ("train", "run", "config", "methods", "eval", "heldout", "grpo_minimal")

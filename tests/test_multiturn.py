@@ -10,7 +10,8 @@ import torch
 
 from helpers import make_hf_checkpoint
 from hf import load_model
-from model import ModelConfig, Transformer, token_logprobs
+from logprobs import token_logprobs
+from model import ModelConfig, Transformer
 from multiturn import sample_turns
 from sampler import generate
 from stop_text import StopText

@@ -11,7 +11,8 @@ import torch
 import sampler
 from helpers import make_char_tokenizer, make_hf_checkpoint
 from hf import load_model
-from model import ModelConfig, Transformer, token_logprobs
+from logprobs import token_logprobs
+from model import ModelConfig, Transformer
 from sampler import KVCache, StopText, decode_step, extend, generate, prefill, sample_next, sample_tree
 from tokenizer import load_tokenizer
 

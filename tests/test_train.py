@@ -217,17 +217,19 @@ def test_token_budget_cuts_micro_batches_within_it(tiny):
                 assert cost <= budget or len(rows) == 1
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("share_prompt", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
-def test_packed_log_probs_equal_separate_forwards(tiny, share_prompt, m):
+def test_packed_log_probs_equal_separate_forwards(tiny, tmp_path, share_prompt, m, hybrid):
     """Guards against a wrong tree mask, position, jump source or logical index in the packed layout
     (the prompt leading each row, or shared: run once, its keys/values prepended): every completion token's log-prob
     and entropy must equal a plain forward of that one sequence, prompt + thought + answer."""
-    from model import token_entropy, token_logprobs
+    from helpers import make_hf_checkpoint
+    from logprobs import token_entropy, token_logprobs
     from pack import rollouts
     from sampler import Tree
 
-    model = load_model(tiny)
+    model = load_model(make_hf_checkpoint(tmp_path, "qwen3_5") if hybrid else tiny)  # hybrid: pack.tree_hidden
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     P, K = 2, 3

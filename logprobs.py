@@ -1,0 +1,156 @@
+"""logprobs.py: the one log-prob formula, log_softmax(logits.float() / temperature) at the targets, on logits that
+exist (the sampler's rows: token_logprobs) and through lm_head chunk by chunk (the trainer: head_logprobs, which
+never holds (tokens, V) logits, in forward or backward); the entropy beside it.
+"""
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """THE log-prob formula: x = logits.float() / temperature, logp = x[target] - logsumexp(x).
+    logits (n, V), targets (n,) -> logp (n,), logsumexp (n,), float32. Every log-prob in the repo
+    (sampler, trainer, eval) is this function applied to some rows of logits."""
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    return x.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+
+
+def _entropy(logits: Tensor, temperature: float, lse: Tensor | None = None) -> Tensor:
+    """Entropy of softmax(x), x = logits.float() / temperature: H = logsumexp(x) - sum p x. (n, V) -> (n,)."""
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, dim=-1) if lse is None else lse
+    return lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+
+
+def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tensor:
+    """Apply fn to row chunks of logits (N, V); under autograd each chunk is checkpointed, so only
+    one chunk's float32 copy exists at a time, in forward and in backward."""
+    step = chunk_rows or max(1, 2**24 // logits.shape[-1])  # default: ~64 MB of float32 per chunk
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    outs = []
+    for i in range(0, logits.shape[0], step):
+        chunk = [logits[i : i + step], *(a[i : i + step] for a in args)]
+        outs.append(checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk))
+    return torch.cat(outs) if outs else logits.new_empty(0, dtype=torch.float32)
+
+
+def _check_temperature(name: str, temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"{name}: temperature must be > 0, got {temperature}.")
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
+    """log_softmax(logits.float() / temperature) at targets: logits (..., V), targets (...) long
+    -> float32 (...). For logits that already exist (the sampler's (B, V) rows); training goes
+    through `head_logprobs` instead, which never builds them."""
+    _check_temperature("token_logprobs", temperature)
+    V = logits.shape[-1]
+    fn = lambda x, t: _logp_lse(x, t, temperature)[0]  # noqa: E731 (n, V), (n,) -> (n,)
+    return _chunked(fn, logits.reshape(-1, V), targets.reshape(-1), chunk_rows=chunk_rows).view(targets.shape)
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
+    """Entropy of softmax(logits.float() / temperature): logits (..., V) -> float32 (...)."""
+    _check_temperature("token_entropy", temperature)
+    V = logits.shape[-1]
+    fn = lambda x: _entropy(x, temperature)  # noqa: E731
+    return _chunked(fn, logits.reshape(-1, V), chunk_rows=chunk_rows).view(logits.shape[:-1])
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """logp = _logp_lse(hidden @ weight.T, targets) over row chunks; backward recomputes each chunk's
+    logits and applies d logp / d logits = (onehot(target) - softmax(x)) / temperature by hand.
+
+    A hand-written backward rather than torch.utils.checkpoint per chunk: it saves only the (N,)
+    logsumexp, computes entropy once in forward (checkpoint would recompute it), skips the
+    recomputed logsumexp and its backward, and sums weight's gradient over the chunks in ONE
+    float32 buffer (checkpoint hands autograd one (V, C) gradient per chunk to add up, in bf16
+    under autocast)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad=False):
+        w = weight.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's weight cache does)
+        N = hidden.shape[0]
+        logp = hidden.new_empty(N, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
+        for i in range(0, N, step):
+            logits = hidden[i : i + step].to(dtype) @ w.T  # (n, V): the only logits alive
+            logp[i : i + step], lse[i : i + step] = _logp_lse(logits, targets[i : i + step], temperature)
+            if want_entropy:
+                ent[i : i + step] = _entropy(logits, temperature, lse[i : i + step])
+        ctx.save_for_backward(hidden, w, targets, lse, ent if entropy_grad else lse.new_empty(0))
+        ctx.temperature, ctx.dtype, ctx.step, ctx.weight_dtype = temperature, dtype, step, weight.dtype
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp, g_ent):
+        hidden, w, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        g_h = torch.empty_like(hidden) if need_h else None
+        g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for i in range(0, hidden.shape[0], ctx.step):
+            h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
+            x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
+            if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
+                log_p = x.sub_(lse[i : i + ctx.step, None])
+                p = log_p.exp()
+                e = g_ent[i : i + ctx.step, None]
+                d = p * -g[:, None] - e * p * (log_p + ent[i : i + ctx.step, None])
+            else:
+                d = x.sub_(lse[i : i + ctx.step, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
+            d.scatter_add_(1, t[:, None], g[:, None])  # + g at the target: g * (onehot - softmax)
+            d = d.div_(ctx.temperature).to(ctx.dtype)  # d logp / d logits, in the matmul dtype
+            if need_h:
+                g_h[i : i + ctx.step] = d @ w  # (n, C)
+            if need_w:
+                if d.dtype == g_w.dtype:  # (V, C), summed in float32 across chunks
+                    g_w.addmm_(d.T, h)  # in place: no (V, C) temporary per chunk
+                else:  # autocast: the chunk's product in the matmul dtype, then added
+                    g_w += d.T @ h
+        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None
+
+
+def head_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """token_logprobs(lm_head(hidden), targets, temperature) without ever holding more than one
+    chunk of logits, in forward or backward (at a 152k vocabulary the logits would be the largest
+    tensor of a training step).
+
+    head: the Transformer (its lm_head is used) or the lm_head Linear. hidden (..., C), e.g. from
+    `model(ids, hidden=True)`; targets (...) long. Returns logp (...) float32, differentiable
+    w.r.t. hidden and lm_head.weight (a tied embedding included), and, if entropy, the entropy of
+    softmax(logits / temperature) (...) float32, else None; without grad unless entropy_grad (an entropy bonus:
+    the backward then adds the entropy's gradient, -p (log p + H) / temperature per logit, chunk by chunk). Under
+    autocast the matmul runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))`
+    would.
+    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits)."""
+    _check_temperature("head_logprobs", temperature)
+    lm_head = getattr(head, "lm_head", head)
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("head_logprobs: lm_head has a bias; only bias-free heads are supported.")
+    weight = lm_head.weight  # (V, C)
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    step = chunk_tokens or max(1, 2**24 // weight.shape[0])
+    C = hidden.shape[-1]
+    with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
+        logp, ent = _HeadLogprobs.apply(
+            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy, entropy_grad
+        )
+    return logp.view(targets.shape), ent.view(targets.shape) if entropy else None
