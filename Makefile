@@ -10,7 +10,7 @@ PY := .venv/bin/python
 endif
 STAMP := $(VENV)/.nanorl-installed
 
-.PHONY: install test test-slow lint format train eval gpu-check bench tiny-model tiny-tool-model experiments experiments-quick plot tour clean
+.PHONY: install test test-slow test-cuda lint format train eval gpu-check bench tiny-model tiny-tool-model experiments experiments-quick plot tour clean
 
 install: $(STAMP)
 
@@ -21,10 +21,13 @@ $(STAMP): requirements.txt requirements-dev.txt
 	@touch $@
 
 test: $(STAMP)          ## the fast tier of the CPU tests: everything but end-to-end and multi-process runs (under 3 min)
-	$(PY) -m pytest -m "not slow" tests
+	$(PY) -m pytest -m "not slow and not cuda" tests
 
 test-slow: $(STAMP)     ## the slow tier: whole training runs, subprocesses, torchrun, golden runs (CI runs both tiers)
-	$(PY) -m pytest -m slow tests
+	$(PY) -m pytest -m "slow and not cuda" tests
+
+test-cuda: $(STAMP)     ## the CUDA tier on one GPU (tests/test_cuda.py, under 4 min): every test skips without CUDA
+	$(PY) -m pytest -m cuda tests/test_cuda.py
 
 lint: $(STAMP)          ## ruff: lint rules and formatting, as configured in pyproject.toml (CI runs it)
 	$(PY) -m ruff check .

@@ -25,6 +25,8 @@ plain version on its own (`Guarded`). `describe` says which decode path ran (tra
 
 import copy
 import functools
+import os
+import shutil
 import sys
 import weakref
 from collections.abc import Callable
@@ -41,7 +43,7 @@ TORCH_APIS = {  # what the CUDA path and FSDP call, under torch., with the relea
     **dict.fromkeys(("cuda.CUDAGraph", "cuda.graph", "cuda.graph_pool_handle", "cuda.Stream", "cuda.stream"), "1.10"),
     **dict(compile="2.0", **{"compiler.is_compiling": "2.3", "utils._triton.has_triton": "2.1"}),
     **dict.fromkeys(("get_autocast_dtype", "is_autocast_enabled", "nn.functional.rms_norm"), "2.4"),
-    "distributed.fsdp.fully_shard": "2.6",
+    **dict.fromkeys(("distributed.fsdp.fully_shard", "compiler.set_stance"), "2.6"),
 }
 FELL_BACK: dict[str, str] = {}  # what fell back to eager in this process -> why (one line each, said once)
 
@@ -90,8 +92,13 @@ class StaticDecode:
         self.compiled_draw = compiled_draw  # sampler.decode draws tokens through compiled(sample_next)
         self.k = self.v = self.key_valid = self.next_pos = self.slot = None  # (L, rows, Hkv, slots, hd), ...
         self.conv = self.ssm = None  # a hybrid model's DeltaNet states (kvcache.py), (L', rows, ...), else None
-        self.tok = self.alive = self.logits = None  # (rows,) inputs and (rows, V) output of every graph
-        self.graphs: dict[tuple, Callable[[], None]] = {}  # (batch, span, autocast) -> replay of self.model's graph
+        self.tok = self.alive = None  # (rows,) inputs of every graph
+        # (rows, V) outputs, one per (dtype, inference mode) a graph was captured in: a bucket captured in another
+        # dtype (autocast, a float32 head) writes its own, never one cast to the first capture's dtype; and under
+        # inference_mode an inference tensor, like the prefill's logits, so the compiled draw sees one kind of input
+        self.logits: dict[tuple, Tensor] = {}
+        # (batch, span, autocast dtype, inference mode) -> (replay of self.model's graph, the logits it writes)
+        self.graphs: dict[tuple, tuple[Callable[[], None], Tensor]] = {}
         self.model: weakref.ref | None = None
         self.owner: weakref.ref | None = None  # the cache living in the buffers
         self.pool = None  # the graphs' shared memory pool: one graph replays at a time
@@ -102,7 +109,7 @@ class StaticDecode:
         """The static path failed: say so once, drop its graphs and buffers, and run eager from now on."""
         fall_back(what, error)
         self.failed, self.capture, self.step = True, False, decode_step_static
-        self.graphs, self.logits, self.pool, self.model = {}, None, None, None
+        self.graphs, self.logits, self.pool, self.model = {}, {}, None, None
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # a failed capture's stream work is finished before the eager step runs
 
@@ -119,10 +126,14 @@ class StaticDecode:
         except Exception as e:  # noqa: BLE001 -- a run never ends on the fast path: the eager one remains
             self.give_up("decode: building the static buffers", e)
             self.k = self.v = self.key_valid = self.next_pos = self.slot = self.tok = self.alive = None
+            self.conv = self.ssm = None
             return False
 
     def _adopt(self, cache: KVCache) -> None:
-        if self.k is not None and cache.k.data_ptr() == self.k.data_ptr():  # already here (decode, extend, decode)
+        # already here (decode, extend, decode): this very cache object, still a view of the buffers. An address
+        # alone is not enough: another cache can alias the buffers' start, or get their address once they are freed
+        owner = self.owner() if self.owner else None
+        if self.k is not None and owner is cache and cache.k.data_ptr() == self.k.data_ptr():
             cache.slot = self.slot.fill_(cache.length)
             return
         L, B, Hkv, S, hd = cache.k.shape
@@ -155,7 +166,7 @@ class StaticDecode:
             if same:
                 rows, slots = max(rows, old_rows), max(slots, old_slots)
         self._release_owner()
-        self.graphs, self.logits, self.k, self.v = {}, None, None, None  # freed before the new ones are made
+        self.graphs, self.logits, self.k, self.v = {}, {}, None, None  # freed before the new ones are made
         # normal tensors even when first made under inference_mode (generate), so that a caller decoding under
         # no_grad (multiturn) may write into them too
         with torch.inference_mode(False):
@@ -167,6 +178,9 @@ class StaticDecode:
             self.tok = torch.zeros(rows, dtype=torch.long, device=device)
             self.alive = torch.zeros(rows, dtype=torch.bool, device=device)
         if self.capture:
+            # one pool for all graphs of these buffers: safe, as they replay one at a time, hold no live output (their
+            # logits are tensors made outside capture) and read only static inputs; its memory (the largest
+            # bucket's intermediates: memory.graph_pool_bytes) returns to the allocator when the buffers are replaced
             self.pool = torch.cuda.graph_pool_handle()
 
     def _state_room(self, cache: KVCache) -> None:
@@ -183,7 +197,8 @@ class StaticDecode:
                 self.ssm = cache.ssm.new_zeros(kind[1][0], len(self.tok), *kind[1][1:-2])
 
     def _release_owner(self) -> None:
-        """The cache adopted last, if still alive, gets copies of its tensors: the buffers are about to change."""
+        """The cache adopted last, if still alive, gets copies of its tensors: the buffers are about to change. (A
+        one-off copy at the buffers' padded size; memory.py's sample phase counts that cache at its own size.)"""
         prev = self.owner() if self.owner else None
         if prev is not None:
             with torch.inference_mode(False):  # normal tensors, whatever mode the caller is in (see _make_room)
@@ -204,12 +219,17 @@ class StaticDecode:
         self.alive[n:b] = False  # rows past the active ones: dead (finished) or padding
         if not self.capture and (self.tried or self.step is decode_step_static):
             return self.step(model, cache, self.tok[:b], self.alive[:b])[:n]
-        if self.model is None or self.model() is not model:  # graphs hold a model's weights: a new model, new graphs
-            self.graphs, self.logits, self.model = {}, None, weakref.ref(model)
-        key = (b, cache.span, torch.is_autocast_enabled("cuda"))
+        # graphs hold a model's weights: a new model, new graphs. Train and eval sample through one rollout copy (one
+        # runner, train.py), so this happens once; a caller alternating models would recapture every bucket each time
+        if self.model is None or self.model() is not model:
+            self.graphs, self.logits, self.model = {}, {}, weakref.ref(model)
+        dev = cache.k.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        key = (b, cache.span, cast, torch.is_inference_mode_enabled())
         if key in self.graphs:
-            self.graphs[key]()  # replay
-            return self.logits[:n]
+            replay, out = self.graphs[key]
+            replay()
+            return out[:n]
         pos, stage = self.next_pos.clone(), "compiling the decode step"
         try:  # a new bucket: its warm-up (a compile), its capture and its first replay may each fail
             if not self.capture:  # --compile without graphs: its first call compiles
@@ -217,19 +237,20 @@ class StaticDecode:
                 self.tried = True
                 return logits
             stage = "capturing the decode step as a CUDA graph"
-            replay = self._capture(model, cache, b)
+            replay, out = self._capture(model, cache, b)
             stage = "replaying the captured decode step"
             replay()
-            self.graphs[key], self.tried = replay, True
-            return self.logits[:n]
+            self.graphs[key], self.tried = (replay, out), True
+            return out[:n]
         except Exception as e:  # noqa: BLE001 -- the eager step computes the same tokens
             self.give_up(f"decode: {stage} (batch {b}, span {cache.span})", e)
             self.next_pos.copy_(pos)  # what the failed attempt advanced is put back
             return self.step(model, cache, self.tok[:b], self.alive[:b])[:n]
 
-    def _capture(self, model: Transformer, cache: KVCache, b: int) -> Callable[[], None]:
-        """Record the step at batch b and cache.span as a CUDA graph writing its logits into self.logits; returns
-        its replay. A warm-up call comes first (lazy inits, cuBLAS workspaces, torch.compile's compile)."""
+    def _capture(self, model: Transformer, cache: KVCache, b: int) -> tuple[Callable[[], None], Tensor]:
+        """Record the step at batch b and cache.span as a CUDA graph writing its logits into the self.logits of its
+        own dtype; returns its replay and those logits. A warm-up call comes first (lazy inits, cuBLAS workspaces,
+        torch.compile's compile)."""
         tok, alive = self.tok[:b], self.alive[:b]
         # the graph's own view of the buffers at this span: nothing of the caller's cache object is recorded
         view = copy.copy(cache)
@@ -247,10 +268,15 @@ class StaticDecode:
             logits = warm_up(step)
         finally:
             alive.copy_(live)
-        if self.logits is None:  # (rows, V) in the logits' dtype, shared by every graph (a normal tensor)
-            with torch.inference_mode(False):
-                self.logits = logits.new_empty(len(self.tok), logits.shape[-1])
-        return record(lambda: self.logits[:b].copy_(step()), self.pool)
+        kind = (logits.dtype, torch.is_inference_mode_enabled())
+        if kind not in self.logits:  # (rows, V), shared by every graph of this kind, made in the caller's mode
+            self.logits[kind] = logits.new_empty(len(self.tok), logits.shape[-1])
+        out = self.logits[kind]
+        # the warm-up compiled whatever the step compiles, with these very inputs: a compile inside stream capture
+        # (a guard that missed: it would run Inductor's autotuning and syncs under capture) is refused, an error the
+        # caller falls back on, never a half-captured stream
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return record(lambda: out[:b].copy_(step()), self.pool), out
 
 
 def warm_up(fn: Callable[[], Tensor]) -> Tensor:
@@ -275,10 +301,14 @@ def record(fn: Callable[[], object], pool) -> Callable[[], None]:
 def can_compile(device: torch.device, graphs: bool = True) -> bool:
     """Whether decoding runs its small functions compiled (the rollout copy's, fused.py, and the token draw,
     sampler.sample_next): on CUDA with CUDA graphs (--no-cuda-graphs keeps the whole eager path, the reference),
-    where Triton can generate the kernels."""
+    where Triton can generate the kernels: it imports and sees a GPU of sm >= 7.0 (has_triton), and a C compiler
+    builds its launchers. What cannot be checked without compiling (libcuda not found, a broken ptxas) fails at
+    the first warm-up, and Guarded falls back to the plain functions. --compile (decode_runner) compiles on any
+    device: without a working Inductor its first step fails and StaticDecode.give_up runs eager."""
     from torch.utils._triton import has_triton
 
-    return device.type == "cuda" and graphs and has_triton()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return device.type == "cuda" and graphs and has_triton() and bool(compiler)
 
 
 class Guarded:

@@ -194,7 +194,10 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
     b = len(tok)
     valid = cache.key_valid[:b, : cache.span]  # (b, span)
     valid.index_copy_(1, cache.slot, alive[:, None])
-    # one additive mask (0 or -inf) for every layer: SDPA would turn a boolean one into it in each layer
+    # one additive mask (0 or -inf) for every layer: SDPA would turn a boolean one into it in each layer. A mask rules
+    # out the flash backend: under capture SDPA runs mem-efficient or cuDNN (plans built in the warm-up), or math
+    # (slow: many kernels, float32 scores; bench/gpu_check.sh's profile shows which). No row is ever fully masked
+    # (a padding row attends to slot 0, graphs.py; a prompt has a valid token), so no row's softmax is NaN.
     mask = torch.zeros(valid.shape, dtype=cache.k.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
     positions, mask = cache.next_pos[:b, None], mask[:, None, None]
     logits = model(tok[:, None], positions=positions, cache=cache, attn_mask=mask, valid=alive[:, None])

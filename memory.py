@@ -11,8 +11,9 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
   resident  float32 weights 4N (train.py loads the masters in float32), a --rollout-dtype copy (2N in
             bf16), a --beta reference copy 4N, AdamW's two moments 8N (not on the GPU with
             --optimizer-offload; on the CPU, plus its 4N float32 copies), on CUDA the CUDA graphs' static
-            KV buffers (graphs.py: rows and slots rounded up to powers of two), and on CPU the process itself
-            (measured: interpreter, torch, tokenizer, data) and the data pool about to be built;
+            KV buffers (graphs.py: rows and slots rounded up to powers of two) and their memory pool (the
+            largest bucket's captured intermediates, an estimate: graph_pool_bytes), and on CPU the process
+            itself (measured: interpreter, torch, tokenizer, data) and the data pool about to be built;
   sample    the KV caches of sampler.sample_tree (2 L Hkv hd bytes per token slot and row, in the
             rollout dtype; a fork holds the old and the new cache at once) and the decode step's (B, V)
             logits with their float32 copies (sample_next: x, its exp and cumsum);
@@ -111,9 +112,27 @@ def sampling_bytes(c: ModelConfig, shape: Shape, prompts: int, group: int, thoug
 def decode_buffer_bytes(c: ModelConfig, shape: Shape, rows: int) -> int:
     """graphs.StaticDecode's static buffers, kept between steps: keys and values for the rollouts' rows and
     slots, each rounded up to a power of two, and the graphs' (rows, V) logits."""
-    slots = max(batch_bucket(shape.prompt_tokens + shape.thought_tokens + 1 + shape.answer_tokens), MIN_SPAN)
-    rows = batch_bucket(rows)
+    rows, slots = batch_bucket(rows), decode_slots(shape)
     return kv_bytes(c, rows, slots, shape.rollout_bytes) + rows * c.vocab_size * shape.rollout_bytes
+
+
+def decode_slots(shape: Shape) -> int:
+    """The static buffers' slots: the longest row (prompt, thought and answer), rounded up to a power of two."""
+    return max(batch_bucket(shape.prompt_tokens + shape.thought_tokens + 1 + shape.answer_tokens), MIN_SPAN)
+
+
+def graph_pool_bytes(c: ModelConfig, shape: Shape, rows: int) -> int:
+    """The CUDA graphs' private memory pool, an estimate: what the largest bucket's captured step allocates, kept
+    for as long as the graphs live. Every bucket of one set of buffers shares one pool (graphs.py: they replay one
+    at a time), so the largest bucket's, not the sum: its lm_head output (rows, V) before the copy into the
+    logits, one layer's activations (q, k and v; the attention's float32 scores over the span, as SDPA's math
+    backend holds them; gate and up and their product; the residual stream and its norms), the additive mask and
+    RoPE's tables. cuBLAS's and the compiled functions' workspaces are left out. The draw's float32 temporaries
+    run outside the graphs: the sample phase counts them (sampling_bytes)."""
+    rows, span, nb = batch_bucket(rows), decode_slots(shape), shape.rollout_bytes
+    C, H, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    per_row = c.vocab_size + 4 * C + 3 * c.intermediate_size + (H + 2 * Hkv) * hd + span + 4 * hd  # elements
+    return rows * (per_row * nb + H * span * 4)
 
 
 def micro_batch(shape: Shape) -> tuple[int, int, int, int]:
@@ -256,6 +275,7 @@ ADVICE = {
     "data_pool": "--max-steps x --prompts-per-step (the training examples are drawn up front)",
     "kv_cache_and_logits": "--prompts-per-step, --thoughts, --answers or --max-thought-tokens/--max-answer-tokens",
     "decode_buffers": "--prompts-per-step, --thoughts, --answers or the token limits (or pass --no-cuda-graphs)",
+    "cuda_graph_pool": "--prompts-per-step, --thoughts, --answers or the token limits (or pass --no-cuda-graphs)",
     "activations": "--micro-batch-rows or --micro-batch-tokens, or pass --gradient-checkpointing",
     "backward": "--micro-batch-rows or --micro-batch-tokens",
     "forward": "--micro-batch-rows or --micro-batch-tokens",
@@ -336,8 +356,11 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     offloaded = cfg.optimizer_offload and cuda
     fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * T // shard + 4 * T * cfg.optimizer_offload)
     n_pool = cfg.max_steps * cfg.prompts_per_step + methods.stream_size(cfg)  # the pool and the methods' streams
-    if cuda and cfg.cuda_graphs:  # graphs.StaticDecode's buffers stay allocated through the update
-        fixed["decode_buffers"] = decode_buffer_bytes(c, shape, cfg.thoughts * cfg.answers * shape.prompts)
+    if cuda and cfg.cuda_graphs:  # graphs.StaticDecode's buffers and its graphs' pool stay allocated through the update
+        # train.py's evaluation samples through the same buffers: they grow to the larger of its rows and a step's
+        decode_rows = max(cfg.thoughts * cfg.answers * shape.prompts, shape.eval_prompts * max(1, shape.eval_samples))
+        fixed["decode_buffers"] = decode_buffer_bytes(c, shape, decode_rows)
+        fixed["cuda_graph_pool"] = graph_pool_bytes(c, shape, decode_rows)
     if not cuda:  # the process and its data share the CPU's memory with the step
         fixed = dict(process=process_bytes(), data_pool=n_pool * per_example, **fixed)
     have = available_bytes(device) + (fixed.get("process", 0))

@@ -98,15 +98,17 @@ def sample_next(
     logits: Tensor, u: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """logits (b, V), u (b,) uniforms in [0, 1) -> tokens (b,) and their float32 log-probs under the
-    distribution sampled from (temperature -> top-k -> top-p), by inverse-CDF sampling."""
+    distribution sampled from (temperature -> top-k -> top-p), by inverse-CDF sampling. Compiled (graphs.compiled,
+    dynamic shapes) it compiles once per branch taken here (greedy, truncation or not), not per value: a float
+    argument is a symbol to dynamo (specialize_float=False, the default of the torch pinned here), so each
+    temperature, top-k and top-p reuses the same code, and every batch size but 1 (decode draws one row eagerly)."""
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, token_logprobs(logits, tok)
     x = logits.float()
     if top_k > 0 or top_p < 1.0:
         x = truncate(x, temperature, top_k, top_p)
-    if temperature != 1:
-        x = x / temperature
+    x = x / temperature  # also at 1 (x / 1 is x): a branch on it would be a second compile of the compiled draw
     # one exp pass serves the sample and its log-prob: p = e / sum(e) with e = exp(x - max x)
     mx = x.amax(-1, keepdim=True)
     e = (x - mx).exp_()
@@ -269,9 +271,14 @@ def decode(
             static_step = None
     if static_step is not None:
         draw_next = compiled(sample_next, "the compiled draw") if static_step.compiled_draw else sample_next
+    # Outside the captured step, each step runs ~20-30 small launches (copies in, the draw, the stop checks) and
+    # the compiled draw's guards: host-bound work of ~0.1-0.3 ms, left out of the graph (graphs.py's docstring);
+    # the host waits on the GPU only every sync_every steps.
     for t in range(max_steps):
         rows = cache.rows[: cache.batch]  # caller's row ids of the active rows
-        tok, lp = draw_next(logits, uniforms[rows, t], temperature, top_k, top_p)
+        # one row draws eagerly: dynamo specializes size 1, a compile of its own for a draw that costs nothing
+        draw = draw_next if len(rows) > 1 else sample_next
+        tok, lp = draw(logits, uniforms[rows, t], temperature, top_k, top_p)
         out.tokens[rows, t], out.logp[rows, t] = tok, lp
         alive = end_on_ids(out, t, rows, tok, alive, stop, mark)
         last, sync = t + 1 == max_steps, (t + 1) % sync_every == 0

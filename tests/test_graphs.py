@@ -2,6 +2,7 @@
 that its static-shape code, run eagerly on CPU, samples exactly what the eager path does (generate, trees, text
 markers, a cache decoded again after an extend, a compiled step). Tiny random models, CPU, float32."""
 
+import copy
 from collections import Counter
 
 import pytest
@@ -39,6 +40,16 @@ def recording() -> tuple[list[tuple[int, int]], StaticDecode]:
         return decode_step_static(model, cache, tok, alive)
 
     return shapes, StaticDecode(step)
+
+
+def stand_in_graphs(monkeypatch) -> list:
+    """CUDA graphs stood in for on CPU: the warm-up runs the step, capturing runs nothing, a replay runs the recorded
+    step again on the captured buffers. Returns the list of recorded steps."""
+    captures = []
+    monkeypatch.setattr(graphs, "warm_up", lambda fn: fn())
+    monkeypatch.setattr(graphs, "record", lambda fn, pool: captures.append(fn) or fn)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    return captures
 
 
 def test_buckets():
@@ -168,10 +179,7 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
     model gets new graphs, and the tokens equal the eager path's, tree and text marker included."""
     from stop_text import StopText
 
-    captures = []
-    monkeypatch.setattr(graphs, "warm_up", lambda fn: fn())
-    monkeypatch.setattr(graphs, "record", lambda fn, pool: captures.append(fn) or fn)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    captures = stand_in_graphs(monkeypatch)
     model = tiny(seed=1)
     args = dict(k=4, m=3, max_thought_tokens=30, max_answer_tokens=40, temperature=1.0, seed=[1, 2])
     probe = sample_tree(model, PROMPTS[:2], end_of_thought=[0, 0, 0], **args)
@@ -184,7 +192,7 @@ def test_capture_bookkeeping_with_a_stand_in_for_cuda_graphs(monkeypatch):
     assert out.thoughts == ref.thoughts and out.answers == ref.answers and out.answer_finish == ref.answer_finish
     assert 0 < sum(ref.thought_truncated) < 8 and "stop" in ref.answer_finish
     # the thoughts' graphs, then the answers' (more rows: larger buffers, so the thoughts' graphs are dropped)
-    assert len(captures) > len(static.graphs) > 2 and {s for _, s, _ in static.graphs} == {64, 128}
+    assert len(captures) > len(static.graphs) > 2 and {key[1] for key in static.graphs} == {64, 128}
     sample_tree(model, PROMPTS[:2], static_step=static, **args)  # the thoughts' buckets again, in the grown buffers
     n = len(captures)
     again = sample_tree(model, PROMPTS[:2], static_step=static, **args)
@@ -224,6 +232,12 @@ def test_decode_runner_by_device(monkeypatch):
     assert not runner.compiled_draw
     # the small functions compile on CUDA with graphs where Triton is: never on CPU, never for the eager reference
     assert graphs.can_compile(cuda) and not graphs.can_compile(cuda, graphs=False) and not graphs.can_compile(cpu)
+    # Triton builds its launchers with a C compiler: without one, the small functions stay plain (review #2)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(graphs.shutil, "which", lambda name: None)
+    assert not graphs.can_compile(cuda)
+    monkeypatch.setenv("CC", "/usr/bin/gcc")
+    assert graphs.can_compile(cuda)
     monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
     assert not graphs.can_compile(cuda) and not decode_runner(cuda).compiled_draw
 
@@ -331,3 +345,108 @@ def test_the_oldest_supported_torch_has_every_api_the_cuda_path_calls():
     root = __file__.rsplit("/tests/", 1)[0]
     assert f"torch >= {graphs.TORCH_FLOOR}" in open(f"{root}/requirements.txt").read()
     assert f"torch ({graphs.TORCH_FLOOR} or newer" in open(f"{root}/README.md").read()
+
+
+@torch.inference_mode()
+def test_each_bucket_writes_logits_in_its_own_dtype(monkeypatch):
+    """Guards review #8: the graphs' logits buffer took its dtype from the first capture, so a bucket captured later
+    in another state (here float32 logits after bfloat16 ones under autocast, in the same buffers) had its logits
+    rounded to bfloat16 by the copy into it: log-probs off the eager path's by bf16 rounding. Each capture's dtype
+    now has its own buffer."""
+    stand_in_graphs(monkeypatch)
+    model = tiny(seed=5)
+
+    def step(model, cache, tok, alive):  # a float32 step whose logits follow autocast, as a bf16 head's would
+        with torch.autocast("cpu", enabled=False):
+            logits = decode_step_static(model, cache, tok, alive)
+        return logits.to(torch.bfloat16) if torch.is_autocast_enabled("cpu") else logits
+
+    def run(static: StaticDecode | None, autocast: bool):
+        cache, logits = prefill(model, PROMPTS)
+        cache = cache.fork(torch.arange(3), cache.length + 10)
+        u = torch.rand(3, 10, generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return decode(model, cache, logits, u, 10, temperature=1.0, top_k=0, top_p=1.0, static_step=static)
+
+    static = StaticDecode(step, capture=True)
+    run(static, autocast=True)
+    out, ref = run(static, autocast=False), run(None, autocast=False)
+    assert torch.equal(out.tokens, ref.tokens) and out.logp.dtype == torch.float32
+    torch.testing.assert_close(out.logp, ref.logp, atol=1e-5, rtol=0)
+    assert {dtype for dtype, _ in static.logits} == {torch.bfloat16, torch.float32}
+    assert {key[2] for key in static.graphs} == {torch.bfloat16, None}
+
+
+def test_adoption_is_decided_by_the_cache_not_its_address():
+    """Guards review #10: "already adopted" was decided by the keys' address alone, so a second cache aliasing the
+    buffers' start (a shallow fork with state of its own) was taken for the adopted one and its own valid slots and
+    positions never reached the buffers the graphs read. Adoption now asks which cache object lives there."""
+    cache = KVCache(2, 3, 2, 70, 4, dtype=torch.float32, device=torch.device("cpu"))
+    cache.key_valid[:, :5], cache.length, cache.next_pos[:] = True, 5, torch.tensor([5, 3, 4])
+    static = StaticDecode()
+    static.adopt(cache)
+    alias = copy.copy(cache)  # the same keys and values, its own valid slots and positions
+    alias.key_valid, alias.next_pos = cache.key_valid.clone(), cache.next_pos + 2
+    alias.key_valid[0, :5] = False
+    assert alias.k.data_ptr() == static.k.data_ptr()
+    static.adopt(alias)
+    assert static.owner() is alias and alias.key_valid.data_ptr() == static.key_valid.data_ptr()
+    assert static.next_pos[:3].tolist() == [7, 5, 6] and not static.key_valid[0, :5].any()
+    assert cache.k.data_ptr() != static.k.data_ptr() and cache.next_pos.tolist() == [5, 3, 4, 0]  # kept, copied out
+    static.adopt(alias)  # the same cache again (decode, extend, decode): stays, nothing copied
+    assert static.owner() is alias and alias.k.data_ptr() == static.k.data_ptr()
+
+
+def test_a_compile_inside_capture_is_refused_and_falls_back(monkeypatch, capsys):
+    """Guards review #3: a compiled step whose guards miss between the warm-up and the capture would compile inside
+    stream capture (Inductor's autotuning and syncs there: a crash). Capture runs under the stance
+    fail_on_recompile, so that compile is an error the static path falls back on, in one line, same tokens. Here the
+    warm-up runs the step without compiling it, as a missed guard would leave it."""
+    monkeypatch.setattr(graphs, "FELL_BACK", {})
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+    def warm_up(fn):
+        with torch.compiler.set_stance("force_eager"):
+            return fn()
+
+    monkeypatch.setattr(graphs, "warm_up", warm_up)
+    monkeypatch.setattr(graphs, "record", lambda fn, pool: fn())  # capturing runs the step: it would compile
+    model = tiny(seed=3)
+    args = dict(max_new_tokens=12, n=2, temperature=1.0, stop_ids=[3, 17, 50], seed=[4, 5, 6])
+    ref = generate(model, PROMPTS, **args)
+    torch._dynamo.reset()
+    step = torch.compile(decode_step_static, backend="eager", dynamic=True, fullgraph=True)
+    static = StaticDecode(step, capture=True)
+    out = generate(model, PROMPTS, static_step=static, **args)
+    assert out.tokens == ref.tokens and static.failed
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "capturing the decode step" in lines[0] and "recompile" in lines[0]
+
+
+def test_the_compiled_draw_compiles_once_for_every_temperature_and_batch(monkeypatch):
+    """Guards review #4: the compiled draw (graphs.compiled(sample_next), dynamic shapes) recompiled for another
+    temperature (a branch on temperature == 1), for a batch of one row (dynamo specializes size 1), and between the
+    prefill's logits (inference tensors) and the graphs' (normal ones): each a compile of seconds on a GPU, and past
+    dynamo's recompile limit a silent eager draw. Traced with dynamo's eager backend: after the first decode, other
+    temperatures and batch sizes (one row included) add no frame compile, and the tokens are the eager path's."""
+    from torch._dynamo.utils import counters
+
+    stand_in_graphs(monkeypatch)
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    graphs.compiled.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
+    model, static = tiny(seed=3), None
+    try:
+        static = StaticDecode(capture=True, compiled_draw=True)
+        calls = [(PROMPTS, 4, 1.0), (PROMPTS[:2], 3, 0.7), (PROMPTS[:1], 5, 1.3), (PROMPTS[1:2], 1, 0.9)]
+        frames = []
+        for prompts, n, temperature in calls:
+            args = dict(max_new_tokens=20, n=n, temperature=temperature, stop_ids=[3, 17, 50], seed=1)
+            out = generate(model, prompts, static_step=static, **args)
+            assert out.tokens == generate(model, prompts, **args).tokens
+            frames.append(counters["frames"]["total"])
+    finally:
+        graphs.compiled.cache_clear()
+    assert frames == [1] * 4, frames  # one compile: the first decode's

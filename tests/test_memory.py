@@ -203,3 +203,28 @@ def test_auto_micro_batch_picks_the_most_rows_that_fit(qwen05, monkeypatch):
     cpu = plan(qwen05, 200, "cpu", monkeypatch)
     assert (cpu.micro_batch_rows, cpu.gradient_checkpointing) == (memory.CPU_AUTO_ROWS, False) == (64, False)
     assert plan(qwen05, 200, "cpu", monkeypatch, "--micro-batch-rows", "8").micro_batch_rows == 8
+
+
+def test_the_cuda_graphs_pool_is_counted_and_auto_leaves_room_for_it(qwen05, monkeypatch):
+    """Guards review #7: the plan counted the graphs' static KV buffers and logits but not their memory pool (each
+    captured step's intermediates, the lm_head's (rows, V) output first, held while the graphs live), so auto
+    micro-batching could fill the card and the first capture run out of memory. With graphs on, every phase holds
+    the pool's estimate (at least the largest bucket's lm_head output, 256 rows here: train.py's evaluation, 64
+    prompts x 4 samples, shares the buffers), the estimated peak grows, and auto picks no more rows than without."""
+    import json
+
+    seen = []
+    real = memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda c, shape, **kw: seen.append(kw["fixed"]) or real(c, shape, **kw))
+    on = plan(qwen05, 23.5, "cuda", monkeypatch)
+    fixed_on = seen[-1]
+    off = plan(qwen05, 23.5, "cuda", monkeypatch, "--no-cuda-graphs")
+    fixed_off = seen[-1]
+    V = json.load(open(os.path.join(qwen05, "config.json")))["vocab_size"]
+    assert "cuda_graph_pool" not in fixed_off and fixed_on["cuda_graph_pool"] > 256 * V * 2
+    assert sum(fixed_on.values()) - sum(fixed_off.values()) == fixed_on["decode_buffers"] + fixed_on["cuda_graph_pool"]
+    assert on.micro_batch_rows <= off.micro_batch_rows
+    peak = lambda *flags: float(
+        plan(qwen05, 23.5, "cuda", monkeypatch, "--micro-batch-rows", "8", *flags).phrase.split()[3]
+    )
+    assert peak() > peak("--no-cuda-graphs")  # "estimated peak memory X GiB ...", at the same micro-batch
