@@ -53,10 +53,9 @@ class KVCache:
     @classmethod
     def for_model(cls, model: Transformer, batch: int, max_len: int) -> "KVCache":
         c, dev = model.config, model.lm_head.weight.device
-        # under autocast the keys/values arrive in the autocast dtype: store them in it
-        dtype = (
-            torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.lm_head.weight.dtype
-        )
+        # under autocast the keys/values arrive in the autocast dtype: store them in it (a meta model: its own)
+        autocast = dev.type != "meta" and torch.is_autocast_enabled(dev.type)
+        dtype = torch.get_autocast_dtype(dev.type) if autocast else model.lm_head.weight.dtype
         attention = [i for i in range(c.num_hidden_layers) if c.mixer(i) == "full_attention"]
         linear = [i for i in range(c.num_hidden_layers) if c.mixer(i) == "linear_attention"]
         state = None

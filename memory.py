@@ -90,8 +90,15 @@ def n_params(config: ModelConfig) -> int:
 
 
 def kv_bytes(c: ModelConfig, rows: int, slots: int, nbytes: int) -> int:
-    """kvcache.KVCache: keys and values (L, rows, Hkv, slots, hd)."""
-    return 2 * c.num_hidden_layers * rows * c.num_key_value_heads * slots * c.head_dim * nbytes
+    """kvcache.KVCache: keys and values (L, rows, Hkv, slots, hd) of the attention layers, and a hybrid's DeltaNet
+    states, the same size whatever the slots: the convolution's window (rows, D, K-1) and S (rows, Hv, dk, dv) in
+    float32."""
+    attention = sum(c.mixer(i) == "full_attention" for i in range(c.num_hidden_layers))
+    linear = c.num_hidden_layers - attention
+    D = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    S = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    states = linear * rows * (D * (c.linear_conv_kernel_dim - 1) * nbytes + S * 4)
+    return 2 * attention * rows * c.num_key_value_heads * slots * c.head_dim * nbytes + states
 
 
 def sampling_bytes(c: ModelConfig, shape: Shape, prompts: int, group: int, thoughts: int, answer: int) -> int:

@@ -14,6 +14,12 @@ import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # the hybrid qwen3_5 has its own tests (test_qwen35.py)
 QWEN35_PATTERN = ["linear_attention"] * 3 + ["full_attention"]  # the published checkpoints' [L, L, L, F] repeat
+# Qwen3.5-0.8B's published text model (model.ModelConfig fields; docs/real-models.md)
+QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, rope_theta=1e7, tie_word_embeddings=True,
+                  qk_norm=True, model_type="qwen3_5", layer_types=tuple(QWEN35_PATTERN * 6), partial_rotary_factor=0.25,
+                  linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                  linear_value_head_dim=128, max_position_embeddings=262144, torch_dtype="bfloat16")  # fmt: skip
 
 
 def make_hf_model(

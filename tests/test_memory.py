@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import memory
-from model import Block, ModelConfig, rope_cos_sin
+from helpers import QWEN35_08B
+from model import Block, ModelConfig, Transformer, rope_cos_sin
 from pack import PromptKV
 from sampler import KVCache
 
@@ -85,6 +86,13 @@ def test_kv_cache_bytes_equal_the_sampler_cache():
     c = config("qwen2")
     cache = KVCache(1, 6, c.num_key_value_heads, 40, c.head_dim, dtype=torch.bfloat16, device=torch.device("cpu"))
     assert memory.kv_bytes(c, 6, 40, 2) == cache.k.nbytes + cache.v.nbytes
+    # a hybrid's DeltaNet layers hold a state, not keys: Qwen3.5-0.8B's shape, its 18 states and 6 layers of keys
+    hybrid = ModelConfig(**QWEN35_08B)
+    with torch.device("meta"):
+        model = Transformer(hybrid).to(torch.bfloat16)
+    cache = KVCache.for_model(model, 6, 40)
+    assert cache.k.shape[0] == 6 and cache.ssm.shape[0] == 18 and cache.ssm.dtype == torch.float32
+    assert memory.kv_bytes(hybrid, 6, 40, 2) == sum(t.nbytes for t in (cache.k, cache.v, cache.conv, cache.ssm))
 
 
 @pytest.mark.slow
