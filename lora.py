@@ -77,7 +77,14 @@ TARGETS = {  # --lora-targets name -> the model.py (and HF) module name it adapt
     "gate": "gate_proj",
     "up": "up_proj",
     "down": "down_proj",
+    # a Qwen3.5 hybrid's Gated DeltaNet layers (deltanet.py): its input projections and its output
+    "qkv": "in_proj_qkv",
+    "z": "in_proj_z",
+    "b": "in_proj_b",
+    "a": "in_proj_a",
+    "out": "out_proj",
 }
+DECODER = ("q", "k", "v", "o", "gate", "up", "down")  # every linear of a Llama / Qwen block: --lora-targets' default
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel -> LoraModel -> the *ForCausalLM
 # adapter_config.json fields of PEFT features these adapters do not have: each must be absent or off
@@ -147,11 +154,12 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 def adapter_size(config, rank: int, targets: Sequence[str]) -> int:
     """The adapters' parameter count for a model config: rank * (in + out) per adapted layer (the memory estimate's
-    trainable parameters under LoRA)."""
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    h, i = config.hidden_size, config.intermediate_size
-    shapes = dict(q=(h, q), k=(h, kv), v=(h, kv), o=(q, h), gate=(h, i), up=(h, i), down=(i, h))
-    return config.num_hidden_layers * sum(rank * sum(shapes[t]) for t in targets)
+    trainable parameters under LoRA), counted on the model built on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    names = {TARGETS[t] for t in targets}
+    linears = [m for n, m in model.named_modules() if n.rpartition(".")[2] in names and isinstance(m, nn.Linear)]
+    return sum(rank * (m.in_features + m.out_features) for m in linears)
 
 
 def add_lora(model: Transformer, rank: int, alpha: float, targets: Sequence[str], seed: int = 0) -> Transformer:
@@ -170,10 +178,13 @@ def add_lora(model: Transformer, rank: int, alpha: float, targets: Sequence[str]
     generator = torch.Generator().manual_seed(seed)
     names = {TARGETS[t] for t in targets}
     for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
+        for parent in (getattr(layer, "self_attn", None) or layer.linear_attn, layer.mlp):  # the layer's mixer
             for name, child in list(parent.named_children()):
                 if name in names:
                     setattr(parent, name, LoRALinear(child, rank, alpha, generator))
+    absent = [t for t in targets if not any(n.endswith("." + TARGETS[t]) for n in lora_layers(model))]
+    if absent:  # e.g. a DeltaNet projection asked of a model without DeltaNet layers: it would train nothing
+        raise ValueError(f"add_lora: target {absent[0]!r} ({TARGETS[absent[0]]}) is in no layer of this model.")
     return model
 
 

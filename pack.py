@@ -251,20 +251,17 @@ class PromptKV:
     then serves the completion rows, prepending their prompt's keys/values to their own and starting each
     DeltaNet layer from its prompt's state."""
 
-    def __init__(self, inner: PromptRows | None = None) -> None:
-        self.inner = inner  # what these sequences continue themselves (a hybrid's trunks: their shared prompts)
+    def __init__(self) -> None:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inner is not None:
-            k, v = self.inner.update(layer_idx, k, v)
         self.k[layer_idx], self.v[layer_idx] = k, v
         return k, v
 
-    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.inner is None else self.inner.state(layer_idx, batch)  # None: the empty state
+    def state(self, layer_idx: int, batch: int) -> None:
+        return None  # the prompts start from the empty state
 
     def set_state(self, layer_idx: int, conv: torch.Tensor, S: torch.Tensor) -> None:
         self.states[layer_idx] = conv, S
@@ -293,6 +290,32 @@ class PromptRows:
         pass  # nothing continues the rows
 
 
+class TrunkKV(PromptKV):
+    """PromptKV of a hybrid's tree trunks (tree_hidden), which continue their shared prompts (`prompts`, its rows)
+    or, without one, nothing."""
+
+    def __init__(self, prompts: PromptRows | None) -> None:
+        super().__init__()
+        self.prompts = prompts
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = (k, v) if self.prompts is None else self.prompts.update(layer_idx, k, v)
+        return super().update(layer_idx, k, v)
+
+    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.prompts is None else self.prompts.state(layer_idx, batch)
+
+
+def rows_mask(own: torch.Tensor | None, keys: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """The packed rows' attention mask: their own (B, 1, T, T) (tree attention; None: plainly causal), after their
+    shared prompt's keys (B, Lp) when they have one."""
+    if keys is None:
+        return own
+    if own is None:
+        own = torch.ones(T, T, dtype=torch.bool, device=keys.device).tril().expand(len(keys), 1, T, T)
+    return torch.cat([keys[:, None, None, :].expand(-1, 1, T, -1), own], 3)  # (B, 1, T, Lp + T)
+
+
 def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_valid: torch.Tensor | None = None):
     """The packed rows' hidden states (B, T', C) for a model with Gated DeltaNet layers (a Qwen3.5 hybrid), whose
     state no attention mask can keep from reading across the answers of a tree row. Each row's trunk (its prompt,
@@ -312,7 +335,7 @@ def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_v
     keys = valid if prompt_valid is None else torch.cat([prompt_valid, valid], 1)  # the trunk's keys, (B, Sk)
     causal = torch.ones(Lt, Lt, dtype=torch.bool, device=dev).tril()
     mask = torch.cat([keys[:, None, None, : keys.shape[1] - Lt].expand(-1, 1, Lt, -1), causal.expand(B, 1, Lt, Lt)], 3)
-    trunk = PromptKV(prompts)
+    trunk = TrunkKV(prompts)
     kw = dict(cache=trunk, attn_mask=mask, valid=valid, hidden=True)
     h = getattr(model, "module", model)(ids[:, :Lt], positions=pos[:, :Lt], **kw)  # DDP: the answers' pass is its own
     # each answer as a row: its slots start[b, j] .. + length[b, j] (contiguous), right-padded to La
@@ -347,43 +370,33 @@ def token_stats(
     Token t is predicted by the hidden state at t - 1, except the first token of a segment that does
     not follow its predecessor (the `jumps`: answer j > 0 is predicted from its thought's end, a
     row's first token from its shared prompt's end)."""
-    ids, first = batch.packed_ids, None
-    config = getattr(model, "module", model).config
-    tree = batch.packed_attn is not None and "linear_attention" in (config.layer_types or ())  # tree_hidden
-    if batch.prompt_ids is None and tree:
-        hidden = tree_hidden(model, batch)
-    elif batch.prompt_ids is None:
-        hidden = model(ids, positions=batch.packed_pos, attn_mask=batch.packed_attn, hidden=True)  # (B, T', C)
-    else:  # 1. each prompt once, recording its keys/values  2. the rows, attending to their prompt's
-        prompts, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
-        Lp, Tp = valid.shape[1], ids.shape[1]
+    ids, first, prompts, keys = batch.packed_ids, None, None, None
+    head = getattr(model, "module", model)
+    if batch.prompt_ids is not None:  # 1. each prompt once, recording its keys/values (a hybrid's states too)
+        kv, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
         # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward.
         # Its last hidden state predicts each row's token 0; that use also keeps every layer's output in
         # the backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
-        kw = dict(cache=prompts, attn_mask=chunk_mask(valid, Lp), logits_to_keep=1, hidden=True, valid=valid)
-        first = getattr(model, "module", model)(batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), **kw)
-        first = first[:, 0].index_select(0, of)  # (B, C); index_select: see PromptRows.update
-        own = batch.packed_attn
-        if tree:
-            hidden = tree_hidden(model, batch, prompts.rows(of), valid.index_select(0, of))
-        else:
-            if own is None:
-                own = torch.ones(Tp, Tp, dtype=torch.bool, device=ids.device).tril().expand(len(ids), 1, Tp, Tp)
-            mask = torch.cat([valid[of][:, None, None, :].expand(-1, 1, Tp, Lp), own], 3)  # (B, 1, T', Lp + T')
-            hidden = model(ids, positions=batch.packed_pos, cache=prompts.rows(of), attn_mask=mask, hidden=True)
+        kw = dict(cache=kv, attn_mask=chunk_mask(valid, valid.shape[1]), logits_to_keep=1, hidden=True, valid=valid)
+        # (B, C), its last position; index_select: see PromptRows.update
+        first = head(batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), **kw)[:, 0].index_select(0, of)
+        prompts, keys = kv.rows(of), valid.index_select(0, of)  # 2. the rows attend to their prompt's keys
+    if batch.packed_attn is not None and "linear_attention" in (head.config.layer_types or ()):
+        hidden = tree_hidden(model, batch, prompts, keys)  # a hybrid's tree rows: no mask can keep answers apart
+    else:
+        mask = rows_mask(batch.packed_attn, keys, ids.shape[1])
+        hidden = model(ids, positions=batch.packed_pos, cache=prompts, attn_mask=mask, hidden=True)  # (B, T', C)
 
     # The slot whose hidden state predicts each packed token: the one before it, or its jump's source.
     source = torch.arange(-1, ids.shape[1] - 1, device=ids.device).expand_as(ids).clone()
     jb, jt, js = batch.jumps
     source[jb, jt] = js
-    used = batch.to_logical >= 0
-    rows, cols = used.nonzero(as_tuple=True)  # every completion token, row-major
+    rows, cols = (batch.to_logical >= 0).nonzero(as_tuple=True)  # every completion token, row-major
     src = source[rows, cols]
-    Tp = hidden.shape[1]  # answers share their thought's last slot: index_select, see PromptRows.update
-    h = hidden.flatten(0, 1).index_select(0, rows * Tp + src.clamp(min=0))  # (N, C)
+    # (N, C); answers share their thought's last slot: index_select, see PromptRows.update
+    h = hidden.flatten(0, 1).index_select(0, rows * hidden.shape[1] + src.clamp(min=0))
     if first is not None:  # source -1: the shared prompt's last position
         h = torch.where((src >= 0)[:, None], h, first.index_select(0, rows))
-    head = getattr(model, "module", model)
     kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
     logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw)
     index, shape = (batch.to_logical[rows, cols],), batch.ids.shape

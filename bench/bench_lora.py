@@ -55,7 +55,7 @@ def step_side(path: str, rank: int, rows: int, tokens: int, steps: int, seed: in
     model = load_model(path, dtype=torch.float32).train()
     model.gradient_checkpointing = checkpointing
     if rank:
-        lora.add_lora(model, rank, 2.0 * rank, tuple(lora.TARGETS), seed=seed)
+        lora.add_lora(model, rank, 2.0 * rank, lora.DECODER, seed=seed)
     params = lora.lora_parameters(model) if rank else list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.99), weight_decay=0.0, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (rows, tokens + 1), generator=torch.Generator().manual_seed(seed))
@@ -90,7 +90,7 @@ def merge_side(path: str, rank: int, seed: int, new_tokens: int) -> dict:
     from hf import load_model
     from sampler import generate
 
-    model = lora.add_lora(load_model(path, dtype=torch.float32), rank, 2.0 * rank, tuple(lora.TARGETS), seed=seed)
+    model = lora.add_lora(load_model(path, dtype=torch.float32), rank, 2.0 * rank, lora.DECODER, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     for m in lora.lora_layers(model).values():  # a trained-looking B: the adapters move the logits visibly
         m.lora_B.copy_(0.02 * torch.randn(m.lora_B.shape, generator=g))

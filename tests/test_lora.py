@@ -23,7 +23,7 @@ from hf import load_model, save_model
 from logprobs import head_logprobs
 from sampler import generate
 
-ALL = tuple(lora.TARGETS)
+ALL = lora.DECODER
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32, two implementations of the same formula
 
 
@@ -342,7 +342,7 @@ from logprobs import head_logprobs
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 rank, mode = dist.get_rank(), sys.argv[1]
-m = lora.add_lora(load_model({path!r}), 4, 8, tuple(lora.TARGETS), seed=0)
+m = lora.add_lora(load_model({path!r}), 4, 8, lora.DECODER, seed=0)
 g = torch.Generator().manual_seed(1)
 with torch.no_grad():
     for p in lora.lora_parameters(m):

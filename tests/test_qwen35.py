@@ -308,3 +308,40 @@ def test_grpo_ma_on_a_hybrid_trains_and_resumes_bit_for_bit(hybrid_run_model, tm
     start, wa, wb = (load_model(p).state_dict() for p in (hybrid_run_model, f"{a}/final", f"{b}/final"))
     assert any(not torch.equal(start[k], wa[k]) for k in wa)  # the steps moved the weights
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_lora_on_every_projection_loads_in_peft_equal_to_the_merged_model(tmp_path):
+    """Guards LoRA on a hybrid: adapters on the gated attention's and the DeltaNet's projections (in_proj_qkv, z, b,
+    a, out_proj) and the MLPs, trained a few steps, load in PEFT to our logits, and merge into a checkpoint that
+    transformers loads to the same logits; a DeltaNet target on a model without DeltaNet layers is refused."""
+    pytest.importorskip("peft")
+    import transformers
+    from peft import PeftModel
+
+    import lora
+    from helpers import make_hf_checkpoint
+    from logprobs import head_logprobs
+
+    path = make_hf_checkpoint(tmp_path, "qwen3_5")
+    targets = lora.parse_targets("q,k,v,o,qkv,z,b,a,out,gate,up,down")
+    m = lora.add_lora(load_model(path), 4, 8, targets, seed=0)
+    assert sum(p.numel() for p in lora.lora_parameters(m)) == lora.adapter_size(m.config, 4, targets)
+    opt = torch.optim.AdamW(lora.lora_parameters(m), lr=1e-2)
+    x = torch.tensor([PROMPTS[1]])
+    for _ in range(3):
+        (-head_logprobs(m, m(x[:, :-1], hidden=True), x[:, 1:])[0].mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    lora.save_adapters(m, tmp_path / "adapter", path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    save_model(m, tmp_path / "merged", state_dict=lora.merged_state_dict(m))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = m(x)
+        with lora.adapters_off(m):
+            assert (ours - m(x)).abs().max() > 1e-3  # trained: the comparisons see the adapters
+        torch.testing.assert_close(theirs(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"target 'qkv' \(in_proj_qkv\) is in no layer of this model"):
+        lora.add_lora(load_model(make_hf_checkpoint(tmp_path, "qwen3")), 4, 8, ("q", "qkv"))
