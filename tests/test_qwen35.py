@@ -345,3 +345,28 @@ def test_lora_on_every_projection_loads_in_peft_equal_to_the_merged_model(tmp_pa
         torch.testing.assert_close(merged(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"target 'qkv' \(in_proj_qkv\) is in no layer of this model"):
         lora.add_lora(load_model(make_hf_checkpoint(tmp_path, "qwen3")), 4, 8, ("q", "qkv"))
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_on_a_hybrid(hybrid_run_model, tmp_path):
+    """Guards DDP on a hybrid's GRPO-MA step (tree_hidden runs the trunks on the module and the answers through the
+    wrapper, one wrapped forward per backward): 2 CPU ranks (gloo) after one step equal 1 process."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["train.py", "--algo", "grpo_ma", "--answers", "2", "--model", hybrid_run_model, "--max-steps", "1"]
+    args += ["--prompts-per-step", "4", "--thoughts", "2", "--max-thought-tokens", "24", "--max-answer-tokens", "6"]
+    args += ["--eval-every", "0", "--eval-examples", "4", "--eval-samples", "0", "--micro-batch-rows", "3"]
+    args += ["--reward-noise", "0.3,0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    subprocess.run([sys.executable, *args, "--out", one], cwd=root, check=True, env=env, capture_output=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", "29541"]
+    r = subprocess.run([*torchrun, *args, "--out", two], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    start, w1, w2 = (load_model(p).state_dict() for p in (hybrid_run_model, f"{one}/final", f"{two}/final"))
+    assert any(not torch.equal(start[k], w1[k]) for k in w1)  # the step moved the weights
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
