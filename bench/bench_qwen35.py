@@ -77,7 +77,7 @@ def decode(path: Path, rows: int, prompt_tokens: int, new: int, rounds: int) -> 
     )
 
 
-def grpo_step(path: Path, out: Path, prompt_tokens: int, new: int) -> dict:
+def grpo_step(path: Path, out: Path, prompt_tokens: int, new: int, rows: int) -> dict:
     """One train.py step in a process of its own: its time/* metrics, its estimate and its peak RSS."""
     data = out / "prompts.jsonl"
     words = " ".join(["seven"] * prompt_tokens)  # one Qwen2.5 token per word: the prompt's length
@@ -86,17 +86,9 @@ def grpo_step(path: Path, out: Path, prompt_tokens: int, new: int) -> dict:
     run = out / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), "--model", str(path), "--out", str(run), "--algo", "grpo"]
     cmd += ["--task", "gsm8k", "--data", str(data), "--max-steps", "1", "--prompts-per-step", "1", "--thoughts", "16"]
-    cmd += [
-        "--max-thought-tokens",
-        str(new),
-        "--max-answer-tokens",
-        str(new),
-        "--eval-every",
-        "0",
-        "--eval-examples",
-        "1",
-    ]
-    cmd += ["--save-every", "0"]
+    limits = ["--max-thought-tokens", str(new - 8), "--max-answer-tokens", "8"]  # answers 1: completions of `new`
+    cmd += [*limits, "--eval-every", "0", "--eval-examples", "1", "--eval-samples", "1"]
+    cmd += ["--save-every", "0", "--micro-batch-rows", str(rows)]
     start = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - start
@@ -117,19 +109,23 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (decode and the GRPO step)")
     p.add_argument("--new", type=int, default=64, help="new tokens per row (decode and the GRPO step)")
     p.add_argument("--rounds", type=int, default=2, help="decode: runs per side, in turns (the fastest counts)")
+    p.add_argument("--micro-batch-rows", type=int, default=4, help="the GRPO step's rows per forward/backward")
     p.add_argument("--no-step", action="store_true", help="skip the GRPO step")
+    p.add_argument("--no-decode", action="store_true", help="skip the logits and decode comparison")
     args = p.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     path = checkpoint(cache, args.layers)
     print(f"checkpoint: {path} ({sum(t.numel() for t in load_model(path).parameters()) / 1e9:.2f}B parameters)")
-    result = dict(decode=decode(path, args.rows, args.prompt_tokens, args.new, args.rounds))
-    print(json.dumps(result, indent=1), flush=True)
+    result = {}
+    if not args.no_decode:
+        result["decode"] = decode(path, args.rows, args.prompt_tokens, args.new, args.rounds)
+        print(json.dumps(result, indent=1), flush=True)
     if not args.no_step:
         step_dir = cache / f"step-{time.strftime('%H%M%S')}"
         step_dir.mkdir()
-        result["grpo_step"] = grpo_step(path, step_dir, args.prompt_tokens, args.new)
+        result["grpo_step"] = grpo_step(path, step_dir, args.prompt_tokens, args.new, args.micro_batch_rows)
         print(json.dumps(result["grpo_step"], indent=1))
 
 

@@ -29,10 +29,11 @@ PROMPTS = [[5, 9, 17, 3, 44, 2, 7, 60], [11, 12], [99, 100, 101, 4, 8], [1, 2, 3
 BF16_EXACT = 16  # bfloat16 captured and eager decodes may part after this many tokens (different kernels round)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    """A tiny random Qwen2 checkpoint (q/k/v biases, GQA, untied head)."""
-    return str(make_hf_checkpoint(tmp_path_factory.mktemp("cuda"), "qwen2", False))
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+def checkpoint(tmp_path_factory, request) -> str:
+    """A tiny random checkpoint: Qwen2 (q/k/v biases, GQA, untied head) and a Qwen3.5 hybrid (DeltaNet states in
+    the static buffers and the captured step)."""
+    return str(make_hf_checkpoint(tmp_path_factory.mktemp("cuda"), request.param, False))
 
 
 def policy(checkpoint: str) -> Transformer:
