@@ -348,9 +348,11 @@ def test_lora_on_every_projection_loads_in_peft_equal_to_the_merged_model(tmp_pa
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_on_a_hybrid(hybrid_run_model, tmp_path):
-    """Guards DDP on a hybrid's GRPO-MA step (tree_hidden runs the trunks on the module and the answers through the
-    wrapper, one wrapped forward per backward): 2 CPU ranks (gloo) after one step equal 1 process."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_equal_one_on_a_hybrid(hybrid_run_model, tmp_path, mode):
+    """Guards DDP and FSDP on a hybrid's GRPO-MA step (tree_hidden runs the trunks on the module and the answers
+    through the wrapper, one wrapped forward per backward; FSDP shards each Block, its DeltaNet layer included): 2 CPU
+    ranks (gloo) after one step equal 1 process."""
     import os
     import subprocess
     import sys
@@ -364,7 +366,8 @@ def test_two_processes_equal_one_on_a_hybrid(hybrid_run_model, tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     subprocess.run([sys.executable, *args, "--out", one], cwd=root, check=True, env=env, capture_output=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", "29541"]
-    r = subprocess.run([*torchrun, *args, "--out", two], cwd=root, env=env, capture_output=True, text=True)
+    fsdp = ["--fsdp"] if mode == "fsdp" else []
+    r = subprocess.run([*torchrun, *args, *fsdp, "--out", two], cwd=root, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     start, w1, w2 = (load_model(p).state_dict() for p in (hybrid_run_model, f"{one}/final", f"{two}/final"))
     assert any(not torch.equal(start[k], w1[k]) for k in w1)  # the step moved the weights
