@@ -28,6 +28,12 @@ def model(tmp_path_factory):
     return load_model(make_hf_checkpoint(tmp_path_factory.mktemp("mt"), "qwen2"))
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A Qwen3.5 hybrid: a DeltaNet layer's state must take each observation as a fresh forward would."""
+    return load_model(make_hf_checkpoint(tmp_path_factory.mktemp("mt-hybrid"), "qwen3_5"))
+
+
 def real_shape() -> Transformer:
     """Qwen2.5-0.5B's layer shape (hidden 896, 14 query heads, 2 key/value heads of 64, SwiGLU 4864, q/k/v bias,
     RoPE theta 1e6), one layer and a small vocabulary, randomly initialised."""
@@ -90,14 +96,14 @@ def run(model, respond, **kw):
     return sample_turns(model, PROMPTS, **(args | kw))
 
 
-@pytest.mark.parametrize("shape", ["tiny", "real"])
-def test_logprobs_after_an_observation_equal_a_fresh_forward_of_the_whole_row(model, shape):
+@pytest.mark.parametrize("shape", ["tiny", "real", "hybrid"])
+def test_logprobs_after_an_observation_equal_a_fresh_forward_of_the_whole_row(model, hybrid, shape):
     """Guards the cache append at a tool call: the observation extended onto the row's cache (its last sampled
     token, which decode does not feed, then the observation's ids) must leave keys, values and RoPE positions
     exactly as a fresh forward of prompt + everything written and appended so far would, so every log-prob the
     sampler reports, those right after an observation included, equals the trainer's to float32 rounding. On the
-    tiny model and on Qwen2.5-0.5B's layer shape."""
-    m = model if shape == "tiny" else real_shape()
+    tiny model, on Qwen2.5-0.5B's layer shape and on a Qwen3.5 hybrid."""
+    m = {"tiny": model, "hybrid": hybrid}.get(shape) or real_shape()
     out = run(m, Recorder())
     assert sum(out.calls) >= 3, "the test needs rows that called"
     for i, (toks, lps, ctx) in enumerate(zip(out.tokens, out.logprobs, out.context)):
@@ -161,12 +167,14 @@ def test_same_seed_same_rollouts_and_no_call_is_generate(model):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-6, rtol=0)
 
 
-def test_static_decode_path_samples_what_the_eager_path_does(model):
+@pytest.mark.parametrize("shape", ["tiny", "hybrid"])
+def test_static_decode_path_samples_what_the_eager_path_does(model, hybrid, shape):
     """Guards the GPU's path (a graphs.StaticDecode adopts each turn's cache into its static buffers: power-of-two
     rows and slots, the batch shrinking by buckets), run eagerly here: the same rows, calls, tokens and log-probs
     as the eager decode, across forks and observation appends."""
     from kvcache import decode_step_static
 
+    model = hybrid if shape == "hybrid" else model
     ref = run(model, Recorder())
     out = run(model, Recorder(), static_step=decode_step_static)
     assert out.tokens == ref.tokens and out.context == ref.context and out.calls == ref.calls
