@@ -121,6 +121,15 @@ class GatedDeltaNet(nn.Module):
         """x (B, T, C) -> (B, T, C). cache: an object with `state(layer_idx, B)` -> (conv, S), or None for the
         state before any token, and `set_state(layer_idx, conv, S)`, given the state after these tokens (no cache:
         start from zeros, keep nothing). valid (B, T) bool: tokens to skip are False (None: every token counts)."""
+        return self.out_proj(self.mix(x, cache, valid))
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The four input projections of x (B, T, C): qkv (B, T, D) for the convolution, z (B, T, Hv dv) for the
+        output's gate, b and a (B, T, Hv) for the write rate and the decay (fused.py runs them as one matmul)."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def mix(self, x: Tensor, cache=None, valid: Tensor | None = None) -> Tensor:
+        """forward before out_proj: the gated, normed output of the delta rule (B, T, Hv dv)."""
         B, T, _ = x.shape
         state = cache.state(self.layer_idx, B) if cache is not None else None
         conv, S = state if state is not None else self.new_state(B, x.dtype, x.device)
@@ -128,7 +137,8 @@ class GatedDeltaNet(nn.Module):
         if valid is not None and T > 1:  # each row's valid tokens first: the rule runs over them contiguously
             order = compact(valid)
             x, valid = x.gather(1, order[..., None].expand_as(x)), valid.gather(1, order)
-        xt = self.in_proj_qkv(x).transpose(1, 2)  # (B, D, T)
+        xt, z, b, a = self.project(x)
+        xt = xt.transpose(1, 2)  # (B, D, T)
         window = torch.cat([conv.to(xt.dtype), xt], 2)  # (B, D, K-1 + T): the last K-1 inputs, then these
         qkv = F.silu(F.conv1d(window, self.conv1d.weight.to(xt.dtype), groups=xt.shape[1])).transpose(1, 2)
         q, k, v = qkv.split(self.split, -1)
@@ -137,8 +147,8 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(self.Hv // self.Hk, 2), k.repeat_interleave(self.Hv // self.Hk, 2)
         q, k = l2norm(q.float()) * self.dk**-0.5, l2norm(k.float())
         v = v.unflatten(-1, (self.Hv, self.dv)).float()
-        beta = self.in_proj_b(x).sigmoid().float()  # (B, T, Hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.sigmoid().float()  # (B, T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         K1 = window.shape[2] - T
         if valid is None:
             conv = window[:, :, T:]
@@ -153,7 +163,7 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.set_state(self.layer_idx, conv, S)
         y = y.transpose(1, 2).to(x.dtype)  # (B, T, Hv, dv)
-        y = self.norm(y.reshape(-1, self.dv), self.in_proj_z(x).reshape(-1, self.dv)).view(B, T, -1)  # per head
+        y = self.norm(y.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(B, T, -1)  # per head
         if order is not None:  # back to the caller's positions
             y = y.gather(1, torch.argsort(order, dim=1)[..., None].expand_as(y))
-        return self.out_proj(y)
+        return y

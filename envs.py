@@ -73,23 +73,35 @@ def run_code(
 
 
 NO_CALL = '<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>'
+NO_CALL_XML = "<tool_call>\n<function=python>\n<parameter=code>\n...\n</parameter>\n</function>\n</tool_call>"
 
 
 class PythonTool:
     """The Python tool. form "torl" (ToRL, arXiv 2503.23383): the policy writes a ```python block, then the marker
-    ```output; the observation is the output and a closing fence. form "qwen" (Qwen2.5's chat template): the policy
-    writes <tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>; the observation ends its turn and
-    answers in a <tool_response> user turn. Every call runs in the sandbox with its time and memory limits; the
-    wall clock gets wall_limit's margin for `workers` calls at once."""
+    ```output; the observation is the output and a closing fence. form "qwen" (Qwen's chat templates): the policy
+    writes a <tool_call> in either of Qwen's syntaxes, {"name": "python", "arguments": {"code": ...}} (Qwen2.5,
+    Qwen3) or <function=python><parameter=code>...</parameter></function> (Qwen3.5/3.6, `xml`: the one its error
+    message shows); the observation ends its turn, answers in a <tool_response> user turn and opens the next
+    assistant turn as the chat template's generation prompt does (`reopen`: Qwen3.5's "<think>\n"). Every call
+    runs in the sandbox with its time and memory limits; the wall clock gets wall_limit's margin for `workers`
+    calls at once."""
 
     tasks = None  # any task
 
     def __init__(
-        self, form: str = "torl", timeout_s: float = 5.0, memory_mb: int = 512, max_chars: int = 512, workers: int = 1
+        self,
+        form: str = "torl",
+        timeout_s: float = 5.0,
+        memory_mb: int = 512,
+        max_chars: int = 512,
+        workers: int = 1,
+        reopen: str = "",
+        xml: bool = False,
     ):
         self.form, self.timeout_s, self.memory_mb, self.max_chars = form, timeout_s, memory_mb, max_chars
         self.wall_s = wall_limit(timeout_s, workers)
         self.stop = "```output" if form == "torl" else "</tool_call>"
+        self.reopen, self.xml = reopen, xml
         self.errors, self.seconds = 0, 0.0
 
     def reset(self, example: dict) -> str:
@@ -98,9 +110,10 @@ class PythonTool:
     def code(self, turn: str) -> str | None:
         """The call's code in the policy's current turn (the text since the last observation), or None: torl, the
         ```python block that the marker closes, from the first ```python of the turn (code may hold the text
-        ```python itself) to the fence before the marker; qwen, the "code" argument of the turn's first
-        <tool_call>, whose JSON runs to the first </tool_call>. Malformed JSON (nested past Python's recursion
-        limit, a number past its digit limit, not an object, no string code) is no call."""
+        ```python itself) to the fence before the marker; qwen, the code of the turn's first <tool_call>, whose
+        body runs to the first </tool_call>: the "code" argument of its JSON, or its XML's one parameter "code".
+        Malformed JSON (nested past Python's recursion limit, a number past its digit limit, not an object, no
+        string code) or XML (another function, another or a second parameter, text around it) is no call."""
         body = turn[: turn.find(self.stop)] if self.stop in turn else turn
         if self.form == "torl":
             body, i = body.rstrip(), body.find("```python")
@@ -108,8 +121,13 @@ class PythonTool:
                 return None
             return body[i + 9 : -3]
         i = body.find("<tool_call>")
+        if i < 0:
+            return None
+        body = body[i + len("<tool_call>") :]
+        if body.lstrip().startswith("<function="):
+            return xml_code(body)
         try:
-            call = json.loads(body[i + len("<tool_call>") :]) if i >= 0 else None
+            call = json.loads(body)
         except (ValueError, RecursionError):
             return None
         args = call.get("arguments") if isinstance(call, dict) and call.get("name") == "python" else None
@@ -119,7 +137,7 @@ class PythonTool:
     def step(self, text: str) -> tuple[str | None, float, bool]:
         code, start = self.code(text), time.perf_counter()
         if code is None:
-            how = "a ```python block, then ```output" if self.form == "torl" else NO_CALL
+            how = "a ```python block, then ```output" if self.form == "torl" else NO_CALL_XML if self.xml else NO_CALL
             out, failed = f"Error: no code found (write {how})", True
         else:
             out, failed = run_code(code, self.timeout_s, self.memory_mb, self.max_chars, self.wall_s)
@@ -128,7 +146,28 @@ class PythonTool:
         if self.form == "torl":
             return f"\n{out}\n```\n", 0.0, False
         turn = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
-        return f"{turn}{out}\n</tool_response><|im_end|>\n<|im_start|>assistant\n", 0.0, False
+        return f"{turn}{out}\n</tool_response><|im_end|>\n<|im_start|>assistant\n{self.reopen}", 0.0, False
+
+
+def xml_code(body: str) -> str | None:
+    """The code of a Qwen3.5/3.6 call's body (the text between <tool_call> and </tool_call>), as its chat template
+    writes one: <function=python>, <parameter=code>, a newline, the code, a newline, </parameter>, </function>,
+    whitespace between the tags. The code runs to the body's last </parameter>, so it may hold the tags' text."""
+    body = body.strip()
+    head, tail = "<function=python>", "</function>"
+    if not (body.startswith(head) and body.endswith(tail)):
+        return None
+    inner = body[len(head) : -len(tail)].strip()
+    head, tail = "<parameter=code>", "</parameter>"
+    if not (inner.startswith(head) and inner.endswith(tail)) or len(inner) < len(head) + len(tail):
+        return None
+    code = inner[len(head) : -len(tail)]
+    code = code[1:] if code.startswith("\n") else code
+    code = code[:-1] if code.endswith("\n") else code
+    return None if SECOND_PARAMETER.search(code) else code
+
+
+SECOND_PARAMETER = re.compile(r"</parameter>\s*<parameter=")  # <parameter=code>a</parameter><parameter=x>b</parameter>
 
 
 class CountdownFeedback:

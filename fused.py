@@ -19,9 +19,10 @@ torch.compile, each one generated kernel instead of 3, 2 and 1 (or more) of PyTo
 layer become 11. They compile once each (dynamic shapes) in the first decode step's warm-up, before its capture.
 train.py --compile compiles the whole decode step instead (inductor then also fuses across functions).
 
-A Qwen3.5 hybrid's copy fuses its MLPs (gate and up as one matmul, silu_mul) and nothing else: its zero-centred
-norms scale by 1 + w (no F.rms_norm weight), its attention gates its output and rotates part of each head, and a
-DeltaNet layer's four input projections feed a convolution, a norm gate and two gates: fusing those is future work.
+A Qwen3.5 hybrid's copy fuses the same way: a DeltaNet layer's four input projections (qkv, z, b, a) run as one
+matmul and its out_proj takes the residual add; the gated attention's q_proj (queries and their gates), k and v
+run as one matmul, RoPE over the first quarter of q and k together; the zero-centred norms (x (1 + w)) are one
+F.rms_norm each. A DeltaNet layer's 8 projections (with the MLP's) become 4, an attention layer's 7 become 4.
 """
 
 from collections.abc import Callable
@@ -31,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from deltanet import GatedDeltaNet
 from graphs import compiled
 from model import MLP, Attention, Block, RMSNorm, Transformer, attend
 
@@ -44,7 +46,11 @@ def add_linear(residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """model.apply_rope with its multiply-add as one addcmul (one kernel fewer; in bf16 it rounds once less)."""
+    """model.apply_rope with its multiply-add as one addcmul (one kernel fewer; in bf16 it rounds once less).
+    Partial rotary (cos narrower than a head: Qwen3.5): the leading dimensions rotate, the rest pass."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
@@ -60,16 +66,23 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def zero_centred_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3.5's norm x (1 + w), normalised and scaled in float32 then cast (its order), as one F.rms_norm."""
+    return F.rms_norm(x.float(), weight.shape, 1.0 + weight.float(), eps).to(x.dtype)
+
+
 def kernels(compile: bool) -> dict:
     """The copy's small elementwise functions by name: as written, or compiled (graphs.compiled: one generated
     kernel each)."""
-    return {fn.__name__: compiled(fn) if compile else fn for fn in (rope, silu_mul, rms_norm)}
+    fns = (rope, silu_mul, rms_norm, zero_centred_rms_norm)
+    return {fn.__name__: compiled(fn) if compile else fn for fn in fns}
 
 
 class FusedAttention(Attention):
-    """Attention whose q, k, v projections run as one matmul (qkv_weight (H + 2 Hkv) hd x C; their weights
-    are views of it), whose RoPE runs over q and k together (self.rope: rope, maybe compiled), and which, given
-    the residual stream, returns it with the attention added (o_proj and the add in one addmm)."""
+    """Attention whose q, k, v projections run as one matmul (qkv_weight (H + 2 Hkv) hd x C, or (2 H + 2 Hkv) hd
+    with Qwen3.5's output gates; their weights are views of it), whose RoPE runs over q and k together
+    (self.rope: rope, maybe compiled), and which, given the residual stream, returns it with the attention added
+    (o_proj and the add in one addmm)."""
 
     qkv_weight: Tensor
     qkv_bias: Tensor | None
@@ -80,18 +93,38 @@ class FusedAttention(Attention):
     ) -> Tensor:
         B, T, _ = x.shape
         H, Hkv = self.H, self.Hkv
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, H + 2 * Hkv, self.hd)
-        if hasattr(self, "q_norm"):  # Qwen3: per-head norms (two weights) before RoPE
-            qk = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + Hkv])], 2)
+        nq = 2 * H if self.gated else H  # q_proj's heads: gated, each query head then its gate ([q_h | gate_h])
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, nq + 2 * Hkv, self.hd)
+        if hasattr(self, "q_norm"):  # Qwen3, Qwen3.5: per-head norms (two weights) before RoPE
+            q = qkv[:, :, :nq:2] if self.gated else qkv[:, :, :H]
+            qk = torch.cat([self.q_norm(q), self.k_norm(qkv[:, :, nq : nq + Hkv])], 2)
         else:
             qk = qkv[:, :, : H + Hkv]  # (B, T, H + Hkv, hd)
         qk = self.rope(qk, cos.transpose(1, 2), sin.transpose(1, 2))  # cos, sin (B, T, 1, hd): every head
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, heads, T, hd)
-        v = qkv[:, :, H + Hkv :].transpose(1, 2)
+        v = qkv[:, :, nq + Hkv :].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd): all keys so far
-        y = attend(q, k, v, attn_mask).transpose(1, 2).reshape(B, T, H * self.hd)  # (B, T, H hd)
-        return self.o_proj(y) if residual is None else add_linear(residual, y, self.o_proj.weight)
+        y = attend(q, k, v, attn_mask).transpose(1, 2)  # (B, T, H, hd)
+        y = (y * torch.sigmoid(qkv[:, :, 1:nq:2]) if self.gated else y).reshape(B, T, H * self.hd)
+        if residual is None or self.o_proj.bias is not None:
+            return self.o_proj(y) if residual is None else residual + self.o_proj(y)
+        return add_linear(residual, y, self.o_proj.weight)
+
+
+class FusedDeltaNet(GatedDeltaNet):
+    """GatedDeltaNet whose four input projections run as one matmul (in_weight (D + Hv dv + 2 Hv) x C; their
+    weights are views of it) and which, given the residual stream, returns it with the layer's output added
+    (out_proj and the add in one addmm)."""
+
+    in_weight: Tensor
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return F.linear(x, self.in_weight).split(self.in_split, -1)
+
+    def forward(self, x: Tensor, cache=None, valid: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+        y = self.mix(x, cache, valid)
+        return self.out_proj(y) if residual is None else add_linear(residual, y, self.out_proj.weight)
 
 
 class FusedMLP(MLP):
@@ -109,15 +142,21 @@ class FusedMLP(MLP):
 
 
 class FusedBlock(Block):
-    """Block whose residual adds happen inside the projections that feed them (FusedAttention, FusedMLP)."""
+    """Block whose residual adds happen inside the projections that feed them (FusedAttention or FusedDeltaNet,
+    FusedMLP)."""
 
     def forward(self, x, cos, sin, cache=None, attn_mask: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
-        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, attn_mask, residual=x)
+        h = self.input_layernorm(x)
+        if hasattr(self, "linear_attn"):
+            x = self.linear_attn(h, cache, valid, residual=x)
+        else:
+            x = self.self_attn(h, cos, sin, cache, attn_mask, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class FusedRMSNorm(RMSNorm):
-    """RMSNorm as one kernel in the input's dtype (self.rms_norm: rms_norm, maybe compiled)."""
+    """RMSNorm as one kernel (self.rms_norm: rms_norm in the input's dtype, or zero_centred_rms_norm; maybe
+    compiled)."""
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
 
@@ -146,17 +185,23 @@ def fuse_for_sampling(model: Transformer, compile: bool = False) -> Transformer:
     (copy_weights_ and state_dict see no difference). Not for a model that trains, nor one moved to another
     device afterwards (.to() would copy the views apart)."""
     fns = kernels(compile)
-    for norm in (m for m in model.modules() if type(m) is RMSNorm and not m.zero_centred):
-        norm.__class__, norm.rms_norm = FusedRMSNorm, fns["rms_norm"]
+    for norm in (m for m in model.modules() if type(m) is RMSNorm):
+        norm.__class__ = FusedRMSNorm
+        norm.rms_norm = fns["zero_centred_rms_norm" if norm.zero_centred else "rms_norm"]
     for block in model.model.layers:
         mlp = block.mlp
         mlp.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
         mlp.__class__, mlp.silu_mul = FusedMLP, fns["silu_mul"]
-        if model.config.model_type == "qwen3_5":  # a hybrid fuses its MLPs only (see below)
-            continue
-        attn = block.self_attn
-        attn.qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
-        attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
-        attn.__class__, attn.rope = FusedAttention, fns["rope"]
+        if hasattr(block, "linear_attn"):  # a hybrid's DeltaNet layer
+            mixer = block.linear_attn
+            parts = [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
+            mixer.in_split = [p.out_features for p in parts]
+            mixer.in_weight = _fuse(parts, "weight")
+            mixer.__class__ = FusedDeltaNet
+        else:
+            attn = block.self_attn
+            attn.qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
+            attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+            attn.__class__, attn.rope = FusedAttention, fns["rope"]
         block.__class__ = FusedBlock
     return model

@@ -19,8 +19,9 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
             logits with their float32 copies (sample_next: x, its exp and cumsum);
   eval      the same for eval.evaluate's chunk of 64 prompts x --eval-samples;
   update    float32 gradients 4N, what autograd saves for backward over one micro-batch (per layer:
-            layer_saved_bytes, counted exactly; with --gradient-checkpointing only each layer's
-            input, plus one layer recomputed), the head's saved hidden states, and the larger of
+            layer_saved_bytes, and a hybrid's deltanet_saved_bytes, counted exactly; with
+            --gradient-checkpointing only each layer's input, plus one layer recomputed), the head's saved
+            hidden states, and the larger of
             backward's transients: one layer's gradients (SwiGLU's four (tokens, I) tensors), or a
             chunk of float32 logits (model.head_logprobs) with a float32 (V, C) gradient made before
             it is added into the existing one (docs/memory.md, bench_knobs.py);
@@ -173,17 +174,59 @@ def layer_saved_bytes(c: ModelConfig, tokens: int, keys: int, mask_cells: int, n
     return tokens * per_token + keys * 2 * H * hd * nb + mask_cells * 4
 
 
+def deltanet_saved_bytes(c: ModelConfig, forwards: list[tuple[int, int]], nb: int = 4) -> int:
+    """Bytes autograd keeps for the backward of one Block of a hybrid's DeltaNet layer (deltanet.py's chunked form)
+    over forwards of (rows, tokens per row). Per token: each norm's input, normalised value, output and rstd
+    (3C + 1, twice), the convolution's input and output (2D), q and k L2-normalised (2 Hv (dk + 1); with as many
+    key heads as value heads they are views, and the convolution's output is kept whole: + Hv dv), the gates
+    (3 Hv), the gated norm and out_proj's input (6 Hv dv + Hv), gate and up (2I). Per row: the convolution's
+    window (D (K-1)), and per value head and chunk of 64 (N a row's chunks) the chunk's decays, triangular system
+    and reads (5 x 64^2), keys (5 or, N > 1, 6 x 64 dk), values (3 x 64 dv), gates (4 x 64) and the scan's state
+    (dk dv + 1). Per forward: the norms' 1 + w and the decay's two (Hv) factors. Exact in float32
+    (tests/test_memory.py); nb: bytes of the projections' outputs (the rule itself runs in float32)."""
+    C, I, K = c.hidden_size, c.intermediate_size, c.linear_conv_kernel_dim  # noqa: E741 (I: intermediate size)
+    Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    D, chunk = 2 * Hk * dk + Hv * dv, 64
+    qk = 2 * Hv * (dk + 1) + (Hv * dv if Hv == Hk else 0)
+    per_token = (2 * (3 * C + 1) + qk + 3 * Hv + 6 * Hv * dv + Hv) * 4 + (2 * D + 2 * I) * nb
+    total = 0
+    for rows, T in forwards:
+        N = -(-T // chunk)
+        per_chunk = 5 * chunk * chunk + (5 + (N > 1)) * chunk * dk + 3 * chunk * dv + 4 * chunk + dk * dv + 1
+        total += rows * T * per_token + rows * (D * (K - 1) * nb + N * Hv * per_chunk * 4) + (2 * C + 2 * Hv) * 4
+    return total
+
+
 def update_bytes(c: ModelConfig, shape: Shape) -> dict[str, int]:
     """The update's peak beyond the weights and optimizer state, by term: gradients, saved activations
-    of the largest micro-batch, backward's transients."""
+    of the largest micro-batch, backward's transients. A hybrid (Qwen3.5) runs a tree row as two forwards
+    (pack.tree_hidden: the trunks, then the answers as rows of their own) and its attention keeps its output gate
+    and norms' 1 + w too (3 H hd per token, 2C + 2hd per forward)."""
     rows, row, prompts, Lp = micro_batch(shape)
-    nb, L, C, V = shape.act_bytes, c.num_hidden_layers, c.hidden_size, c.vocab_size
+    nb, L, C, V, M = shape.act_bytes, c.num_hidden_layers, c.hidden_size, c.vocab_size, shape.answers
     tokens = rows * row + prompts * Lp  # the rows, and their shared prompts' pass
     keys = rows * (row + Lp * (prompts > 0)) + prompts * Lp
-    masked = shape.answers > 1 or prompts > 0  # tree attention or shared prompts: an explicit mask
+    masked = M > 1 or prompts > 0  # tree attention or shared prompts: an explicit mask
     cells = (rows * row * (row + Lp * (prompts > 0)) + prompts * Lp * Lp) * masked
+    forwards = [(prompts, Lp)] if prompts else []
+    hybrid = c.model_type == "qwen3_5"
+    if hybrid and M > 1:  # trunks of Lt tokens reading Sk keys, then rows * M answers reading them and their own
+        Lt, La = row - M * shape.answer_tokens, shape.answer_tokens
+        Sk = Lt + Lp * (prompts > 0)
+        keys = rows * Sk + rows * M * (Sk + La) + prompts * Lp
+        cells = rows * Lt * Sk + rows * M * La * (Sk + La) + prompts * Lp * Lp
+        forwards += [(rows, Lt), (rows * M, La)]
+    else:
+        forwards += [(rows, row)]
     layer = layer_saved_bytes(c, tokens, keys, cells, nb)
-    saved = L * tokens * C * 4 + layer if shape.gradient_checkpointing else L * layer
+    attention = sum(c.mixer(i) == "full_attention" for i in range(L))
+    linear = deltanet_saved_bytes(c, forwards, nb) if hybrid else 0
+    if hybrid:
+        layer += tokens * 3 * c.num_attention_heads * c.head_dim * nb + len(forwards) * (2 * C + 2 * c.head_dim) * 4
+    if shape.gradient_checkpointing:
+        saved = L * tokens * C * 4 + max(layer, linear)
+    else:
+        saved = attention * layer + (L - attention) * linear
     completion = rows * row - rows * Lp * (not shape.share_prompt)  # the tokens the head scores
     head = tokens * (3 * C + 1) * 4 + completion * C * 4 * (2 if prompts else 1)  # final norm; hidden states
     # backward runs the head, then the layers one at a time: its peak is the larger of their transients

@@ -9,7 +9,8 @@ Built-in chat templates, chosen from the tokenizer's special tokens:
   pre-fills an empty <think></think> block, so the model answers without thinking.
 * ChatML as Qwen3.5/3.6 renders it (their 248k vocabulary): contents trimmed, a system turn only first,
   thoughts dropped before the last user query and shown (empty if none) after it, and the generation
-  prompt opens a thought (<think>\n), or pre-fills an empty one with enable_thinking=False. No tools.
+  prompt opens a thought (<think>\n), or pre-fills an empty one with enable_thinking=False. The 0.8B/2B/4B
+  template (thinking off by default, THINKING_OFF_BY_DEFAULT) is recognised as the same. No tool declarations.
 * Llama 3.1 Instruct's header format: BOS, a system header with the knowledge cut-off and a date
   pinned to 26 Jul 2024 (the template's default), contents trimmed.
 Each reproduces its official Jinja template exactly (tests/test_tokenizer.py renders both). A
@@ -163,6 +164,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    def turn_opening(self) -> str:
+        """What the generation prompt writes after the assistant header "<|im_start|>assistant\n": Qwen3.5's
+        "<think>\n", enable_thinking=False's empty thought, else "" (and "" outside ChatML). A tool's <tool_response>
+        turn is followed by it, as the template's generation prompt after a tool message (methods/tools.py)."""
+        if self.template != "chatml":
+            return ""
+        return self.apply_chat_template([{"role": "user", "content": "x"}]).rsplit("<|im_start|>assistant\n", 1)[1]
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, enable_thinking: bool | None = None
     ) -> str:
@@ -240,10 +249,34 @@ def own_template(path: Path, tcfg: dict) -> str | None:
     return own if isinstance(own, str) else None
 
 
+# Qwen3.5-0.8B/2B/4B's template is the larger models' with its generation prompt's thinking default turned off: the
+# same text with this branch swapped. Either default renders what --enable-thinking / --no-enable-thinking ask for.
+THINKING_OFF_BY_DEFAULT = (
+    "    {%- if enable_thinking is defined and enable_thinking is true %}\n"
+    "        {{- '<think>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "    {%- endif %}"
+)
+THINKING_ON_BY_DEFAULT = (
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<think>\\n' }}\n"
+    "    {%- endif %}"
+)
+
+
+def reproduced_style(own: str) -> str | None:
+    """The built-in style that renders this official template (REPRODUCED), the thinking default aside; or None."""
+    own = own.strip().replace(THINKING_OFF_BY_DEFAULT, THINKING_ON_BY_DEFAULT)
+    return REPRODUCED.get(hashlib.sha256(own.encode()).hexdigest())
+
+
 def warn_if_not_reproduced(path: Path, own: str | None, built_in: str) -> None:
     """A warning, at load, when the checkpoint has a chat template of its own that the
     built-in renderer does not reproduce: its prompts are the built-in's, and may differ from it."""
-    if own is None or REPRODUCED.get(hashlib.sha256(own.strip().encode()).hexdigest()) == built_in:
+    if own is None or reproduced_style(own) == built_in:
         return
     warnings.warn(
         f"{path}: the checkpoint's own chat template is not one tokenizer.py reproduces; prompts use the "

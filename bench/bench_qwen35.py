@@ -2,7 +2,7 @@
 
     python bench/bench_qwen35.py                      # about 10 minutes on 2 CPU cores
     python bench/bench_qwen35.py --layers 4 --new 16  # a quick look (the first 4 layers: 3 DeltaNet, 1 attention)
-    python bench/bench_trl.py --model DIR --prompt-tokens 256 --max-completion-tokens 64 ...  # the step vs TRL
+    python bench/bench_trl.py --model DIR --system-words 220 --max-completion-tokens 64 ...  # the step vs TRL
 
 1. Logits: ours against transformers' Qwen3_5ForCausalLM on the same checkpoint (float32), max abs difference.
 2. Decode: greedy sampler.generate against transformers.generate (its torch fallback of the delta rule and the
@@ -80,7 +80,7 @@ def decode(path: Path, rows: int, prompt_tokens: int, new: int, rounds: int) -> 
 def grpo_step(path: Path, out: Path, prompt_tokens: int, new: int, rows: int) -> dict:
     """One train.py step in a process of its own: its time/* metrics, its estimate and its peak RSS."""
     data = out / "prompts.jsonl"
-    words = " ".join(["seven"] * prompt_tokens)  # one Qwen2.5 token per word: the prompt's length
+    words = " ".join(["seven"] * prompt_tokens)  # one token per word in the Qwen vocabularies: the prompt's length
     example = json.dumps({"question": words[: 6 * prompt_tokens - 40], "answer": "so 7\n#### 7"})
     data.write_text((example + "\n") * 20)
     run = out / "run"

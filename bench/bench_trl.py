@@ -4,6 +4,7 @@
     python bench/bench_trl.py --device cuda    # both sides on the GPU (memory: CUDA's peak allocated)
     python bench/bench_trl.py --threads 1      # steadier when other processes share the cores
     python bench/bench_trl.py --no-share-prompt   # train.py runs each prompt once per completion, like TRL
+    python bench/bench_trl.py --model DIR --system-words 220   # longer prompts: a system turn of 220 filler words
 
 Both trainers get the same tiny model (assets/tiny-model, or a random model of the same shape
 when it has not been built), the same prompt tokens (the synthetic task's prompts rendered with
@@ -64,6 +65,7 @@ class BenchConfig:
     threads: int = 2  # torch.set_num_threads for both sides
     device: str = "cpu"  # where both sides train: cpu or cuda (memory: CUDA's peak allocated, not the RSS)
     seed: int = 0  # seed of both trainers and of the prompt order
+    system_words: int = 0  # > 0: every prompt's system turn is this many filler words (a longer prompt); 0: the task's
 
     def __post_init__(self) -> None:
         if (
@@ -72,9 +74,11 @@ class BenchConfig:
             or self.group_size < 2
             or self.max_completion_tokens < 1
             or self.threads < 1
+            or self.system_words < 0
         ):
             raise ValueError(
-                "--steps, --rounds, --max-completion-tokens and --threads must be >= 1 and --group-size >= 2"
+                "--steps, --rounds, --max-completion-tokens and --threads must be >= 1, --group-size >= 2 and "
+                "--system-words >= 0"
             )
         if (self.prompts_per_step * self.group_size) % self.micro_batch_rows:
             raise ValueError(
@@ -83,7 +87,13 @@ class BenchConfig:
 
 
 # -----------------------------------------------------------------------------
-# The model both sides train
+# The model both sides train, and their prompts' system turn
+
+
+def system_prompt(cfg: BenchConfig, task_prompt: str | None) -> str | None:
+    """The system turn of every prompt: the task's, or --system-words filler words (" seven" is one token in the
+    Qwen vocabularies), so that a prompt is longer than the synthetic task's question."""
+    return " ".join(["seven"] * cfg.system_words) if cfg.system_words else task_prompt
 
 
 def rss_gib() -> float:
@@ -153,6 +163,7 @@ def run_ours(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
         micro_batch_rows=cfg.micro_batch_rows,
         share_prompt=cfg.share_prompt,
         rollout_dtype=cfg.rollout_dtype,
+        system_prompt=system_prompt(cfg, None),
         eval_every=0,
         eval_examples=4,
         eval_samples=0,
@@ -195,9 +206,10 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
     from tokenizer import decode_completion, load_tokenizer
 
     task, ours_tok = get_task("synthetic"), load_tokenizer(model_dir)
-    prompt_ids = [render_prompt(ours_tok, ex, task.system_prompt) for ex in examples]
+    prompt_ids = [render_prompt(ours_tok, ex, system_prompt(cfg, task.system_prompt)) for ex in examples]
     # TRL takes prompt text; our char-level tokenizer round-trips it to the same ids (checked below).
     prompts = [ours_tok.decode(ids) for ids in prompt_ids]
+    prompt_tokens = sum(map(len, prompt_ids)) / len(prompt_ids)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=os.path.join(model_dir, "tokenizer.json"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
@@ -291,7 +303,7 @@ def make_trl(cfg: BenchConfig, model_dir: str, work: str, examples: list[dict]):
             memory["base"], memory["update"],
         ):  # fmt: skip
             times = dict(sample=sample, score=score, update=total - gs, other=gs - sample - score, total=total)
-            steps.append(dict(times, length=length, mem_update=peak, mem_base=base))
+            steps.append(dict(times, length=length, mem_update=peak, mem_base=base, prompt=prompt_tokens))
         return steps
 
     return trainer, results
@@ -374,6 +386,7 @@ def report(cfg: BenchConfig, ours: list[dict], trl: list[dict], model_note: str)
         f"(each run a fresh process, after 1 warm-up step)"
     )
     n_seqs = cfg.prompts_per_step * cfg.group_size
+    print(f"prompts: {mean_of(trl, 'prompt'):.0f} tokens on average (the same ids on both sides)")
     print(f"{'seconds/step':<16}" + "".join(f"{k:>9}" for k in keys) + f"{'mean len':>10}{'tok/step':>10}")
     for name, steps in (("train.py", ours), ("TRL", trl)):
         length = mean_of(steps, "length")

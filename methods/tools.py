@@ -1,6 +1,7 @@
 """Tool-integrated reasoning (ToRL, arXiv 2503.23383): the policy calls a tool mid-completion, and the loss trains
 only what it wrote. --tools python: a ```python block ended by ```output (or Qwen's <tool_call>, --tool-format
-qwen) runs in the sandbox and its output is appended; --tools countdown: each proposed <answer> gets feedback.
+qwen: JSON, or Qwen3.5's XML) runs in the sandbox and its output is appended; --tools countdown: each proposed
+<answer> gets feedback.
 - sample: multi-turn rollouts (multiturn.sample_turns) with one environment (envs.py) per completion, its calls in
   --tool-workers threads; the appended tokens are each completion's context mask (pack.Answer.context);
 - the loss: pack.py puts context tokens in neither the thought nor an answer, so every mask, weight, ratio, KL,
@@ -87,7 +88,7 @@ def ready(cfg, tokenizer) -> None:
     of failed calls or a traceback from a worker thread mid-step."""
     if cfg.tools == "off":
         return
-    stop = make_env(cfg).stop
+    stop = make_env(cfg, tokenizer).stop
     if tokenizer.decode(tokenizer.encode(stop)) != stop:
         how = f"--tool-format {cfg.tool_format}" if cfg.tools == "python" else f"--tools {cfg.tools}"
         raise UserError(f"{how} ends a call at {stop!r}, which this model's tokenizer cannot write: pick another")
@@ -109,12 +110,13 @@ def eval_flags(cfg) -> str:
     )
 
 
-def make_env(cfg):
-    """A fresh environment of --tools for one completion."""
+def make_env(cfg, tokenizer):
+    """A fresh environment of --tools for one completion. --tool-format qwen follows the tokenizer's chat template:
+    its observation opens the next assistant turn as the template does (Tokenizer.turn_opening), and its error
+    message shows the call in the template's syntax (XML for Qwen3.5/3.6, JSON for the others)."""
     if cfg.tools == "python":
-        return PythonTool(
-            cfg.tool_format, cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.tool_output_chars, cfg.tool_workers
-        )
+        limits = (cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.tool_output_chars, cfg.tool_workers)
+        return PythonTool(cfg.tool_format, *limits, tokenizer.turn_opening(), tokenizer.style == "qwen3.5")
     return ENVS[cfg.tools]()
 
 
@@ -145,7 +147,7 @@ class ToolGeneration(Generation):
 def tool_rollouts(model, tokenizer, task, examples: list[dict], cfg, *, n: int, max_new_tokens: int, **sampling):
     """n multi-turn completions per example, each with its own environment: (prompts, sample_turns' Turns, the
     stats of the calls). sampling: temperature, top_p, seed, static_step (and top_k)."""
-    envs = [make_env(cfg) for _ in range(len(examples) * n)]
+    envs = [make_env(cfg, tokenizer) for _ in range(len(examples) * n)]
     prompts = [
         render_prompt(tokenizer, {**ex, "prompt": envs[i * n].reset(ex)}, task.system_prompt)
         for i, ex in enumerate(examples)

@@ -273,21 +273,16 @@ def machine() -> dict:
 
 def tiny_transformer(family: str = "qwen2", layers: int = 2, seed: int = 0, tie: bool = False):
     """A tiny random decoder of `family` (vocabulary 128, width 64, 4 query and 2 key/value heads of 16, SwiGLU
-    128), built after torch.manual_seed(seed), in eval mode: the sampler's and decode path's tests share it."""
+    128), built after torch.manual_seed(seed), in eval mode: the sampler's and decode path's tests share it.
+    qwen3_5: the hybrid, its layers in the [L, L, L, F] pattern (make_hf_model's shape: gated heads of 32, a
+    quarter rotated; DeltaNet with 2 key heads of 16 and 4 value heads of 8)."""
     from model import ModelConfig, Transformer
 
     torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
-        model_type=family,
-        tie_word_embeddings=tie,
-    )
-    return Transformer(cfg).eval()
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4)
+    kw |= dict(num_key_value_heads=2, head_dim=16, attention_bias=family == "qwen2", qk_norm=family == "qwen3")
+    if family == "qwen3_5":
+        kw |= dict(head_dim=32, qk_norm=True, layer_types=tuple((QWEN35_PATTERN * layers)[:layers]))
+        kw |= dict(partial_rotary_factor=0.25, rope_theta=1e7, linear_num_key_heads=2, linear_num_value_heads=4)
+        kw |= dict(linear_key_head_dim=16, linear_value_head_dim=8)
+    return Transformer(ModelConfig(**kw, model_type=family, tie_word_embeddings=tie)).eval()

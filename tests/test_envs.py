@@ -1,6 +1,7 @@
-"""Tests of envs.py: the Python tool finds the call in both forms and answers in the matching form, every fault of
-the called code (a hang, a memory bomb, 10 MB of print, a crash, an exit) is a short error string and a counted
-error, never an exception, and Countdown's feedback names the rule a proposal broke."""
+"""Tests of envs.py: the Python tool finds the call in both forms (Qwen's in its JSON and XML syntaxes) and answers in
+the matching form, every fault of the called code (a hang, a memory bomb, 10 MB of print, a crash, an exit) is a
+short error string and a counted error, never an exception, and Countdown's feedback names the rule a proposal
+broke."""
 
 import pytest
 
@@ -27,6 +28,23 @@ def test_python_tool_reads_and_answers_both_call_forms():
     obs, _, done = torl.step("no code here```output")
     assert obs.startswith("\nError: no code found") and not done and torl.errors == 1
     assert qwen.code('<tool_call>{"name": "python"}</tool_call>') is None
+
+
+def test_python_tool_reads_qwen35s_xml_call_and_opens_the_next_turn():
+    """Guards Qwen3.5/3.6's call syntax under --tool-format qwen: the code of <function=python><parameter=code>,
+    newlines and whitespace around the tags as the template writes them, code that holds the tags' own text, text
+    before the call; and the observation opens the next assistant turn with `reopen` (Qwen3.5's "<think>\\n")."""
+    qwen = PythonTool("qwen", reopen="<think>\n", xml=True)
+    call = "<tool_call>\n<function=python>\n<parameter=code>\n{}\n</parameter>\n</function>\n</tool_call>"
+    assert qwen.code("I will multiply.\n\n" + call.format("print(37*8)")) == "print(37*8)"
+    assert qwen.code(call.format("s = '</parameter>'\nprint(s)")) == "s = '</parameter>'\nprint(s)"
+    assert qwen.code("<tool_call><function=python><parameter=code>print(2)</parameter></function></tool_call>") == (
+        "print(2)"
+    )
+    obs, _, done = qwen.step(call.format("print(37*8)"))
+    response = "<|im_end|>\n<|im_start|>user\n<tool_response>\n296\n</tool_response><|im_end|>\n"
+    assert obs == response + "<|im_start|>assistant\n<think>\n" and not done and qwen.errors == 0
+    assert PythonTool("qwen").code(call.format("print(1)")) == "print(1)"  # either syntax, whatever the template
 
 
 @pytest.mark.parametrize(

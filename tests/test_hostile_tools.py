@@ -31,7 +31,10 @@ DIGITS = '<tool_call>{"name": "python", "arguments": {"code": "print(1)", "n": '
 class Bytes:
     """A byte-level tokenizer (one id per UTF-8 byte, 256 = the stop id): any text, hostile bytes included."""
 
-    stop_ids, vocab_size, pad_id = [256], 257, 256
+    stop_ids, vocab_size, pad_id, style = [256], 257, 256, None
+
+    def turn_opening(self) -> str:
+        return ""
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -147,7 +150,7 @@ def test_a_raising_environment_is_an_error_observation_through_the_sampler(tmp_p
 
     tok = load_tokenizer(make_char_tokenizer(tmp_path / "tok"))
     model = load_model(make_hf_checkpoint(tmp_path, "qwen2", vocab_size=tok.vocab_size))
-    monkeypatch.setattr(tools, "make_env", lambda cfg: Raises())
+    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: Raises())
     cfg = TrainConfig(algo="grpo", thoughts=4, tools="python")
     task = Task("t", None, None, None, None, None)
     examples = [{"prompt": "2+3=?"}, {"prompt": "what is ab"}]
@@ -194,11 +197,19 @@ def test_a_block_holding_the_text_of_its_own_marker_runs_whole():
         '<tool_call>{"name": "python", "arguments": "print(1)"}</tool_call>',
         '<tool_call>{"name": "python", "arguments": {"code": 7}}</tool_call>',
         '<tool_call>{"name": ["python"], "arguments": {"code": "print(1)"}}</tool_call>',
+        "<tool_call><function=python><parameter=code>1</parameter><parameter=x>2</parameter></function></tool_call>",
+        "<tool_call>\n<function=sh>\n<parameter=code>\nls\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call><function=python><parameter=cmd>print(1)</parameter></function></tool_call>",
+        "<tool_call><function=python><parameter=code>print(1)</function></tool_call>",
+        "<tool_call><function=python><parameter=code>print(1)</parameter></function> and more</tool_call>",
+        "<tool_call><function=python>" + "<parameter=code>" * 5000 + "</tool_call>",
     ],
 )
 def test_a_malformed_qwen_call_is_an_error_observation(call):
     """Guards PythonTool against the JSON a policy writes: nested past Python's recursion limit, a number past its
-    digit limit, not an object, no string code. Each is no call: an error observation, counted, never a raise."""
+    digit limit, not an object, no string code; and the XML of Qwen3.5's syntax: a second parameter, another
+    function or parameter, an unclosed parameter, text after the function, 5,000 open tags. Each is no call: an
+    error observation, counted, never a raise."""
     env = PythonTool("qwen")
     assert env.code(call) is None
     obs, _, done = env.step(call)

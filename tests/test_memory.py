@@ -36,20 +36,21 @@ def config(family: str) -> ModelConfig:
     )
 
 
-def saved_bytes(c: ModelConfig, rows: int, T: int, Lp: int) -> int:
-    """What autograd saves for one Block over `rows` rows of T tokens attending to one shared prompt of Lp tokens
-    (pack.token_stats' two passes; Lp = 0: one plainly causal pass), counted with saved-tensor hooks: every
-    distinct storage except the weights, RoPE's cos/sin and the boolean masks."""
+def saved_bytes(c: ModelConfig, rows: int, T: int, Lp: int, layer: int = 0) -> int:
+    """What autograd saves for one Block (the config's layer `layer`) over `rows` rows of T tokens attending to one
+    shared prompt of Lp tokens (pack.token_stats' two passes; Lp = 0: one plainly causal pass), counted with
+    saved-tensor hooks: every distinct storage (a view keeps its whole storage alive) except the weights, RoPE's
+    cos/sin and the boolean masks."""
     torch.manual_seed(0)
-    block = Block(c, 0)
+    block = Block(c, layer)
     x = torch.randn(rows, T, c.hidden_size, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(T).expand(rows, T), c, x.dtype)
-    skip = {p.data_ptr() for p in block.parameters()} | {cos.data_ptr(), sin.data_ptr()}
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
     seen, alive = {}, []  # alive: a freed storage's address could be reused by a later one and counted once
 
     def keep(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and t.data_ptr() not in skip:
-            seen[t.data_ptr()] = t.untyped_storage().nbytes()
+        if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             alive.append(t)
         return t
 
@@ -59,7 +60,7 @@ def saved_bytes(c: ModelConfig, rows: int, T: int, Lp: int) -> int:
             return sum(seen.values())
         prompt = torch.randn(1, Lp, c.hidden_size, requires_grad=True)
         pcos, psin = rope_cos_sin(torch.arange(Lp)[None], c, x.dtype)
-        skip |= {pcos.data_ptr(), psin.data_ptr()}
+        skip |= {pcos.untyped_storage().data_ptr(), psin.untyped_storage().data_ptr()}
         kv = PromptKV()
         block(prompt, pcos, psin, kv, torch.ones(Lp, Lp, dtype=torch.bool).tril().expand(1, 1, Lp, Lp))
         block(
@@ -79,6 +80,35 @@ def test_layer_saved_bytes_equal_what_autograd_saves(family, rows, T, Lp):
     tokens, keys = rows * T + Lp, rows * (Lp + T) + Lp
     cells = rows * T * (Lp + T) + Lp * Lp if Lp else 0
     assert memory.layer_saved_bytes(c, tokens, keys, cells) == saved_bytes(c, rows, T, Lp)
+
+
+# two tiny hybrids: DeltaNet key heads repeated for the value heads (2 -> 4), and as many of each (views, not copies)
+HYBRIDS = {"repeated": {}, "as many": dict(linear_num_key_heads=4, linear_key_head_dim=8, linear_value_head_dim=16)}
+
+
+@pytest.mark.parametrize("hybrid", HYBRIDS)
+@pytest.mark.parametrize("rows, T", [(1, 64), (2, 70), (3, 10), (1, 130)])
+def test_hybrid_layers_saved_bytes_equal_what_autograd_saves(hybrid, rows, T):
+    """Guards the hybrid's activation estimate: a DeltaNet layer's saved bytes (memory.deltanet_saved_bytes: the
+    chunked rule's per-chunk matrices and states, the convolution, the gates and norms) equal what autograd keeps,
+    for rows of one chunk, of a chunk and a few tokens, of three; and a gated attention layer's are the
+    transformer's (layer_saved_bytes) plus its gate's and zero-centred norms' (3 H hd per token, 2C + 2hd)."""
+    import dataclasses
+
+    from helpers import tiny_transformer
+
+    c = tiny_transformer("qwen3_5", 4).config
+    c = dataclasses.replace(c, **HYBRIDS[hybrid], num_hidden_layers=1, layer_types=("linear_attention",))
+    assert memory.deltanet_saved_bytes(c, [(rows, T)]) == saved_bytes(c, rows, T, 0)
+    c = dataclasses.replace(c, layer_types=("full_attention",))
+    for Lp in (0, 5):
+        tokens, keys = rows * T + Lp, rows * (Lp + T) + Lp
+        cells = rows * T * (Lp + T) + Lp * Lp if Lp else 0
+        gated = (
+            tokens * 3 * c.num_attention_heads * c.head_dim * 4
+            + (1 + (Lp > 0)) * (2 * c.hidden_size + 2 * c.head_dim) * 4
+        )
+        assert memory.layer_saved_bytes(c, tokens, keys, cells) + gated == saved_bytes(c, rows, T, Lp)
 
 
 def test_kv_cache_bytes_equal_the_sampler_cache():

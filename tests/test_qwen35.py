@@ -310,6 +310,46 @@ def test_grpo_ma_on_a_hybrid_trains_and_resumes_bit_for_bit(hybrid_run_model, tm
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+class Observe:
+    """An environment whose turn ends at "1": the observation "=7" twice, then the completion is done."""
+
+    stop = "1"
+
+    def __init__(self) -> None:
+        self.errors, self.seconds, self.turns = 0, 0.0, 0
+
+    def reset(self, example: dict) -> str:
+        return example["prompt"]
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.turns += 1
+        return ("=7", 0.0, False) if self.turns < 3 else (None, 0.0, True)
+
+
+def test_tool_rollouts_on_a_hybrid_train_and_resume_bit_for_bit(hybrid_run_model, tmp_path, monkeypatch):
+    """Guards --tools on a hybrid through train.main: multi-turn rollouts (each observation appended to a row's
+    DeltaNet states by one extend, the other rows held), their packed rows, the update, and a resume from step 2
+    that ends where the uninterrupted run does, bit for bit; the calls are counted."""
+    import json
+
+    import train
+    from helpers import SMALL_RUN
+    from methods import tools
+    from train import TrainConfig
+
+    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: Observe())
+    kw = SMALL_RUN | dict(model=hybrid_run_model, algo="grpo", tools="python", max_thought_tokens=30, max_steps=3)
+    kw |= dict(reward_noise="0.3,0", max_tool_calls=2)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train.main(TrainConfig(**kw, out=a, save_every=2))
+    train.main(TrainConfig(**kw, out=b, resume=f"{a}/step-2"))
+    rows = [json.loads(line) for line in open(f"{a}/metrics.jsonl") if '"tool/calls"' in line]
+    assert len(rows) == 3 and all(r["tool/calls"] > 0 for r in rows)
+    start, wa, wb = (load_model(p).state_dict() for p in (hybrid_run_model, f"{a}/final", f"{b}/final"))
+    assert any(not torch.equal(start[k], wa[k]) for k in wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_lora_on_every_projection_loads_in_peft_equal_to_the_merged_model(tmp_path):
     """Guards LoRA on a hybrid: adapters on the gated attention's and the DeltaNet's projections (in_proj_qkv, z, b,
     a, out_proj) and the MLPs, trained a few steps, load in PEFT to our logits, and merge into a checkpoint that

@@ -608,9 +608,10 @@ def test_checkpoint_template_not_reproduced_warns_at_load(tmp_path, recwarn):
 # Qwen3.5's official chat template (tests/qwen35_chat_template.jinja, verbatim, 154 lines) is
 # mlx-community/Qwen3.5-35B-A3B-4bit's chat_template.jinja, a copy of Qwen/Qwen3.5-35B-A3B's: found in the code corpus
 # as a frozen fixture with that source and its sha256 a4aee8af... (which the file reproduces), and the same text is
-# quoted as Qwen/Qwen3.5-27B's tokenizer_config.json chat_template elsewhere. The small checkpoints (0.8B, 2B) differ
-# in one conditional only, reported but not found verbatim: without enable_thinking they pre-fill an empty thought
-# (thinking off by default). With enable_thinking given, as tokenizer.py always gives it, both render the same.
+# quoted as Qwen/Qwen3.5-27B's tokenizer_config.json chat_template elsewhere. The small checkpoints (0.8B, 2B, 4B)
+# differ in the generation prompt's thinking branch only (tokenizer.THINKING_OFF_BY_DEFAULT, as quoted by several
+# projects that patch it; their whole file was not found verbatim): without enable_thinking they pre-fill an empty
+# thought. With enable_thinking given, as tokenizer.py always gives it, both render the same.
 QWEN35_CONVERSATIONS = {
     "user only": [{"role": "user", "content": "2+2?"}],
     "system, whitespace trimmed": [
@@ -703,6 +704,75 @@ def test_qwen35_template_matches_official_jinja(conv, gen, thinking, qwen35):
     if thinking:  # the official 27B/35B default: thinking on
         assert ours == jinja_render(template, msgs, add_generation_prompt=gen)
     assert tok.decode(tok.encode(ours)) == ours
+
+
+def small_qwen35_template() -> str:
+    """The official template with the small checkpoints' thinking default (off), as tokenizer.py recognises it."""
+    from qwen_fixture import QWEN35_TEMPLATE_FILE
+    from tokenizer import THINKING_OFF_BY_DEFAULT, THINKING_ON_BY_DEFAULT
+
+    template = QWEN35_TEMPLATE_FILE.read_text()
+    assert template.count(THINKING_ON_BY_DEFAULT) == 1
+    return template.replace(THINKING_ON_BY_DEFAULT, THINKING_OFF_BY_DEFAULT)
+
+
+@pytest.mark.parametrize("conv", ["user only", "multi-turn, earlier thoughts dropped"])
+def test_qwen35_small_checkpoints_template_is_recognised(conv, qwen35, tmp_path, recwarn):
+    """Guards the 0.8B/2B/4B template (thinking off by default): a checkpoint carrying it loads without the
+    not-reproduced warning, and its Jinja renders what ours does for either explicit switch, its default being
+    the empty thought (our --enable-thinking default stays on, as the tree sampler needs a thought)."""
+    import shutil
+
+    template = small_qwen35_template()
+    path = tmp_path / "small"
+    shutil.copytree(qwen35, path)
+    (path / "chat_template.jinja").write_text(template)
+    tok = load_tokenizer(path)
+    assert not recwarn.list and tok.style == "qwen3.5"
+    msgs = QWEN35_CONVERSATIONS[conv]
+    for thinking in (True, False):
+        ours = tok.apply_chat_template(msgs, enable_thinking=thinking)
+        assert ours == jinja_render(template, msgs, add_generation_prompt=True, enable_thinking=thinking)
+    assert jinja_render(template, msgs, add_generation_prompt=True).endswith("<think>\n\n</think>\n\n")
+    (path / "chat_template.jinja").write_text(template.replace("<tool_response>", "<tool_result>"))
+    with pytest.warns(UserWarning, match="not one tokenizer.py reproduces"):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen35_tool_call_turns_match_official_jinja(thinking, qwen35):
+    """Guards --tools python --tool-format qwen on Qwen3.5: a completion that writes a call in the template's XML
+    syntax, then the tool's observation (envs.PythonTool, as methods/tools.make_env builds it for this tokenizer),
+    then the next turn's opening, is exactly what the official template renders for that assistant message with a
+    tool call and the tool message after it, generation prompt included; and the call's code is read back."""
+    from types import SimpleNamespace
+
+    from methods.tools import make_env
+    from qwen_fixture import QWEN35_TEMPLATE_FILE
+
+    tok = load_tokenizer(qwen35, enable_thinking=thinking)
+    cfg = SimpleNamespace(tools="python", tool_format="qwen", tool_timeout_s=5.0, tool_memory_mb=512)
+    env = make_env(SimpleNamespace(**vars(cfg), tool_output_chars=256, tool_workers=1), tok)
+    code = "x = 37 * 8\nprint(x)"
+    call = {"function": {"name": "python", "arguments": {"code": code}}}
+    messages = [{"role": "user", "content": "37*8?"}]
+    turn = {"role": "assistant", "content": "Let me compute.", "tool_calls": [call]}
+    messages.append(turn | ({"reasoning_content": "multiply"} if thinking else {}))
+    messages.append({"role": "tool", "content": "296"})
+    official = jinja_render(
+        QWEN35_TEMPLATE_FILE.read_text(), messages, add_generation_prompt=True, enable_thinking=thinking
+    )
+    prompt = tok.apply_chat_template(messages[:1])
+    thought = "multiply\n</think>\n\n" if thinking else ""
+    written = thought + "Let me compute.\n\n<tool_call>\n<function=python>\n<parameter=code>\n" + code
+    written += "\n</parameter>\n</function>\n</tool_call>"
+    assert env.code(written) == code
+    obs, _, done = env.step(written)
+    opening = "<think>\n" if thinking else "<think>\n\n</think>\n\n"
+    assert official == prompt + written + obs and obs.endswith("<|im_start|>assistant\n" + opening)
+    assert not done and env.errors == 0
+    obs, _, _ = env.step("<tool_call>\nprint(1)\n</tool_call>")
+    assert "<function=python>\n<parameter=code>" in obs and env.errors == 1  # the hint is in the XML syntax
 
 
 def test_qwen35_prompt_ids_match_transformers_and_errors(qwen35):

@@ -97,22 +97,24 @@ class Echo:
         return ("ok", 0.5, False) if self.turns < 3 else (None, 1.0, True)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+def tiny(tmp_path_factory, request):
+    """A tiny model and a character tokenizer: a transformer, and a Qwen3.5 hybrid (whose DeltaNet states must
+    take each observation as the packed training row's forward does)."""
     d = tmp_path_factory.mktemp("tools")
     tok = load_tokenizer(make_char_tokenizer(d / "tok"))
-    model = load_model(make_hf_checkpoint(d, "qwen2", vocab_size=tok.vocab_size))
+    model = load_model(make_hf_checkpoint(d, request.param, vocab_size=tok.vocab_size))
     return model, tok
 
 
 def test_trainer_logprobs_of_a_tool_rollout_equal_the_sampler_and_metrics_count_calls(tiny, monkeypatch):
     """Guards token in, token out through the trainer: tool rollouts (a user's Env) become the step's record, are
     packed (shared prompt) into rows whose ids are exactly those sampled and appended, and the trainer's log-probs
-    of every policy token equal the sampler's (so the gap metric measures only precision); the step's metrics count
-    the calls, errors and time."""
+    of every policy token equal the sampler's (so the gap metric measures only precision), on a transformer and on
+    a hybrid; the step's metrics count the calls, errors and time."""
     model, tok = tiny
     envs = []
-    monkeypatch.setattr(tools, "make_env", lambda cfg: envs.append(Echo()) or envs[-1])
+    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: envs.append(Echo()) or envs[-1])
     cfg = TrainConfig(algo="grpo", thoughts=4, tools="python", max_thought_tokens=40, max_answer_tokens=20)
     task = Task("t", None, None, None, None, None)
     examples = [{"prompt": "2+3=?"}, {"prompt": "what is ab"}]
@@ -242,7 +244,7 @@ def test_a_bpe_row_is_what_was_sampled_and_appended_never_re_encoded(tmp_path, m
     tok = load_tokenizer(make_bpe_tokenizer(tmp_path / "bpe", "qwen2"))
     model = load_model(make_hf_checkpoint(tmp_path, "qwen2", vocab_size=tok.vocab_size))
     envs = []
-    monkeypatch.setattr(tools, "make_env", lambda cfg: envs.append(Answer42()) or envs[-1])
+    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: envs.append(Answer42()) or envs[-1])
     cfg = TrainConfig(algo="grpo", thoughts=4, tools="python", max_tool_calls=3)
     task = Task("t", None, None, None, None, None)
     examples = [{"prompt": "The quick brown fox"}, {"prompt": "def f(x):"}]
