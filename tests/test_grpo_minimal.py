@@ -4,6 +4,7 @@ framework, and that its generated tour (docs/tour.md, `make tour`) is current.""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -22,8 +23,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, P, K, THOUGHT, ANSWER = 3, 4, 4, 32, 16  # the minimal file's one limit is train.py's two added
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_minimal_computes_train_py_grpo_bit_for_bit(tmp_path, one_thread, beta):
+def hybrid_checkpoint(path) -> str:
+    """A tiny tied Qwen3.5 hybrid with the bundled model's tokenizer."""
+    import shutil
+
+    from helpers import make_hf_checkpoint
+
+    path = make_hf_checkpoint(path, "qwen3_5", tied=True, vocab_size=28, name="hybrid")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{BUNDLED}/{f}", path / f)
+    return str(path)
+
+
+def digit_share(text: str, example: dict) -> float:
+    """A reward a random model earns unevenly: the share of digits in its completion."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+@pytest.mark.parametrize("beta, model", [(0.0, "bundled"), (0.04, "bundled"), (0.0, "hybrid")])
+def test_grpo_minimal_computes_train_py_grpo_bit_for_bit(tmp_path, one_thread, beta, model, monkeypatch):
     """Guards the claim at the top of grpo_minimal.py: STEPS steps of it and of `train.py --algo grpo
     --no-share-prompt --lr-schedule constant --warmup-steps 0` (same seed, prompts, group size and completion limit)
     give equal losses, mean rewards and gradient norms at every step and equal final weights, to the bit, with the
@@ -34,11 +52,20 @@ def test_grpo_minimal_computes_train_py_grpo_bit_for_bit(tmp_path, one_thread, b
     runs each prompt once and lets its K rows attend to it: the same gradient to rounding, not to the bit) and a
     constant learning rate. One micro-batch holds the step (64 rows >= P*K). Bit equality needs one more thing,
     which grpo_minimal.make_rows says: its rows run shortest first, the order of train.py's micro-batches
-    (pack.split_rows); in another order the weights differ by ~1e-6 after three steps."""
+    (pack.split_rows); in another order the weights differ by ~1e-6 after three steps. The same on a Qwen3.5
+    hybrid (its DeltaNet layers under the same right-padded rows)."""
+    if model == "hybrid":  # random weights earn no synthetic reward: both trainers score digits instead
+        import run
+        from tasks import get_task
+
+        task = dataclasses.replace(get_task("synthetic"), reward=digit_share)
+        for module in (run, grpo_minimal):
+            monkeypatch.setattr(module, "get_task", lambda *a, **k: task)
+    model = BUNDLED if model == "bundled" else hybrid_checkpoint(tmp_path)
     out = str(tmp_path / "train")
     cfg = TrainConfig(
         algo="grpo",
-        model=BUNDLED,
+        model=model,
         out=out,
         max_steps=STEPS,
         prompts_per_step=P,
@@ -58,13 +85,13 @@ def test_grpo_minimal_computes_train_py_grpo_bit_for_bit(tmp_path, one_thread, b
     train.main(cfg)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
     kw = dict(max_steps=STEPS, prompts_per_step=P, group_size=K, max_new_tokens=THOUGHT + ANSWER, beta=beta)
-    log, policy = grpo_minimal.main(grpo_minimal.Config(model=BUNDLED, **kw))
+    log, policy = grpo_minimal.main(grpo_minimal.Config(model=model, **kw))
 
     assert [r["reward/mean"] for r in rows] == [m["reward"] for m in log]
     assert [r["loss"] for r in rows] == [m["loss"] for m in log]
     assert [r["grad_norm"] for r in rows] == [m["grad_norm"] for m in log]
     final, mine = load_model(os.path.join(out, "final")).state_dict(), policy.state_dict()
-    start = load_model(BUNDLED).state_dict()
+    start = load_model(model).state_dict()
     assert any(not torch.equal(start[k], final[k]) for k in final)  # the steps did move the weights
     assert final.keys() == mine.keys()
     unequal = [k for k in final if not torch.equal(final[k], mine[k])]

@@ -350,6 +350,26 @@ def test_tool_rollouts_on_a_hybrid_train_and_resume_bit_for_bit(hybrid_run_model
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_gradient_checkpointing_and_eval_on_a_hybrid(hybrid_run_model, tmp_path):
+    """Guards the rest of the trainer on a hybrid: a run with --gradient-checkpointing (each Block recomputed in
+    backward, its DeltaNet state included) ends at the weights of the run without it, bit for bit; eval.py scores
+    the result, greedy and sampled, with the hybrid's cache."""
+    import train
+    from eval import EvalConfig
+    from eval import main as evaluate
+    from helpers import SMALL_RUN
+    from train import TrainConfig
+
+    kw = SMALL_RUN | dict(model=hybrid_run_model, algo="grpo", reward_noise="0.3,0", max_thought_tokens=20)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train.main(TrainConfig(**kw, out=a))
+    train.main(TrainConfig(**kw, out=b, gradient_checkpointing=True))
+    wa, wb = (load_model(f"{p}/final").state_dict() for p in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    res = evaluate(EvalConfig(model=f"{a}/final", examples=3, n=2, max_new_tokens=12))
+    assert 0.0 <= res["greedy_accuracy"] <= 1.0 and "mean@2" in res
+
+
 def test_lora_on_every_projection_loads_in_peft_equal_to_the_merged_model(tmp_path):
     """Guards LoRA on a hybrid: adapters on the gated attention's and the DeltaNet's projections (in_proj_qkv, z, b,
     a, out_proj) and the MLPs, trained a few steps, load in PEFT to our logits, and merge into a checkpoint that
