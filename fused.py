@@ -37,9 +37,11 @@ from graphs import compiled
 from model import MLP, Attention, Block, RMSNorm, Transformer, attend
 
 
-def add_linear(residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
-    """residual + x @ weight.T as one matmul whose epilogue adds the residual (addmm): x (..., K), weight (N, K),
-    residual (..., N). Saves the separate add kernel of a bias-free projection that feeds the residual stream."""
+def add_linear(residual: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """residual + x @ weight.T (+ bias) as one matmul whose epilogue adds the residual (addmm): x (..., K), weight
+    (N, K), residual (..., N). Saves the separate add kernel of a projection that feeds the residual stream (a
+    bias, rare there: Qwen3.5's o_proj with attention_bias, is one add more)."""
+    residual = residual if bias is None else residual + bias
     return torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, weight.shape[1]), weight.t()).view(
         residual.shape
     )
@@ -107,9 +109,7 @@ class FusedAttention(Attention):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd): all keys so far
         y = attend(q, k, v, attn_mask).transpose(1, 2)  # (B, T, H, hd)
         y = (y * torch.sigmoid(qkv[:, :, 1:nq:2]) if self.gated else y).reshape(B, T, H * self.hd)
-        if residual is None or self.o_proj.bias is not None:
-            return self.o_proj(y) if residual is None else residual + self.o_proj(y)
-        return add_linear(residual, y, self.o_proj.weight)
+        return self.o_proj(y) if residual is None else add_linear(residual, y, self.o_proj.weight, self.o_proj.bias)
 
 
 class FusedDeltaNet(GatedDeltaNet):
@@ -118,6 +118,7 @@ class FusedDeltaNet(GatedDeltaNet):
     (out_proj and the add in one addmm)."""
 
     in_weight: Tensor
+    in_split: list[int]  # its rows per projection: qkv, z, b, a
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return F.linear(x, self.in_weight).split(self.in_split, -1)

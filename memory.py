@@ -90,11 +90,16 @@ def n_params(config: ModelConfig) -> int:
         return sum(p.numel() for p in Transformer(config).parameters())
 
 
+def attention_layers(c: ModelConfig) -> int:
+    """How many of the layers attend (all of them, but for a hybrid's DeltaNet layers)."""
+    return sum(c.mixer(i) == "full_attention" for i in range(c.num_hidden_layers))
+
+
 def kv_bytes(c: ModelConfig, rows: int, slots: int, nbytes: int) -> int:
     """kvcache.KVCache: keys and values (L, rows, Hkv, slots, hd) of the attention layers, and a hybrid's DeltaNet
     states, the same size whatever the slots: the convolution's window (rows, D, K-1) and S (rows, Hv, dk, dv) in
     float32."""
-    attention = sum(c.mixer(i) == "full_attention" for i in range(c.num_hidden_layers))
+    attention = attention_layers(c)
     linear = c.num_hidden_layers - attention
     D = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
     S = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
@@ -218,11 +223,11 @@ def update_bytes(c: ModelConfig, shape: Shape) -> dict[str, int]:
         forwards += [(rows, Lt), (rows * M, La)]
     else:
         forwards += [(rows, row)]
-    layer = layer_saved_bytes(c, tokens, keys, cells, nb)
-    attention = sum(c.mixer(i) == "full_attention" for i in range(L))
-    linear = deltanet_saved_bytes(c, forwards, nb) if hybrid else 0
+    layer, linear = layer_saved_bytes(c, tokens, keys, cells, nb), 0
     if hybrid:
         layer += tokens * 3 * c.num_attention_heads * c.head_dim * nb + len(forwards) * (2 * C + 2 * c.head_dim) * 4
+        linear = deltanet_saved_bytes(c, forwards, nb)
+    attention = attention_layers(c)
     if shape.gradient_checkpointing:
         saved = L * tokens * C * 4 + max(layer, linear)
     else:

@@ -2,7 +2,7 @@
 
     python bench/bench_qwen35.py                      # about 10 minutes on 2 CPU cores
     python bench/bench_qwen35.py --layers 4 --new 16  # a quick look (the first 4 layers: 3 DeltaNet, 1 attention)
-    python bench/bench_trl.py --model DIR --system-words 220 --max-completion-tokens 64 ...  # the step vs TRL
+    python bench/bench_trl.py --model DIR --system-words 235 --max-completion-tokens 64 ...  # the step vs TRL
 
 1. Logits: ours against transformers' Qwen3_5ForCausalLM on the same checkpoint (float32), max abs difference.
 2. Decode: greedy sampler.generate against transformers.generate (its torch fallback of the delta rule and the

@@ -4,7 +4,7 @@
     python bench/bench_trl.py --device cuda    # both sides on the GPU (memory: CUDA's peak allocated)
     python bench/bench_trl.py --threads 1      # steadier when other processes share the cores
     python bench/bench_trl.py --no-share-prompt   # train.py runs each prompt once per completion, like TRL
-    python bench/bench_trl.py --model DIR --system-words 220   # longer prompts: a system turn of 220 filler words
+    python bench/bench_trl.py --model DIR --system-words 235   # 256-token Qwen3.5 prompts: 235 filler words
 
 Both trainers get the same tiny model (assets/tiny-model, or a random model of the same shape
 when it has not been built), the same prompt tokens (the synthetic task's prompts rendered with

@@ -223,6 +223,33 @@ SMALL_RUN = dict(model=BUNDLED, max_steps=2, prompts_per_step=4, thoughts=4, ans
                  max_answer_tokens=6, eval_every=0, eval_examples=8, eval_samples=2)  # fmt: skip
 
 
+def make_hybrid_run_checkpoint(tmp_path: Path) -> str:
+    """A tiny tied Qwen3.5 hybrid with the bundled tiny model's tokenizer (vocabulary 28): a train.py run's --model."""
+    import shutil
+
+    path = make_hf_checkpoint(tmp_path, "qwen3_5", tied=True, vocab_size=28, name="hybrid")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{BUNDLED}/{f}", path / f)
+    return str(path)
+
+
+class ScriptedEnv:
+    """A user's environment (envs.Env): a turn ends at `stop`; the observation is `observation` twice (the second
+    call counted as an error), then the completion is done with reward 1."""
+
+    def __init__(self, stop: str = "m", observation: str = "ok") -> None:
+        self.stop, self.observation = stop, observation
+        self.errors, self.seconds, self.turns = 0, 0.0, 0
+
+    def reset(self, example: dict) -> str:
+        return example["prompt"]
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.turns += 1
+        self.errors += self.turns == 2
+        return (self.observation, 0.5, False) if self.turns < 3 else (None, 1.0, True)
+
+
 @contextlib.contextmanager
 def lock_held_elsewhere(path: str) -> Iterator[subprocess.Popen]:
     """Another process holding checkpoint.hold_lock on `path` for the block; killed with SIGKILL at its end

@@ -16,23 +16,11 @@ import torch
 import grpo_minimal
 import train
 from config import TrainConfig
-from helpers import BUNDLED, machine
+from helpers import BUNDLED, machine, make_hybrid_run_checkpoint
 from hf import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, P, K, THOUGHT, ANSWER = 3, 4, 4, 32, 16  # the minimal file's one limit is train.py's two added
-
-
-def hybrid_checkpoint(path) -> str:
-    """A tiny tied Qwen3.5 hybrid with the bundled model's tokenizer."""
-    import shutil
-
-    from helpers import make_hf_checkpoint
-
-    path = make_hf_checkpoint(path, "qwen3_5", tied=True, vocab_size=28, name="hybrid")
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(f"{BUNDLED}/{f}", path / f)
-    return str(path)
 
 
 def digit_share(text: str, example: dict) -> float:
@@ -61,7 +49,7 @@ def test_grpo_minimal_computes_train_py_grpo_bit_for_bit(tmp_path, one_thread, b
         task = dataclasses.replace(get_task("synthetic"), reward=digit_share)
         for module in (run, grpo_minimal):
             monkeypatch.setattr(module, "get_task", lambda *a, **k: task)
-    model = BUNDLED if model == "bundled" else hybrid_checkpoint(tmp_path)
+    model = BUNDLED if model == "bundled" else make_hybrid_run_checkpoint(tmp_path)
     out = str(tmp_path / "train")
     cfg = TrainConfig(
         algo="grpo",

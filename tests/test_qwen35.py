@@ -281,15 +281,9 @@ def test_static_and_captured_decode_sample_what_eager_does(ours, monkeypatch, pa
 @pytest.fixture(scope="module")
 def hybrid_run_model(tmp_path_factory):
     """A tiny tied Qwen3.5 checkpoint with the bundled tiny model's tokenizer (vocabulary 28)."""
-    import shutil
+    from helpers import make_hybrid_run_checkpoint
 
-    from helpers import make_hf_checkpoint
-    from hf import BUNDLED_DIR
-
-    path = make_hf_checkpoint(tmp_path_factory.mktemp("hybrid"), "qwen3_5", tied=True, vocab_size=28, name="model")
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(f"{BUNDLED_DIR}/{f}", path / f)
-    return str(path)
+    return make_hybrid_run_checkpoint(tmp_path_factory.mktemp("hybrid"))
 
 
 def test_grpo_ma_on_a_hybrid_trains_and_resumes_bit_for_bit(hybrid_run_model, tmp_path):
@@ -310,22 +304,6 @@ def test_grpo_ma_on_a_hybrid_trains_and_resumes_bit_for_bit(hybrid_run_model, tm
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-class Observe:
-    """An environment whose turn ends at "1": the observation "=7" twice, then the completion is done."""
-
-    stop = "1"
-
-    def __init__(self) -> None:
-        self.errors, self.seconds, self.turns = 0, 0.0, 0
-
-    def reset(self, example: dict) -> str:
-        return example["prompt"]
-
-    def step(self, text: str) -> tuple[str | None, float, bool]:
-        self.turns += 1
-        return ("=7", 0.0, False) if self.turns < 3 else (None, 0.0, True)
-
-
 def test_tool_rollouts_on_a_hybrid_train_and_resume_bit_for_bit(hybrid_run_model, tmp_path, monkeypatch):
     """Guards --tools on a hybrid through train.main: multi-turn rollouts (each observation appended to a row's
     DeltaNet states by one extend, the other rows held), their packed rows, the update, and a resume from step 2
@@ -333,11 +311,11 @@ def test_tool_rollouts_on_a_hybrid_train_and_resume_bit_for_bit(hybrid_run_model
     import json
 
     import train
-    from helpers import SMALL_RUN
+    from helpers import SMALL_RUN, ScriptedEnv
     from methods import tools
     from train import TrainConfig
 
-    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: Observe())
+    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: ScriptedEnv("1", "=7"))  # "1": a bundled char
     kw = SMALL_RUN | dict(model=hybrid_run_model, algo="grpo", tools="python", max_thought_tokens=30, max_steps=3)
     kw |= dict(reward_noise="0.3,0", max_tool_calls=2)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")

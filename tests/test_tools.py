@@ -11,7 +11,7 @@ import torch
 import train
 from cli import FlagError
 from config import TrainConfig
-from helpers import make_char_tokenizer, make_hf_checkpoint
+from helpers import ScriptedEnv, make_char_tokenizer, make_hf_checkpoint
 from hf import load_model
 from losses import Tokens, policy_loss
 from methods import tools
@@ -80,23 +80,6 @@ def test_refusals_in_one_sentence():
         TrainConfig(tools="calculator")
 
 
-class Echo:
-    """A user's environment (envs.Env): a turn ends at "m"; the observation is "ok", then "done" on the second."""
-
-    stop = "m"
-
-    def __init__(self) -> None:
-        self.errors, self.seconds, self.turns = 0, 0.0, 0
-
-    def reset(self, example: dict) -> str:
-        return example["prompt"]
-
-    def step(self, text: str) -> tuple[str | None, float, bool]:
-        self.turns += 1
-        self.errors += self.turns == 2
-        return ("ok", 0.5, False) if self.turns < 3 else (None, 1.0, True)
-
-
 @pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
 def tiny(tmp_path_factory, request):
     """A tiny model and a character tokenizer: a transformer, and a Qwen3.5 hybrid (whose DeltaNet states must
@@ -114,7 +97,7 @@ def test_trainer_logprobs_of_a_tool_rollout_equal_the_sampler_and_metrics_count_
     a hybrid; the step's metrics count the calls, errors and time."""
     model, tok = tiny
     envs = []
-    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: envs.append(Echo()) or envs[-1])
+    monkeypatch.setattr(tools, "make_env", lambda cfg, tokenizer: envs.append(ScriptedEnv()) or envs[-1])
     cfg = TrainConfig(algo="grpo", thoughts=4, tools="python", max_thought_tokens=40, max_answer_tokens=20)
     task = Task("t", None, None, None, None, None)
     examples = [{"prompt": "2+3=?"}, {"prompt": "what is ab"}]
