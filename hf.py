@@ -36,9 +36,17 @@ def read_json(file: Path) -> dict:
 def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
     """Parse an HF config.json: the published layout (top-level rope_theta / rope_scaling, whose
     type key is "rope_type" or the older "type") and the transformers-5 `rope_parameters` layout."""
-    mt = d.get("model_type")
-    if mt in ("qwen3_5", "qwen3_5_text"):  # Qwen3.5/3.6: a multimodal checkpoint holds its text model's config
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    quant = d.get("quantization_config") or text.get("quantization_config")
+    if quant:  # FP8 / GPTQ / AWQ weights need their scales: loaded as plain weights they would be silently wrong
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"{path}: quantized checkpoints ({method}) are not supported; use the unquantized weights.")
+    mt, dtype = d.get("model_type"), stated_dtype(d)
+    if mt in ("qwen3_5", "qwen3_5_text"):  # Qwen3.5/3.6/3.8: a multimodal checkpoint holds its text model's config
         d, mt = qwen3_5_text_config(d, path), "qwen3_5"
+    moe = [k for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size") if d.get(k)]
+    if moe:
+        raise ValueError(f"{path}: {moe[0]} is set, but mixture-of-experts (MoE) layers are not supported, only dense.")
     if mt not in ARCHITECTURES:
         raise ValueError(f"{path}: model_type {mt!r} is not supported (supported: {sorted(ARCHITECTURES)}).")
     if d.get("hidden_act", "silu") != "silu":
@@ -70,7 +78,6 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
             if k in rs
         }
     heads = d["num_attention_heads"]
-    dtype = d.get("torch_dtype") or d.get("dtype")  # transformers 5 writes "dtype"
     try:
         return ModelConfig(
             vocab_size=d["vocab_size"],
@@ -95,6 +102,13 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
         )
     except ValueError as e:
         raise ValueError(f"{path}: {str(e).removeprefix('ModelConfig: ')}") from None
+
+
+def stated_dtype(d: dict) -> str | None:
+    """The dtype config.json states (transformers 5 writes "dtype", 4.x "torch_dtype"), in a multimodal config
+    its text_config's or, when that is silent, its top level's; None when it states none."""
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    return next((c[k] for c in (text, d) for k in ("torch_dtype", "dtype") if c.get(k)), None)
 
 
 def qwen3_5_text_config(d: dict, path: str) -> dict:
@@ -240,7 +254,9 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(config)
     expected = dict(model.named_parameters())  # tied: lm_head.weight is not listed separately
+    tied_head = "lm_head.weight" if config.tie_word_embeddings else None  # a tied head some exports store too
     loaded: set[str] = set()
+    head = None
     for file in _weight_files(path):
         try:
             tensors = {}  # name -> tensor on the file's memory map (nothing read yet)
@@ -249,20 +265,27 @@ def load_model(
                     name = text_model_name(key, config)
                     if name is None:
                         continue
-                    if name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # some exports store the tied head too; HF ignores it, so do we
-                    if name not in expected:
+                    kind = f.get_slice(key).get_dtype()  # "BF16", "F32"; FP8's "F8_E4M3" or an integer is quantized
+                    if kind.startswith(("F8", "I", "U")) or name.endswith(("_scale", "_scale_inv")):
+                        raise ValueError(
+                            f"{file}: tensor {key!r} ({kind}) is quantized, and quantized checkpoints are not "
+                            "supported; use the unquantized weights."
+                        )
+                    if name not in expected and name != tied_head:
                         raise ValueError(f"{file}: unexpected tensor {name!r} for a {config.model_type} model.")
                     if name in loaded:
                         raise ValueError(f"{file}: tensor {name!r} appears in more than one file.")
                     t = f.get_tensor(key)
                     if name == "model.embed_tokens.weight":
-                        stored = str(t.dtype).removeprefix("torch.")
-                    if t.shape != expected[name].shape:
+                        stored, embed = str(t.dtype).removeprefix("torch."), t
+                    shape = expected.get(name, expected["model.embed_tokens.weight"]).shape
+                    if t.shape != shape:
                         raise ValueError(
-                            f"{file}: tensor {name!r} has shape {tuple(t.shape)}, "
-                            f"config.json implies {tuple(expected[name].shape)}."
+                            f"{file}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}."
                         )
+                    if name == tied_head:
+                        head = t
+                        continue
                     tensors[name] = t
                     loaded.add(name)
         except SafetensorError as e:
@@ -277,10 +300,12 @@ def load_model(
     missing = sorted(expected.keys() - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}.")
-    if config.tie_word_embeddings:  # re-tie: assignment replaced embed_tokens' Parameter
+    if head is not None and not torch.equal(head, embed):  # as transformers: a stored head that differs is kept
+        config = replace(config, tie_word_embeddings=False)
+        model.lm_head.weight = nn.Parameter(head.to(device=device, dtype=dtype))
+    elif config.tie_word_embeddings:  # re-tie: assignment replaced embed_tokens' Parameter
         model.lm_head.weight = model.model.embed_tokens.weight
-    if not (raw.get("torch_dtype") or raw.get("dtype")):  # config.json silent: the dtype the file stores
-        model.config = replace(config, torch_dtype=stored)
+    model.config = config if stated_dtype(raw) else replace(config, torch_dtype=stored)  # silent: the file's dtype
     return model
 
 

@@ -169,6 +169,86 @@ def test_config_json_fields_and_refusals():
         config_from_hf(text | {"model_type": "qwen3", "partial_rotary_factor": 0.5})
 
 
+def edit_checkpoint(path, config=None, tensors=None):
+    """Rewrite a saved checkpoint: config(d) edits config.json's dict in place, tensors(sd) model.safetensors'."""
+    from safetensors.torch import load_file
+
+    if config is not None:
+        d = json.loads((path / "config.json").read_text())
+        config(d)
+        (path / "config.json").write_text(json.dumps(d))
+    if tensors is not None:
+        sd = load_file(path / "model.safetensors")
+        tensors(sd)
+        save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_a_stored_head_that_differs_from_the_embedding_is_kept_as_transformers_keeps_it(tmp_path):
+    """Guards a dropped head: a multimodal config whose tie_word_embeddings is set only inside text_config, with an
+    lm_head.weight stored that differs from the embedding, was tied (the head dropped, logits 2 off). transformers
+    ties only a head that is absent or equal, so both its classes run the stored head, and so must we; an equal
+    stored head still ties."""
+    import transformers
+
+    path, ref = multimodal_checkpoint(tmp_path / "mm", tied=False)
+    edit_checkpoint(path, lambda d: (d.pop("tie_word_embeddings"), d["text_config"].update(tie_word_embeddings=True)))
+    model = load_model(path)
+    assert not model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight
+    x = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        for cls in (transformers.Qwen3_5ForConditionalGeneration, transformers.AutoModelForCausalLM):
+            theirs = cls.from_pretrained(path, dtype=torch.float32).eval()(input_ids=x).logits
+            torch.testing.assert_close(model(x), theirs, **TOL)
+        torch.testing.assert_close(model(x), ref(input_ids=x).logits, **TOL)
+    save_model(model, tmp_path / "out")  # written untied, with its head
+    assert load_model(tmp_path / "out").lm_head.weight.equal(model.lm_head.weight)
+    edit_checkpoint(
+        path, tensors=lambda sd: sd.update({"lm_head.weight": sd["model.language_model.embed_tokens.weight"].clone()})
+    )
+    again = load_model(path)
+    assert again.config.tie_word_embeddings and again.lm_head.weight is again.model.embed_tokens.weight
+
+
+def test_a_dtype_stated_only_at_the_top_of_a_multimodal_config_is_read(tmp_path):
+    """Guards --save-dtype auto on the published layout: transformers writes a multimodal config's dtype at its top
+    level only, and a bf16 checkpoint read as float32 was written back at twice its size."""
+    path, _ = multimodal_checkpoint(tmp_path / "mm", tied=True)
+    edit_checkpoint(
+        path, lambda d: d.update(dtype="bfloat16"), lambda sd: sd.update({k: v.bfloat16() for k, v in sd.items()})
+    )
+    assert "dtype" not in json.loads((path / "config.json").read_text())["text_config"]
+    model = load_model(path)
+    assert model.config.torch_dtype == "bfloat16" and model.lm_head.weight.dtype == torch.float32
+    save_model(model, tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+def test_quantized_and_moe_checkpoints_are_refused_in_one_sentence(tmp_path):
+    """Guards silently wrong weights: FP8 weights loaded without their scales (no quantization_config) or with it,
+    the usual FP8 export's weight_scale_inv tensors (which failed as an "unexpected tensor"), and a MoE config
+    relabelled qwen3_5_text (which failed on "intermediate_size is missing") each end in one sentence naming what
+    is not supported."""
+    path, _ = multimodal_checkpoint(tmp_path / "mm", tied=True)
+    q = "model.language_model.layers.3.self_attn.q_proj.weight"
+    edit_checkpoint(path, tensors=lambda sd: sd.update({q: sd[q].to(torch.float8_e4m3fn)}))
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{q}' \(F8_E4M3\) is quantized"):
+        load_model(path)
+    edit_checkpoint(path, tensors=lambda sd: sd.update({q: sd[q].float(), q + "_scale_inv": torch.ones(1, 1)}))
+    with pytest.raises(ValueError, match=r"_scale_inv' \(F32\) is quantized, and quantized checkpoints are not"):
+        load_model(path)
+    edit_checkpoint(
+        path, lambda d: d.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    )
+    with pytest.raises(ValueError, match=r"config.json: quantized checkpoints \(fp8\) are not supported"):
+        load_model(path)
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    moe = {k: v for k, v in text.items() if k != "intermediate_size"} | {"num_experts": 8, "moe_intermediate_size": 16}
+    with pytest.raises(ValueError, match="num_experts is set, but mixture-of-experts \\(MoE\\) layers are not supp"):
+        config_from_hf(moe)
+
+
 # ----------------------------------------------------------------------------- the cache and sampling
 
 
