@@ -87,6 +87,7 @@ TARGETS = {  # --lora-targets name -> the model.py (and HF) module name it adapt
 DECODER = ("q", "k", "v", "o", "gate", "up", "down")  # every linear of a Llama / Qwen block: --lora-targets' default
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel -> LoraModel -> the *ForCausalLM
+MULTIMODAL = PEFT_PREFIX + "model.language_model."  # ... -> Qwen3_5ForConditionalGeneration's decoder (base_layout)
 # adapter_config.json fields of PEFT features these adapters do not have: each must be absent or off
 UNSUPPORTED = (
     "use_dora",
@@ -330,16 +331,29 @@ def save_adapters(model: nn.Module, path: str | os.PathLike, base_model_path: st
     `peft.PeftModel.from_pretrained(hf_model, path)` and load_adapters read it. Under FSDP2 every rank must
     call this (the adapters are gathered); only the caller decides which rank writes, so call it on all
     ranks and let rank 0 keep the files."""
-    write_adapters(adapter_tensors(model), adapter_config(model, str(base_model_path)), path)
+    write_adapters(adapter_tensors(model, base_model_path), adapter_config(model, str(base_model_path)), path)
 
 
-def adapter_tensors(model: nn.Module) -> dict[str, Tensor]:
-    """The adapters under PEFT's keys, whole and on the CPU (under FSDP2 a collective: every rank calls it)."""
-    tensors = {}
+def adapter_tensors(model: nn.Module, base_model_path: str | os.PathLike) -> dict[str, Tensor]:
+    """The adapters under PEFT's keys in the base checkpoint's layout, whole and on the CPU (under FSDP2 a
+    collective: every rank calls it)."""
+    tensors, prefix = {}, base_layout(base_model_path)
     for name, m in lora_layers(model).items():
         for leaf in ("lora_A", "lora_B"):
-            tensors[f"{PEFT_PREFIX}{name}.{leaf}.weight"] = _full(getattr(m, leaf)).detach().cpu().contiguous()
+            key = prefix + f"{name}.{leaf}.weight".removeprefix("model.")
+            tensors[key] = _full(getattr(m, leaf)).detach().cpu().contiguous()
     return tensors
+
+
+def base_layout(base_model_path: str | os.PathLike) -> str:
+    """PEFT's key prefix of the decoder as the base checkpoint's class holds it: MULTIMODAL for the published Qwen3.5
+    layout (Qwen3_5ForConditionalGeneration, which PEFT loaded with a model.layers adapter silently leaves without
+    its adapters), else base_model.model.model. (AutoModelForCausalLM needs a key_mapping: docs/real-models.md)."""
+    from hf import bundled, read_json
+
+    file = Path(bundled(str(base_model_path))) / "config.json"
+    multimodal = file.is_file() and read_json(file).get("model_type") == "qwen3_5"
+    return MULTIMODAL if multimodal else PEFT_PREFIX + "model."
 
 
 def write_adapters(tensors: dict[str, Tensor], config: dict, path: str | os.PathLike) -> None:
@@ -403,6 +417,8 @@ def load_adapters(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     try:
         with safe_open(file, framework="pt") as f:
             keys = set(f.keys())
+            if any(k.startswith(MULTIMODAL) for k in keys):  # written for the multimodal layout (base_layout)
+                expected = {MULTIMODAL + k.removeprefix(PEFT_PREFIX + "model."): p for k, p in expected.items()}
             extra, missing = sorted(keys - expected.keys()), sorted(expected.keys() - keys)
             if extra:
                 raise ValueError(f"{file}: unexpected tensor {extra[0]!r} ({len(extra)} in all) for these adapters.")

@@ -289,8 +289,8 @@ def save(run: Run, path: str) -> None:
     weights, optim = fsdp_state or (None, run.optimizer.state_dict())
     write_model = None
     if cfg.lora_rank:  # the adapters alone, in PEFT's format, in their own float32 (every rank gathers them)
-        adapters, adapter_config = lora.adapter_tensors(run.policy), lora.adapter_config(run.policy, cfg.model)
-        write_model = functools.partial(lora.write_adapters, adapters, adapter_config)
+        adapters = lora.adapter_tensors(run.policy, cfg.model)  # in the layout of the base checkpoint's class
+        write_model = functools.partial(lora.write_adapters, adapters, lora.adapter_config(run.policy, cfg.model))
     if run.rank == 0:
         dtype = None if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
         lossy = not cfg.lora_rank and (dtype or getattr(torch, run.policy.config.torch_dtype)) != torch.float32

@@ -465,6 +465,58 @@ def test_lora_on_every_projection_loads_in_peft_equal_to_the_merged_model(tmp_pa
         lora.add_lora(load_model(make_hf_checkpoint(tmp_path, "qwen3")), 4, 8, ("q", "qkv"))
 
 
+def test_adapters_for_the_multimodal_layout_attach_in_peft_on_both_classes_and_load_back(tmp_path):
+    """Guards an adapter that silently does nothing: PEFT matches an adapter's keys to the module names of the class
+    it loads the base as, and only warns when they differ (model.layers.N vs model.language_model.layers.N), then
+    runs the base. Adapters for the published multimodal checkpoint are written in its class's layout: PEFT attaches
+    them to Qwen3_5ForConditionalGeneration as they are, and to AutoModelForCausalLM with the key_mapping
+    docs/real-models.md gives, with our logits; load_adapters reads them, and PEFT's own from that class, back."""
+    pytest.importorskip("peft")
+    import warnings
+
+    import transformers
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    import lora
+
+    path, _ = multimodal_checkpoint(tmp_path / "mm", tied=True)
+    targets = lora.parse_targets("q,k,v,o,qkv,z,b,a,out,gate,up,down")
+    m = lora.add_lora(load_model(path), 4, 8, targets, seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for b in lora.lora_parameters(m)[1::2]:
+            b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    lora.save_adapters(m, tmp_path / "adapter", path)
+    x = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        ours = m(x)
+        with lora.adapters_off(m):
+            assert (ours - m(x)).abs().max() > 0.1  # the adapters' effect, which a silent miss would drop
+    mapping = {r"^model\.language_model\.": "model."}
+    for cls, key_mapping in (
+        (transformers.Qwen3_5ForConditionalGeneration, None),
+        (transformers.AutoModelForCausalLM, mapping),
+    ):
+        hf = cls.from_pretrained(path, dtype=torch.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            theirs = PeftModel.from_pretrained(hf, tmp_path / "adapter", key_mapping=key_mapping).eval()
+        assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(input_ids=x).logits, ours, **TOL)
+    back = lora.load_adapters(lora.add_lora(load_model(path), 4, 8, targets, seed=1), tmp_path / "adapter")
+    assert all(torch.equal(a, b) for a, b in zip(lora.lora_parameters(back), lora.lora_parameters(m)))
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=3, lora_alpha=5, target_modules=["q_proj", "in_proj_qkv", "down_proj"], init_lora_weights=False
+    )
+    peft = get_peft_model(transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path), config).eval()
+    peft.save_pretrained(tmp_path / "peft")
+    m = lora.load_adapters(lora.add_lora(load_model(path), 3, 5, ("q", "qkv", "down")), tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), peft(input_ids=x).logits, **TOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_equal_one_on_a_hybrid(hybrid_run_model, tmp_path, mode):
