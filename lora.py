@@ -16,7 +16,8 @@ What it owns:
 * `merged_copy(model, dtype)` / `copy_merged_(dst, src)`: a plain Transformer holding W + (B A) * alpha / r
   for the sampler, refreshed after each update; `merged_state_dict(model)` for a full checkpoint.
 * `save_adapters` / `load_adapters`: adapter_model.safetensors + adapter_config.json as PEFT writes them
-  (keys `base_model.model.<module>.lora_A.weight`), loaded strictly; `merge_checkpoint` and the CLI.
+  (keys `base_model.model.<module>.lora_A.weight` in the base checkpoint's layout: base_layout), loaded strictly;
+  `merge_checkpoint` and the CLI.
 
 Merged versus unmerged weights (measured: tests/test_lora.py, bench/bench_lora.py). In exact arithmetic
 W x + (B (A x)) s equals (W + (B A) s) x; in floating point they round differently, so their logits are NOT

@@ -15,7 +15,7 @@ Built-in chat templates, chosen from the tokenizer's special tokens:
   pinned to 26 Jul 2024 (the template's default), contents trimmed.
 Each reproduces its official Jinja template exactly (tests/test_tokenizer.py renders both). A
 checkpoint whose own template (tokenizer_config.json's chat_template, or chat_template.jinja) is not
-the one reproduced gets a warning naming the built-in used instead: its prompts may differ.
+the one reproduced gets a warning naming the built-in used instead (for Qwen3.8's, what differs).
 """
 
 import hashlib
@@ -278,9 +278,12 @@ def warn_if_not_reproduced(path: Path, own: str | None, built_in: str) -> None:
     built-in renderer does not reproduce: its prompts are the built-in's, and may differ from it."""
     if own is None or reproduced_style(own) == built_in:
         return
+    knobs = [k for k in ("reasoning_effort", "preserve_thinking") if k in own]  # Qwen3.8's (docs/real-models.md)
+    said = f", which ignores its {' and '.join(knobs)}: no reasoning-effort line in the system turn (Qwen3.8's adds"
+    differs = said + " one at its default, xhigh) and earlier turns' thoughts always dropped" if knobs else ""
     warnings.warn(
         f"{path}: the checkpoint's own chat template is not one tokenizer.py reproduces; prompts use the "
-        f"built-in {BUILT_IN_NAMES[built_in]} instead.",
+        f"built-in {BUILT_IN_NAMES[built_in]} instead{differs}.",
         stacklevel=2,
     )
 

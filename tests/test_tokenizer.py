@@ -739,6 +739,25 @@ def test_qwen35_small_checkpoints_template_is_recognised(conv, qwen35, tmp_path,
         load_tokenizer(path)
 
 
+def test_a_qwen38_template_warns_what_the_built_in_renders_differently(qwen35, tmp_path):
+    """Guards a silent prompt change: Qwen3.8 keeps Qwen3.5's architecture and vocabulary but its chat template (not
+    found verbatim: docs/real-models.md) reads reasoning_effort, whose default (xhigh) adds a line to the system turn,
+    and preserve_thinking. Such a template gets the not-reproduced warning saying what the built-in renders instead,
+    not only that it differs. Stand-in: the Qwen3.5 template with the two knobs read at its top."""
+    import shutil
+
+    from qwen_fixture import QWEN35_TEMPLATE_FILE
+
+    path = tmp_path / "qwen3.8"
+    shutil.copytree(qwen35, path)
+    knobs = "{%- set effort = reasoning_effort|default('xhigh') %}{%- set keep = preserve_thinking|default(true) %}\n"
+    (path / "chat_template.jinja").write_text(knobs + QWEN35_TEMPLATE_FILE.read_text())
+    said = r"built-in ChatML as Qwen3.5 renders it instead, which ignores its reasoning_effort and preserve_thinking: "
+    with pytest.warns(UserWarning, match=said + r"no reasoning-effort line in the system turn \(Qwen3.8's adds one"):
+        tok = load_tokenizer(path)
+    assert tok.style == "qwen3.5"
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_qwen35_tool_call_turns_match_official_jinja(thinking, qwen35):
     """Guards --tools python --tool-format qwen on Qwen3.5: a completion that writes a call in the template's XML
