@@ -347,9 +347,9 @@ def adapter_tensors(model: nn.Module, base_model_path: str | os.PathLike) -> dic
 
 
 def base_layout(base_model_path: str | os.PathLike) -> str:
-    """PEFT's key prefix of the decoder as the base checkpoint's class holds it: MULTIMODAL for the published Qwen3.5
-    layout (Qwen3_5ForConditionalGeneration, which PEFT loaded with a model.layers adapter silently leaves without
-    its adapters), else base_model.model.model. (AutoModelForCausalLM needs a key_mapping: docs/real-models.md)."""
+    """PEFT's key prefix of the decoder in the class the base's config.json names: MULTIMODAL for the published Qwen3.5
+    layout (on Qwen3_5ForConditionalGeneration PEFT only warns about model.layers keys, then runs the bare base), else
+    base_model.model.model. (AutoModelForCausalLM takes the former with a key_mapping: docs/real-models.md)."""
     from hf import bundled, read_json
 
     file = Path(bundled(str(base_model_path))) / "config.json"
@@ -396,9 +396,9 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
 
 @torch.no_grad()
 def load_adapters(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load the adapter directory `path` (save_adapters' or PEFT's) into a model wrapped by add_lora with the
-    same rank, alpha and targets, strictly: a config that differs, or a missing, unexpected or mis-shaped
-    tensor, is one ValueError sentence naming the file. Tensors are copied into the existing adapters (cast
+    """Load the adapter directory `path` (save_adapters' or PEFT's, in either base_layout) into a model wrapped by
+    add_lora with the same rank, alpha and targets, strictly: a config that differs, or a missing, unexpected or
+    mis-shaped tensor, is one ValueError sentence naming the file. Tensors are copied into the existing adapters (cast
     to their dtype); call it before wrapping the model for DDP/FSDP. Returns model."""
     spec = read_adapter_config(path)
     have = lora_spec(model)

@@ -169,6 +169,22 @@ def test_config_json_fields_and_refusals():
         config_from_hf(text | {"model_type": "qwen3", "partial_rotary_factor": 0.5})
 
 
+def test_qwen38_config_reads_as_qwen35():
+    """Guards Qwen3.8 (2026-08), which keeps Qwen3.5's architecture: its published config.json (Qwen3.8-27B's:
+    Qwen3.8-27B lists it: Qwen3_5ForConditionalGeneration, model_type qwen3_5 with a qwen3_5_text text_config, 64
+    layers [L, L, L, F], 24/4 heads of 256, DeltaNet 16/48 heads of 128, dtype at the top level) reads as the hybrid
+    it is, in bfloat16."""
+    text = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408)
+    text |= dict(num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256)
+    text |= dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128)
+    text |= dict(full_attention_interval=4, max_position_embeddings=262144, tie_word_embeddings=False)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7, "mrope_section": [11, 11, 10]}
+    arch = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "dtype": "bfloat16"}
+    c = config_from_hf(arch | {"text_config": text, "tie_word_embeddings": False})
+    assert c.model_type == "qwen3_5" and c.torch_dtype == "bfloat16" and c.layer_types == tuple(QWEN35_PATTERN * 16)
+    assert (c.hidden_size, c.linear_num_value_heads, c.rotary_dim, c.tie_word_embeddings) == (5120, 48, 64, False)
+
+
 def edit_checkpoint(path, config=None, tensors=None):
     """Rewrite a saved checkpoint: config(d) edits config.json's dict in place, tensors(sd) model.safetensors'."""
     from safetensors.torch import load_file
