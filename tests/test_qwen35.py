@@ -170,10 +170,10 @@ def test_config_json_fields_and_refusals():
 
 
 def test_qwen38_config_reads_as_qwen35():
-    """Guards Qwen3.8 (2026-08), which keeps Qwen3.5's architecture: its published config.json (Qwen3.8-27B's:
-    Qwen3.8-27B lists it: Qwen3_5ForConditionalGeneration, model_type qwen3_5 with a qwen3_5_text text_config, 64
-    layers [L, L, L, F], 24/4 heads of 256, DeltaNet 16/48 heads of 128, dtype at the top level) reads as the hybrid
-    it is, in bfloat16."""
+    """Guards Qwen3.8 (2026-08), which keeps Qwen3.5's architecture: Qwen3.8-27B's published config.json's fields
+    (Qwen3_5ForConditionalGeneration, model_type qwen3_5 with a qwen3_5_text text_config, 64 layers [L, L, L, F],
+    24/4 heads of 256, DeltaNet 16/48 heads of 128, the dtype at the top level) read as the hybrid it is, in
+    bfloat16."""
     text = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408)
     text |= dict(num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256)
     text |= dict(linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128)
