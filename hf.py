@@ -229,6 +229,15 @@ def read_model_config(path: str | os.PathLike) -> dict:
     return read_json(path / "config.json")
 
 
+def decoder_prefix(path: str | os.PathLike) -> str:
+    """Where the class the model directory's config.json names holds the decoder: "model.language_model." in the
+    published Qwen3.5 layout (Qwen3_5ForConditionalGeneration), else "model."; PEFT's adapter keys follow it (on
+    that class it only warns about model.layers keys, then runs the bare base; AutoModelForCausalLM takes the former
+    with a key_mapping: docs/real-models.md)."""
+    file = Path(bundled(str(path))) / "config.json"
+    return "model.language_model." if file.is_file() and read_json(file).get("model_type") == "qwen3_5" else "model."
+
+
 def text_model_name(key: str, config: ModelConfig) -> str | None:
     """A checkpoint tensor's name in the model, or None for one it does not use: a Qwen3.5 multimodal checkpoint
     stores the text model under model.language_model., beside its vision tower (model.visual.) and its

@@ -16,8 +16,7 @@ What it owns:
 * `merged_copy(model, dtype)` / `copy_merged_(dst, src)`: a plain Transformer holding W + (B A) * alpha / r
   for the sampler, refreshed after each update; `merged_state_dict(model)` for a full checkpoint.
 * `save_adapters` / `load_adapters`: adapter_model.safetensors + adapter_config.json as PEFT writes them
-  (keys `base_model.model.<module>.lora_A.weight` in the base checkpoint's layout: base_layout), loaded strictly;
-  `merge_checkpoint` and the CLI.
+  (keys `base_model.model.<module>.lora_A.weight`, in the base's layout), loaded strictly; `merge_checkpoint`, the CLI.
 
 Merged versus unmerged weights (measured: tests/test_lora.py, bench/bench_lora.py). In exact arithmetic
 W x + (B (A x)) s equals (W + (B A) s) x; in floating point they round differently, so their logits are NOT
@@ -88,7 +87,7 @@ TARGETS = {  # --lora-targets name -> the model.py (and HF) module name it adapt
 DECODER = ("q", "k", "v", "o", "gate", "up", "down")  # every linear of a Llama / Qwen block: --lora-targets' default
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel -> LoraModel -> the *ForCausalLM
-MULTIMODAL = PEFT_PREFIX + "model.language_model."  # ... -> Qwen3_5ForConditionalGeneration's decoder (base_layout)
+MULTIMODAL = PEFT_PREFIX + "model.language_model."  # ... -> Qwen3_5ForConditionalGeneration's (hf.decoder_prefix)
 # adapter_config.json fields of PEFT features these adapters do not have: each must be absent or off
 UNSUPPORTED = (
     "use_dora",
@@ -336,25 +335,16 @@ def save_adapters(model: nn.Module, path: str | os.PathLike, base_model_path: st
 
 
 def adapter_tensors(model: nn.Module, base_model_path: str | os.PathLike) -> dict[str, Tensor]:
-    """The adapters under PEFT's keys in the base checkpoint's layout, whole and on the CPU (under FSDP2 a
-    collective: every rank calls it)."""
-    tensors, prefix = {}, base_layout(base_model_path)
+    """The adapters under PEFT's keys in the base checkpoint's layout (hf.decoder_prefix: PEFT matches them to the
+    module names of the class it loads the base as), whole and on the CPU (under FSDP2 every rank calls it)."""
+    from hf import decoder_prefix
+
+    tensors, prefix = {}, PEFT_PREFIX + decoder_prefix(base_model_path)
     for name, m in lora_layers(model).items():
         for leaf in ("lora_A", "lora_B"):
             key = prefix + f"{name}.{leaf}.weight".removeprefix("model.")
             tensors[key] = _full(getattr(m, leaf)).detach().cpu().contiguous()
     return tensors
-
-
-def base_layout(base_model_path: str | os.PathLike) -> str:
-    """PEFT's key prefix of the decoder in the class the base's config.json names: MULTIMODAL for the published Qwen3.5
-    layout (on Qwen3_5ForConditionalGeneration PEFT only warns about model.layers keys, then runs the bare base), else
-    base_model.model.model. (AutoModelForCausalLM takes the former with a key_mapping: docs/real-models.md)."""
-    from hf import bundled, read_json
-
-    file = Path(bundled(str(base_model_path))) / "config.json"
-    multimodal = file.is_file() and read_json(file).get("model_type") == "qwen3_5"
-    return MULTIMODAL if multimodal else PEFT_PREFIX + "model."
 
 
 def write_adapters(tensors: dict[str, Tensor], config: dict, path: str | os.PathLike) -> None:
@@ -396,7 +386,7 @@ def read_adapter_config(path: str | os.PathLike) -> dict:
 
 @torch.no_grad()
 def load_adapters(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load the adapter directory `path` (save_adapters' or PEFT's, in either base_layout) into a model wrapped by
+    """Load the adapter directory `path` (save_adapters' or PEFT's, in either layout) into a model wrapped by
     add_lora with the same rank, alpha and targets, strictly: a config that differs, or a missing, unexpected or
     mis-shaped tensor, is one ValueError sentence naming the file. Tensors are copied into the existing adapters (cast
     to their dtype); call it before wrapping the model for DDP/FSDP. Returns model."""
@@ -418,7 +408,7 @@ def load_adapters(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     try:
         with safe_open(file, framework="pt") as f:
             keys = set(f.keys())
-            if any(k.startswith(MULTIMODAL) for k in keys):  # written for the multimodal layout (base_layout)
+            if any(k.startswith(MULTIMODAL) for k in keys):  # for the multimodal layout (hf.decoder_prefix)
                 expected = {MULTIMODAL + k.removeprefix(PEFT_PREFIX + "model."): p for k, p in expected.items()}
             extra, missing = sorted(keys - expected.keys()), sorted(expected.keys() - keys)
             if extra:

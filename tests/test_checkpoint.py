@@ -622,7 +622,8 @@ def test_checkpoints_get_the_permissions_the_umask_allows(tmp_path, umask):
         (tmp_path / "lora").mkdir()  # a run's directory: made (and locked) at its start
         checkpoint.save_checkpoint(str(tmp_path / "full" / "step-1"), model, BUNDLED, {"step": 1}, {})
         lora.add_lora(model, 2, 4.0, ("q", "v"))
-        write = functools.partial(lora.write_adapters, lora.adapter_tensors(model), lora.adapter_config(model, BUNDLED))
+        adapters = lora.adapter_tensors(model, BUNDLED)
+        write = functools.partial(lora.write_adapters, adapters, lora.adapter_config(model, BUNDLED))
         checkpoint.save_checkpoint(str(tmp_path / "lora" / "final"), model, BUNDLED, {}, {}, write_model=write)
         lora.main(lora.MergeConfig(merge=str(tmp_path / "lora" / "final"), out=str(tmp_path / "merged")))
     finally:
