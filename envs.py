@@ -35,6 +35,9 @@ class Env(Protocol):
     def step(self, text: str) -> tuple[str | None, float, bool]: ...
 
 
+ENV_FAILED = "\nError: the environment failed on this call ({}).\n"  # the observation when `step` raises
+
+
 def wall_limit(cpu_s: float, workers: int = 1) -> float:
     """The wall-clock limit of a call whose CPU limit is cpu_s, when `workers` calls run at once: cpu_s x (1 +
     ceil(workers / cores)) + 1 s. A call's CPU time is what bounds it; the margin is for the share of a core it gets
