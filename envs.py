@@ -35,9 +35,6 @@ class Env(Protocol):
     def step(self, text: str) -> tuple[str | None, float, bool]: ...
 
 
-ENV_FAILED = "\nError: the environment failed on this call ({}).\n"  # the observation when `step` raises
-
-
 def wall_limit(cpu_s: float, workers: int = 1) -> float:
     """The wall-clock limit of a call whose CPU limit is cpu_s, when `workers` calls run at once: cpu_s x (1 +
     ceil(workers / cores)) + 1 s. A call's CPU time is what bounds it; the margin is for the share of a core it gets
@@ -76,6 +73,7 @@ def run_code(
 
 
 NO_CALL = '<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>'
+ENV_FAILED = "\nError: the environment failed on this call ({}).\n"  # the observation when an Env's `step` raises
 NO_CALL_XML = "<tool_call>\n<function=python>\n<parameter=code>\n...\n</parameter>\n</function>\n</tool_call>"
 
 
