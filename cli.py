@@ -340,13 +340,22 @@ def changed_flags(config: Any, skip: Sequence[str] = ()) -> str:
     return "; ".join(f"{group}: {' '.join(spelt)}" for group, spelt in changed.items())
 
 
+def eval_size(params: int, device: str) -> str:
+    """The end summary's eval.py flags: parameters x completions within what eval.py's defaults (200 prompts, greedy
+    and --n 16: 3,400) cost the bundled model on a CPU (1000x on CUDA); else --n 4, --n 0, then fewer prompts (20+)."""
+    completions = 743_040 * 3_400 * (1000 if device == "cuda" else 1) // params
+    n = 16 if completions >= 200 * 17 else 4 if completions >= 200 * 5 else 0
+    examples = min(200, max(20, completions // (n + 1)))
+    return f"--examples {examples} " * (examples < 200) + f"--n {n} " + "--device cuda " * (device == "cuda")
+
+
 def end_summary(
-    evals: list[dict], seconds: float, out: str, files: list[str], eval_flags: str, max_steps: int, merged: bool = False
+    evals: list, seconds: float, out: str, files: list, flags: str, steps: int, saved: str, merged: bool = False
 ) -> str:
     """Held-out accuracy at the run's first and last evaluation (eval rows of metrics.jsonl), this
-    process's wall time, the output files in `out` (with --merge: the merged weights), and the commands that
-    evaluate and plot them."""
-    lines = [f"done: step {max_steps} in {seconds // 60:.0f} min {seconds % 60:.0f} s (this process)"]
+    process's wall time, the output files in `out` (with --merge: the merged weights; `saved`: final/'s size and
+    what takes it), and the commands that evaluate (with `flags`, eval_size's included) and plot them."""
+    lines = [f"done: step {steps} in {seconds // 60:.0f} min {seconds % 60:.0f} s (this process)"]
     if evals:
         first, last = evals[0], evals[-1]
         for key, name in (("eval/greedy_accuracy", "greedy accuracy"), *[(k, k[5:]) for k in last if "mean@" in k]):
@@ -354,10 +363,10 @@ def end_summary(
                 change = f"{first[key]:.1%} at step {first['step']} -> {last[key]:.1%} at step {last['step']}"
                 lines.append(f"held-out {name}: {change}")
     final, merged_dir = os.path.join(out, "final"), os.path.join(out, "merged")
-    weights = f"weights in {final}" + (f", merged (a full HF checkpoint) in {merged_dir}" if merged else "")
+    weights = f"weights in {final} ({saved})" + (f", merged (a full HF checkpoint) in {merged_dir}" if merged else "")
     lines += [
         f"outputs: {out} ({', '.join(files)}), {weights}",
-        f"next: python eval.py --model {merged_dir if merged else final} {eval_flags}--n 16  # pass@k of the "
+        f"next: python eval.py --model {merged_dir if merged else final} {flags.rstrip()}  # pass@k of the "
         "trained model",
         f"      python eval.py --plot {out} --out {os.path.join(out, 'plot.png')}  # its curves",
     ]

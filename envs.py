@@ -73,6 +73,7 @@ def run_code(
 
 
 NO_CALL = '<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>'
+ENV_FAILED = "\nError: the environment failed on this call ({}).\n"  # the observation when an Env's `step` raises
 NO_CALL_XML = "<tool_call>\n<function=python>\n<parameter=code>\n...\n</parameter>\n</function>\n</tool_call>"
 
 

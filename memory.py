@@ -27,8 +27,8 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
             it is added into the existing one (docs/memory.md, bench_knobs.py);
   score     (config.score_pass_needs: mu > 1, GTPO's entropy, the token selections, --beta) one micro-batch's
             forward, nothing saved.
---micro-batch-rows auto (the default) picks, on CUDA, the most rows per micro-batch whose estimate fits
-AUTO_MARGIN of the free memory, turning on gradient checkpointing if no micro-batch fits without it.
+--micro-batch-rows auto (the default) picks the most rows per micro-batch (CPU: at most CPU_AUTO_ROWS) whose estimate
+fits AUTO_MARGIN of the available memory (else with gradient checkpointing); above that share, one warning line.
 Deliberately simple: one micro-batch of the largest shape (rows x the longest row, as pack.py pads
 them), every thought and answer at its length limit, the longest prompt of a sample of the data;
 the allocator's own slack (heap fragmentation, CUDA's block rounding) is not modelled.
@@ -58,8 +58,8 @@ from tokenizer import load_tokenizer
 GIB = 2**30
 EVAL_BATCH_PROMPTS = 64  # eval.evaluate's default batch_prompts, which train.py's evaluation uses
 DATA_SAMPLE = 256  # examples rendered to find the longest prompt and to measure an example's size
-AUTO_MARGIN = 0.85  # --micro-batch-rows auto plans for this share of the free GPU memory (allocator slack, caches)
-CPU_AUTO_ROWS = 64  # --micro-batch-rows auto on CPU: the plain default (the machine's memory is shared with the OS)
+AUTO_MARGIN = 0.85  # auto plans for this share of the available memory (allocator slack, the OS); above it, a warning
+CPU_AUTO_ROWS = 64  # --micro-batch-rows auto on CPU: at most the plain default (the machine is shared with the OS)
 
 
 @dataclass(frozen=True)
@@ -348,15 +348,15 @@ class Plan:
     micro_batch_rows: int
     gradient_checkpointing: bool
     phrase: str  # "estimated peak memory ..." ("" when the model directory cannot be read)
+    warning: str = ""  # a line for an estimate above AUTO_MARGIN of the available memory, naming the knobs
 
 
-def auto_micro_batch(shape: Shape, need, have: int) -> tuple[int, bool]:
-    """--micro-batch-rows auto on CUDA: the most rows per micro-batch (all of a step's rows, or a power of two
-    below) whose estimated peak, need(shape), fits AUTO_MARGIN of the free memory `have`; if none does even
-    with one row, the same with gradient checkpointing (kept on if the user asked for it). If nothing fits,
-    one row with checkpointing, which the check then refuses."""
-    total = shape.prompts * shape.thoughts
-    rows = [total] + [r for r in (2**i for i in range(total.bit_length() - 1, -1, -1)) if r < total]
+def auto_micro_batch(shape: Shape, need, have: int, most: int) -> tuple[int, bool]:
+    """--micro-batch-rows auto: the most rows per micro-batch (`most`: on CUDA all of a step's rows, on CPU
+    CPU_AUTO_ROWS; or a power of two below) whose estimated peak, need(shape), fits AUTO_MARGIN of the available
+    memory `have`; if none does even with one row, the same with gradient checkpointing (kept on if the user asked
+    for it). If nothing fits, one row with checkpointing, which the check then refuses or warns about."""
+    rows = [most] + [r for r in (2**i for i in range(most.bit_length() - 1, -1, -1)) if r < most]
     for checkpointing in dict.fromkeys((shape.gradient_checkpointing, True)):
         for r in rows:
             if need(replace(shape, micro_batch_rows=r, gradient_checkpointing=checkpointing)) <= AUTO_MARGIN * have:
@@ -367,7 +367,7 @@ def auto_micro_batch(shape: Shape, need, have: int) -> tuple[int, bool]:
 def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     """Estimate a training step's peak memory for train.py's config `cfg` and refuse, as a UserError
     naming the flags to lower, a run whose largest phase cannot fit in what is available. With
-    --micro-batch-rows auto, first choose the micro-batch (auto_micro_batch on CUDA; CPU_AUTO_ROWS on CPU).
+    --micro-batch-rows auto, first choose the micro-batch (auto_micro_batch).
     Returns the Plan: the rows and checkpointing the update runs and the start line's phrase."""
     auto = cfg.micro_batch_rows == "auto"
     rows = CPU_AUTO_ROWS if auto else cfg.micro_batch_rows
@@ -422,12 +422,13 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     peak = lambda shape: max(  # noqa: E731 (the largest phase, its terms)
         estimate(c, shape, fixed=fixed, world=world, fsdp=fsdp).items(), key=lambda kv: sum(kv[1].values())
     )
-    if auto and cuda:
-        rows, checkpointing = auto_micro_batch(shape, lambda s: sum(peak(s)[1].values()), have)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if not cuda else 1  # CPU ranks share one machine
+    if auto:
+        most = shape.prompts * shape.thoughts if cuda else CPU_AUTO_ROWS
+        rows, checkpointing = auto_micro_batch(shape, lambda s: sum(peak(s)[1].values()) * local, have, most)
         shape = replace(shape, micro_batch_rows=rows, gradient_checkpointing=checkpointing)
     phase, terms = peak(shape)
     need = sum(terms.values())
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if not cuda else 1  # CPU ranks share one machine
     if need * local > have:
         top = max(terms, key=terms.get)
         shown = sorted(((k, v) for k, v in terms.items() if v >= 0.005 * GIB), key=lambda kv: -kv[1])
@@ -440,4 +441,11 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     if auto:  # the start line says what auto chose
         on = ", gradient checkpointing on" if shape.gradient_checkpointing and not cfg.gradient_checkpointing else ""
         phrase += f"; micro-batch rows auto: {shape.micro_batch_rows}{on}"
-    return Plan(shape.micro_batch_rows, shape.gradient_checkpointing, phrase)
+    knobs = ["--gradient-checkpointing"] * (not shape.gradient_checkpointing) + ["--lora-rank N"] * (not cfg.lora_rank)
+    knobs += ["--optimizer-offload"] * (cuda and not cfg.optimizer_offload)
+    knobs += ["--rollout-dtype float32"] * (rollout != "float32")
+    warning = f"warning: the estimated peak is {need * local / have:.0%} of the available memory, above the "
+    warning += f"{AUTO_MARGIN:.0%} that leaves room for the allocator and the OS: lower --micro-batch-rows or "
+    warning += "--micro-batch-tokens" + (f", or pass {' or '.join(knobs)}" if knobs else "")
+    warning *= need * local > AUTO_MARGIN * have
+    return Plan(shape.micro_batch_rows, shape.gradient_checkpointing, phrase, warning)

@@ -193,7 +193,8 @@ def setup(cfg: TrainConfig) -> Run:
         where = f"{device}, {'bf16 autocast' if run.autocast else 'float32'}"
         where += f", a {rollout} rollout copy" if rollout != "float32" else ""
         kw = dict(algo=cfg.algo, flags=flags, model=cfg.model, task=cfg.task, out=cfg.out, step=run.state["step"])
-        print(start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory.phrase, **kw))
+        line = start_line(max_steps=cfg.max_steps, resumed_from=resume_dir, device=where, memory=memory.phrase, **kw)
+        print(line + (f"\n{memory.warning}" if memory.warning else ""))  # an estimate above memory.AUTO_MARGIN
     return run
 
 

@@ -5,6 +5,7 @@ once), and only for those is the tail of the row decoded."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,12 @@ class StopText:
         pieces = [self.decode([i]) for i in range(self.vocab_size)]
         self.candidates = torch.tensor([last in p or (partial and "\ufffd" in p) for p in pieces], dtype=torch.bool)
         self.window = len(self.text.encode()) + 1  # + 1: room for a leading space a decoder might strip
+
+
+@functools.cache
+def stop_text_for(tokenizer, text: str) -> StopText:
+    """The StopText of `text` (an environment's call marker), built once per tokenizer: it decodes the vocabulary."""
+    return StopText(text, tokenizer.encode(text), tokenizer.decode, tokenizer.vocab_size)
 
 
 @dataclass

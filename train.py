@@ -48,7 +48,7 @@ import checkpoint
 import distributed
 import lora
 import methods
-from cli import Stopped, UserError, end_summary, parse_config, stop_signals, user_errors
+from cli import Stopped, UserError, end_summary, eval_size, parse_config, stop_signals, user_errors
 from config import PRESETS, TrainConfig, resume_config, score_pass_needs
 from distributed import all_sum, derive_seed
 from graphs import decode_path
@@ -293,8 +293,7 @@ def save(run: Run, path: str) -> None:
         write_model = functools.partial(lora.write_adapters, adapters, lora.adapter_config(run.policy, cfg.model))
     if run.rank == 0:
         dtype = None if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
-        lossy = not cfg.lora_rank and (dtype or getattr(torch, run.policy.config.torch_dtype)) != torch.float32
-        masters = (run.policy.state_dict() if weights is None else weights) if cfg.save_optimizer and lossy else None
+        masters = (run.policy.state_dict() if weights is None else weights) if saves_masters(run) else None
         optim, scheduler = optim if cfg.save_optimizer else None, run.scheduler.state_dict()
         state = dict(optimizer=optim, scheduler=scheduler, trainer=run.state, config=asdict(cfg))
         state["master_weights"] = masters
@@ -302,6 +301,20 @@ def save(run: Run, path: str) -> None:
         checkpoint.save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), **kw)
     if run.world > 1:
         dist.barrier()
+
+
+def saves_masters(run: Run) -> bool:
+    """Whether a checkpoint carries the float32 masters: with the optimizer, when its weights are written in less."""
+    dtype = getattr(torch, run.policy.config.torch_dtype if run.cfg.save_dtype == "auto" else run.cfg.save_dtype)
+    return run.cfg.save_optimizer and not run.cfg.lora_rank and dtype != torch.float32
+
+
+def saved_text(run: Run) -> str:
+    """The end summary's account of final/: its size on disk and what takes it."""
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(f"{run.cfg.out}/final") for f in fs)
+    held = ("LoRA adapters" if run.cfg.lora_rank else "weights") + ", float32 masters" * saves_masters(run)
+    held += " and AdamW moments; --no-save-optimizer leaves them out" * run.cfg.save_optimizer
+    return (f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB") + f": {held}"
 
 
 def save_merged(run: Run) -> None:
@@ -454,7 +467,8 @@ def finish(run: Run, seconds: float) -> dict:
     data = [("--task", cfg.task), ("--data", cfg.data), ("--test-data", cfg.test_data)]
     flags = "".join(f"{k} {v} " for k, v in data if v) + f"--max-new-tokens {cfg.completion_limit} "
     flags += methods.eval_flags(cfg)  # --tools python: evaluate with the tool, as trained
-    print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, merged=cfg.merge))
+    flags += eval_size(sum(p.numel() for p in run.policy.parameters()), run.device.type)  # its cost fits the model
+    print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, saved_text(run), merged=cfg.merge))
     print(f"decode path: {decode_path(run.static_step)}")  # CUDA graphs, or what fell back to eager and why
     checkpoint.release_run_dir(cfg.out)
     return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}

@@ -8,25 +8,25 @@ qwen: JSON, or Qwen3.5's XML) runs in the sandbox and its output is appended; --
   entropy and the sampler/trainer log-prob gap is over the policy's own tokens only;
 - a call: the environment reads the policy's current turn only (the text since the last observation), and anything
   it raises becomes an error observation, counted in tool/errors: no completion can end the run (`tool_rollouts`);
-- metrics (docs/runs.md defines each): tool/calls, tool/calls_per_completion, tool/errors, tool/error_rate,
-  tool/time_s, tool/wait_s, tool/turns, tool/env_reward per step; the same rollouts evaluate (heldout.py).
-Budget: a completion (sampled and appended tokens) has --max-thought-tokens + --max-answer-tokens tokens.
-Refused: GRPO-MA's answers (--answers > 1) fork after a thought, which a tool call would have to cross.
+- metrics: tool/calls, calls_per_completion, errors, error_rate, time_s, wait_s, turns, env_reward per step
+  (docs/runs.md defines each); the same rollouts evaluate (heldout.py).
+Budget: a completion (sampled and appended tokens) has --max-thought-tokens + --max-answer-tokens tokens. Refused:
+GRPO-MA's answers (--answers > 1) fork after a thought, which a tool call would have to cross.
 """
 
 from __future__ import annotations
 
-import functools
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 from cli import FlagError, UserError, flag, out_of_range
 from distributed import all_sum
-from envs import ENVS, PythonTool, run_code
+from envs import ENV_FAILED, ENVS, PythonTool, run_code
 from multiturn import sample_turns
 from sampler import Generation, Tree
 from sandbox import CODE_FILE_MB
-from stop_text import StopText
+from stop_text import stop_text_for
 from tasks import render_prompt
 
 
@@ -45,7 +45,6 @@ class Flags:
 
 
 CHOICES = dict(tools=("off", *ENVS), tool_format=("torl", "qwen"))
-
 
 # Values a call can run under: a CPU limit the sandbox can enforce (it reads the run's CPU every 0.05 s) and the
 # rlimits can hold, an address space an interpreter starts in, an output the sandbox's file (CODE_FILE_MB) holds.
@@ -83,9 +82,8 @@ def start(run) -> None:
 
 def ready(cfg, tokenizer) -> None:
     """Before the first call (train.py and eval.py): the tokenizer can write the call's end marker, or the tool is
-    never called; --tools python: print(1) runs in the sandbox under the tool's flags, so a machine that cannot
-    build it (no namespaces, no seccomp library) or limits that fail every call are one sentence now, not a run
-    of failed calls or a traceback from a worker thread mid-step."""
+    never called; --tools python: print(1) runs in the sandbox under the tool's flags, so a machine that cannot build
+    it (no namespaces, no seccomp library) or limits that fail every call are one sentence now, not a failed run."""
     if cfg.tools == "off":
         return
     stop = make_env(cfg, tokenizer).stop
@@ -105,9 +103,8 @@ def ready(cfg, tokenizer) -> None:
 def eval_flags(cfg) -> str:
     """The end summary's eval.py command evaluates with the tool and its limits, as the run trained (without the
     tool a model trained with it still writes its calls, and scores nothing)."""
-    return "".join(
-        f"{flag(f.name)} {getattr(cfg, f.name)} " for f in fields(Flags) if getattr(cfg, f.name) != f.default
-    )
+    changed = {f.name: getattr(cfg, f.name) for f in fields(Flags) if getattr(cfg, f.name) != f.default}
+    return "".join(f"{flag(name)} {value} " for name, value in changed.items())
 
 
 def make_env(cfg, tokenizer):
@@ -120,21 +117,11 @@ def make_env(cfg, tokenizer):
     return ENVS[cfg.tools]()
 
 
-ENV_FAILED = "\nError: the environment failed on this call ({}).\n"  # an observation for a step that raised
-
-
-@functools.cache
-def call_end(tokenizer, text: str) -> StopText:
-    """The StopText of an environment's marker, built once per tokenizer (it decodes the vocabulary once)."""
-    return StopText(text, tokenizer.encode(text), tokenizer.decode, tokenizer.vocab_size)
-
-
 @dataclass
 class ToolTree(Tree):
-    """sampler.Tree of plain group sampling (empty thoughts) plus each answer's context mask and the tool stats."""
+    """sampler.Tree of plain group sampling (empty thoughts) plus each answer's context mask."""
 
     answer_context: list[list[bool]] | None = None
-    stats: dict | None = None
 
 
 @dataclass
@@ -148,20 +135,15 @@ def tool_rollouts(model, tokenizer, task, examples: list[dict], cfg, *, n: int, 
     """n multi-turn completions per example, each with its own environment: (prompts, sample_turns' Turns, the
     stats of the calls). sampling: temperature, top_p, seed, static_step (and top_k)."""
     envs = [make_env(cfg, tokenizer) for _ in range(len(examples) * n)]
+    opening = [env.reset(examples[i // n]) for i, env in enumerate(envs)]  # an example's first row's is its prompt
     prompts = [
-        render_prompt(tokenizer, {**ex, "prompt": envs[i * n].reset(ex)}, task.system_prompt)
-        for i, ex in enumerate(examples)
+        render_prompt(tokenizer, {**ex, "prompt": o}, task.system_prompt) for ex, o in zip(examples, opening[::n])
     ]
-    for i, ex in enumerate(examples):
-        for env in envs[i * n + 1 : (i + 1) * n]:
-            env.reset(ex)
     env_reward, calls, errors, turn = [0.0] * len(envs), [0] * len(envs), [0] * len(envs), [0] * len(envs)
 
     def respond(row: int, ids: list[int]) -> list[int] | None:
-        """One call: the environment reads the policy's current turn (ids[turn[row]:], since the last observation),
-        and its observation's ids come back. Whatever it raises (a parser on hostile text, a bug in a user's Env)
-        is an error observation: a completion's text cannot end the run. Counted: every call, and each that
-        failed (raised, or the environment counted an error) once."""
+        """One call: the policy's current turn (ids[turn[row]:]) in, the observation's ids out; whatever the
+        environment raises is an error observation. Counted: every call, and each that failed once."""
         env, before, failed = envs[row], envs[row].errors, False
         calls[row] += 1
         try:
@@ -175,7 +157,7 @@ def tool_rollouts(model, tokenizer, task, examples: list[dict], cfg, *, n: int, 
         return obs_ids
 
     kw = dict(max_calls=cfg.max_tool_calls, workers=cfg.tool_workers, stop_ids=tokenizer.stop_ids, respond=respond)
-    end = call_end(tokenizer, envs[0].stop)  # one marker for every row: the environments are of one kind
+    end = stop_text_for(tokenizer, envs[0].stop)  # one marker for every row: the environments are of one kind
     turns = sample_turns(model, prompts, n=n, max_tokens=max_new_tokens, call_end=end, **kw, **sampling)
     stats = dict(calls=sum(calls), errors=sum(errors), time_s=sum(e.seconds for e in envs))
     stats |= dict(completions=len(envs), env_reward=sum(env_reward), turns=len(turns.wait_s), wait_s=sum(turns.wait_s))
@@ -188,30 +170,22 @@ def sample(run, examples: list[dict], seeds: list[int]):
     kw = dict(n=cfg.thoughts, max_new_tokens=cfg.completion_limit, temperature=cfg.temperature, top_k=cfg.top_k)
     kw |= dict(top_p=cfg.top_p, seed=seeds, static_step=run.static_step)
     prompts, turns, stats = tool_rollouts(run.sampler, run.tokenizer, run.task, examples, cfg, **kw)
-    acc = run.state.setdefault("tool_step", dict.fromkeys(stats, 0.0))  # the step's, redraws included
-    for k, v in stats.items():
-        acc[k] += v
+    run.state.setdefault("tool_step", Counter()).update(stats)  # the step's, redraws included
     empty = [[] for _ in turns.tokens]
-    tree = ToolTree(empty, empty, [False] * len(empty), turns.tokens, turns.logprobs, turns.finish)
-    tree.answer_context, tree.stats = turns.context, stats
-    return prompts, tree
+    return prompts, ToolTree(
+        empty, empty, [False] * len(empty), turns.tokens, turns.logprobs, turns.finish, turns.context
+    )
 
 
 def metrics(run, sums: dict, counts: dict) -> dict:
-    """The step's tool/... entries (global over ranks), from what sample() counted this step."""
-    acc = run.state.pop("tool_step", None) or {}
-    total = {k: all_sum(float(v), run.world).item() for k, v in acc.items()}
-    calls, n = total.get("calls", 0.0), max(total.get("completions", 0.0), 1.0)
-    return {
-        "tool/calls": calls,
-        "tool/calls_per_completion": calls / n,
-        "tool/errors": total.get("errors", 0.0),
-        "tool/error_rate": total.get("errors", 0.0) / max(calls, 1.0),
-        "tool/time_s": total.get("time_s", 0.0),
-        "tool/wait_s": total.get("wait_s", 0.0),  # the rows' wait for the calls at the turns' sync points
-        "tool/turns": total.get("turns", 0.0) / run.world,
-        "tool/env_reward": total.get("env_reward", 0.0) / n,
-    }
+    """The step's tool/... entries (global over ranks), from what sample() counted this step; tool/wait_s is the
+    rows' wait for the calls at the turns' sync points."""
+    t = dict.fromkeys(("calls", "completions", "errors", "time_s", "wait_s", "turns", "env_reward"), 0.0)
+    t |= {k: all_sum(float(v), run.world).item() for k, v in run.state.pop("tool_step", {}).items()}
+    calls, errors, n = t["calls"], t["errors"], max(t["completions"], 1.0)
+    row = {"tool/calls": calls, "tool/calls_per_completion": calls / n, "tool/errors": errors}
+    row |= {"tool/error_rate": errors / max(calls, 1.0), "tool/time_s": t["time_s"], "tool/wait_s": t["wait_s"]}
+    return row | {"tool/turns": t["turns"] / run.world, "tool/env_reward": t["env_reward"] / n}
 
 
 def evaluator(cfg, tokenizer, task):
@@ -220,9 +194,7 @@ def evaluator(cfg, tokenizer, task):
         return None
 
     def rollout(model, examples: list[dict], *, n: int, max_new_tokens: int, stop_ids=(), **sampling) -> Generation:
-        _, turns, _ = tool_rollouts(
-            model, tokenizer, task, examples, cfg, n=n, max_new_tokens=max_new_tokens, **sampling
-        )
+        turns = tool_rollouts(model, tokenizer, task, examples, cfg, n=n, max_new_tokens=max_new_tokens, **sampling)[1]
         return ToolGeneration(turns.tokens, turns.logprobs, turns.finish, turns.context)
 
     return rollout

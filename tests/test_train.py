@@ -295,65 +295,61 @@ def test_shared_prompt_packing_gives_the_same_update(tiny, tmp_path):
         torch.testing.assert_close(outs[0][k], outs[1][k], atol=2e-5, rtol=0)
 
 
+# test_two_processes_equal_one's step: 4 prompts x 4 completions, 3 rows per micro-batch (a split across ranks)
+DDP_ARGS = ["--algo", "grpo", "--model", BUNDLED, "--max-steps", "1", "--prompts-per-step", "4", "--thoughts", "4"]
+DDP_ARGS += ["--max-thought-tokens", "40", "--max-answer-tokens", "8", "--eval-every", "0", "--eval-examples", "4"]
+DDP_ARGS += ["--eval-samples", "0", "--micro-batch-rows", "3"]
+
+
+def assert_equals_one_process(launches: list[list[str]], args: list[str], tmp_path) -> list[str]:
+    """One process of train.py `args`, then the `launches` (torchrun command lines, run at once, train.py's the same
+    but --out): each ends with 0, and the final weights equal one process's within 1e-5 (and moved). Returns the
+    launches' stdouts."""
+    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "train.py", *args, "--out", one], cwd=ROOT, check=True, env=env, capture_output=True
+    )
+    kw = dict(cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs = [subprocess.Popen([*launch, "train.py", *args, "--out", many], **kw) for launch in launches]
+    try:
+        outs, errs = zip(*[p.communicate(timeout=150) for p in procs])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.terminate()  # SIGTERM: the launcher stops its ranks before it exits
+            p.communicate()
+        pytest.fail("torchrun hung: the ranks never met, or fell out of step in a collective")
+    for p, err in zip(procs, errs):
+        assert p.returncode == 0, err[-2000:]
+    w1, w2 = weights(os.path.join(one, "final")), weights(os.path.join(many, "final"))
+    assert any(not torch.equal(w1[k], weights(BUNDLED)[k]) for k in w1)  # the step did move the weights
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
+    return list(outs)
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("share_prompt", [False, True])
 def test_two_processes_equal_one(tiny, tmp_path, share_prompt):
     """Guards against DDP changing the update: 2 CPU ranks (gloo) after one step equal 1 process on
     the same global batch (rollout seeds come from the global prompt index, token counts are summed);
     with --share-prompt each micro-batch runs two forwards (prompts, then rows) before one backward."""
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    args = [
-        "--algo",
-        "grpo",
-        "--model",
-        BUNDLED,
-        "--max-steps",
-        "1",
-        "--prompts-per-step",
-        "4",
-        "--thoughts",
-        "4",
-        "--max-thought-tokens",
-        "40",
-        "--max-answer-tokens",
-        "8",
-        "--eval-every",
-        "0",
-        "--eval-examples",
-        "4",
-        "--eval-samples",
-        "0",
-        "--micro-batch-rows",
-        "3",
-    ] + ["--share-prompt"] * share_prompt
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [sys.executable, "train.py", *args, "--out", one], cwd=ROOT, check=True, env=env, capture_output=True
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master-port",
-            "29533",
-            "train.py",
-            *args,
-            "--out",
-            two,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    w1, w2 = weights(os.path.join(one, "final")), weights(os.path.join(two, "final"))
-    assert any(not torch.equal(w1[k], weights(BUNDLED)[k]) for k in w1)  # the step did move the weights
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
+    launch = [*TORCHRUN, "--nproc_per_node", "2", "--master-port", "29533"]
+    assert_equals_one_process([launch], DDP_ARGS + ["--share-prompt"] * share_prompt, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_one(tmp_path):
+    """Guards docs/real-models.md's two-machine recipe: two torchrun launches, one per node (--nnodes 2,
+    --nproc-per-node 1), meeting at a c10d rendezvous (here both on localhost, gloo), after one step equal one
+    process, as two ranks of one launch do (a recipe whose flags never form one world hangs, or trains alone)."""
+    node = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    node += ["--rdzv-endpoint", "localhost:29545", "--rdzv-id", "two-nodes"]
+    outs = assert_equals_one_process([node, node], DDP_ARGS, tmp_path)
+    assert sum("done: step 1" in out for out in outs) == 1  # one world: its rank 0 on one node, not a run per node
 
 
 def test_interrupted_save_keeps_the_last_checkpoint(tiny, tmp_path, monkeypatch):
@@ -673,13 +669,12 @@ def test_case9_the_start_line_and_the_summary_say_what_runs_where():
         {"step": 200, "eval/greedy_accuracy": 0.74, "eval/mean@4": 0.676, "eval/accuracy": 0.74},
     ]
     files = ["metrics.jsonl", "config.json"]
-    assert cli.end_summary(
-        evals, 112.4, "runs/x", files, "--task synthetic --max-new-tokens 80 ", 200
-    ).splitlines() == [
+    flags = "--task synthetic --max-new-tokens 80 " + cli.eval_size(743_040, "cpu")  # the bundled model's
+    assert cli.end_summary(evals, 112.4, "runs/x", files, flags, 200, "8.6 MiB: weights").splitlines() == [
         "done: step 200 in 1 min 52 s (this process)",
         "held-out greedy accuracy: 42.5% at step 0 -> 74.0% at step 200",
         "held-out mean@4: 25.9% at step 0 -> 67.6% at step 200",
-        "outputs: runs/x (metrics.jsonl, config.json), weights in runs/x/final",
+        "outputs: runs/x (metrics.jsonl, config.json), weights in runs/x/final (8.6 MiB: weights)",
         "next: python eval.py --model runs/x/final --task synthetic --max-new-tokens 80 --n 16  # pass@k of the "
         "trained model",
         "      python eval.py --plot runs/x --out runs/x/plot.png  # its curves",
@@ -726,9 +721,58 @@ def test_micro_batch_rows_takes_a_count_or_auto_and_says_so():
         assert cfg.micro_batch_rows == want
 
 
+def test_the_suggested_evaluation_costs_about_what_the_bundled_models_does_on_a_cpu():
+    """Guards against the end summary suggesting eval.py's defaults (200 prompts, greedy and --n 16: 3,400
+    completions) whatever the model: at 0.8B on a CPU that takes hours. Parameters x completions stay within the
+    device's budget (the bundled model's defaults on a CPU; 1000x on CUDA, with --device cuda), shedding samples
+    first (16, 4, then greedy alone), then prompts down to 20."""
+    assert cli.eval_size(743_040, "cpu") == "--n 16 "  # the bundled model: eval.py's defaults
+    assert cli.eval_size(2_000_000, "cpu") == "--n 4 "  # 1,263 completions fit: 200 x 5
+    assert cli.eval_size(5_000_000, "cpu") == "--n 0 "  # 505: 200 greedy
+    assert cli.eval_size(50_000_000, "cpu") == "--examples 50 --n 0 "
+    assert cli.eval_size(800_000_000, "cpu") == "--examples 20 --n 0 "  # 3 fit: the floor of 20 prompts
+    assert cli.eval_size(800_000_000, "cuda") == "--n 4 --device cuda "  # 3,158 fit
+    assert cli.eval_size(100_000, "cuda") == "--n 16 --device cuda "
+    for params, device in ((2_000_000, "cpu"), (50_000_000, "cpu"), (800_000_000, "cuda")):
+        flags = dict(re.findall(r"--(examples|n) (\d+)", cli.eval_size(params, device)))
+        budget = 743_040 * 3_400 * (1000 if device == "cuda" else 1)  # the bundled model's defaults on a CPU
+        assert params * int(flags.get("examples", 200)) * (int(flags["n"]) + 1) <= budget
+
+
+def test_a_run_near_its_memory_says_so_and_its_summary_says_what_final_holds(tiny, tmp_path, monkeypatch, capsys):
+    """Guards against the 0.8B report: a start line at 98% of the available memory without a word, and a 2-step run
+    that wrote a 9.9 GB final/ (float32 masters and AdamW's moments) without saying so. With a fake available figure
+    that puts the estimate at 93%, the start line is followed by one warning line; the end summary gives final/'s
+    size on disk (its files' bytes) and what takes it, with the flag that leaves the optimizer state out."""
+    import memory
+    from tasks import get_task
+
+    cfg, peaks = small(tiny, str(tmp_path / "run"), max_steps=1), []
+    real = memory.estimate
+    spy = lambda c, shape, **kw: (r := real(c, shape, **kw), peaks.append(max(sum(t.values()) for t in r.values())))[0]
+    monkeypatch.setattr(memory, "estimate", spy)
+    monkeypatch.setattr(memory, "process_bytes", lambda: 0)  # the available figure is then exactly the fake one
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 50)
+    memory.check_memory(cfg, get_task("synthetic"), torch.device("cpu"), 1)
+    monkeypatch.setattr(memory, "available_bytes", lambda device, have=int(peaks[-1] / 0.93): have)
+    train.main(cfg)
+    out = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(out) if line.startswith("train: --algo grpo"))  # then its flags
+    warning = out[start + 2]
+    assert re.match(r"warning: the estimated peak is 9[234]% of the available memory, above the 85% ", warning)
+    assert warning.endswith(
+        "lower --micro-batch-rows or --micro-batch-tokens, or pass --gradient-checkpointing or --lora-rank N"
+    )
+    final = os.path.join(cfg.out, "final")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(final) for f in names)
+    saved = f"({size / 2**20:.1f} MiB: weights and AdamW moments; --no-save-optimizer leaves them out)"
+    assert f"weights in {final} {saved}" in "\n".join(out)
+    assert f"python eval.py --model {final} --task synthetic --max-new-tokens 18 --n 16  # pass@k" in "\n".join(out)
+
+
 def test_the_end_summary_names_the_merged_weights():
     """Guards against a --merge run whose summary pointed only at final/ (the adapters), never at OUT/merged."""
-    text = cli.end_summary([], 5.0, "runs/x", ["metrics.jsonl"], "", 3, merged=True)
+    text = cli.end_summary([], 5.0, "runs/x", ["metrics.jsonl"], "", 3, "1.0 MiB: LoRA adapters", merged=True)
     assert "merged (a full HF checkpoint) in runs/x/merged" in text and "--model runs/x/merged" in text
 
 
