@@ -40,11 +40,7 @@ def enabled(cfg) -> bool:
     """On when --tis-cap is not 0 and the sampler's policy is not the trainer's: a --rollout-dtype copy samples
     (bfloat16 on CUDA by default), or the rollouts are stale (--staleness K, methods/staleness.py: the weight is
     pi_prox / pi_behaviour, the decoupled loss's behaviour weight, under --is-anchor old)."""
-    return cfg.tis_cap > 0 and (rollout_dtype(cfg) != "float32" or stale(cfg))
-
-
-def stale(cfg) -> bool:
-    return getattr(cfg, "staleness", 0) > 0
+    return cfg.tis_cap > 0 and (rollout_dtype(cfg) != "float32" or getattr(cfg, "staleness", 0) > 0)
 
 
 def check(cfg) -> Iterator[FlagError]:
@@ -58,7 +54,11 @@ def check(cfg) -> Iterator[FlagError]:
 def check_rollout_dtype(cfg, rollout: str) -> None:
     """Refused before any step: a mode or floor on a run that samples with its float32 policy, on-policy (nothing
     to correct)."""
-    if rollout == "float32" and not stale(cfg) and (cfg.rollout_is != "token_truncate" or cfg.tis_floor > 0):
+    if (
+        rollout == "float32"
+        and not getattr(cfg, "staleness", 0)
+        and (cfg.rollout_is != "token_truncate" or cfg.tis_floor > 0)
+    ):
         why = "this run samples with its float32 policy, on-policy, so there is nothing to correct"
         fix = "pass --rollout-dtype bfloat16 or --staleness K"
         what = "--rollout-is and --tis-floor correct a --rollout-dtype bfloat16 copy or stale rollouts"
