@@ -43,6 +43,9 @@ Claims and the runs that test them (same task, model, lengths and base learning 
             grpo_t8_bf16 without one and tis_t8_bf16 with today's truncation), grpo_t8_mu2 (the baseline of the
             presets with mu = 2: SAPO, GMPO, KL-Cov, DPPO and V3.2's mask only differ from GRPO off-policy), and
             the methods that had no run at this budget (dapo_t8, gspo_t8, gtpo_t8, grpo_ma_t4a2, two_grpo_p64)
+  Stale     stale_k0 and stale_k{1,2,4,8}_{plain_is,clip_rollout,tis,icepop,m2po}: --staleness K with each
+            correction (no correction, the clipped ratio against the behaviour policy, TIS, IcePop, M2PO), 30 steps
+            of 8 prompts x 8, greedy held-out accuracy only: 63 runs of 150-330 s on a loaded 2-core VM
 Left out since the previous round: A-GRAE at 100 steps on GRPO, Dr. GRPO and DAPO, and dapo (the
 300-step A-GRAE runs replace them).
 
