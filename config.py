@@ -219,7 +219,8 @@ def lr_factor(opt_step: int, cfg: TrainConfig) -> float:
     warm = min(1.0, (opt_step + 1) / max(1, cfg.warmup_steps))
     if cfg.lr_schedule == "constant":
         return warm
-    progress = min(1.0, opt_step / max(1, cfg.max_steps * cfg.mu - 1))
+    # --staleness K: the first K steps only sample, so the decay runs over max_steps - K updates
+    progress = min(1.0, opt_step / max(1, (cfg.max_steps - getattr(cfg, "staleness", 0)) * cfg.mu - 1))
     return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 

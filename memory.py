@@ -338,6 +338,7 @@ ADVICE = {
     "weights": "the model size (or shard it: torchrun ... --fsdp)",
     "optimizer": "the model size (--optimizer-offload moves it off a GPU; --fsdp shards it)",
     "process": "other work in this process",
+    "run_state": "--staleness (the queue holds K steps of rollouts)",
 }
 
 
@@ -411,6 +412,9 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     offloaded = cfg.optimizer_offload and cuda
     fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * T // shard + 4 * T * cfg.optimizer_offload)
     n_pool = cfg.max_steps * cfg.prompts_per_step + methods.stream_size(cfg)  # the pool and the methods' streams
+    per_step = shape.prompts * cfg.thoughts * (shape.thought_tokens + M * shape.answer_tokens)  # completion tokens
+    if methods.held_bytes(cfg, per_step):  # run state: the --staleness queue
+        fixed["run_state"] = methods.held_bytes(cfg, per_step)
     if cuda and cfg.cuda_graphs:  # graphs.StaticDecode's buffers and its graphs' pool stay allocated through the update
         # train.py's evaluation samples through the same buffers: they grow to the larger of its rows and a step's
         decode_rows = max(cfg.thoughts * cfg.answers * shape.prompts, shape.eval_prompts * max(1, shape.eval_samples))

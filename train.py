@@ -362,7 +362,13 @@ def main(cfg: TrainConfig) -> dict:
                     log_samples(run, step + 1, groups)
                 # transform rollouts (after their metrics): DaGRPO's anchors, a reference where no rollout is correct
                 groups = methods.chain(run, "rollouts", groups, counts)
+                # --staleness K: train on the groups sampled K steps ago (methods/staleness.py); none in the first K
+                groups, batch_accuracy = methods.chain(run, "queue", (groups, batch_accuracy), step, counts)
                 clock.lap("score")
+                if not groups:  # a step that only samples: its row holds the rollouts' metrics, no update's
+                    run.state["step"], state = step + 1, run.state
+                    end_of_step(run, step, {"step": step + 1, **sampled} | clock.row(sampled["tokens/generated"]), stop)
+                    continue
 
                 # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
                 batch = pack(groups, run.tokenizer.pad_id, run.device, cfg.share_prompt)
@@ -385,15 +391,8 @@ def main(cfg: TrainConfig) -> dict:
                 lr, kl = run.scheduler.get_last_lr()[0], {} if cfg.beta > 0 else {"kl": None}  # no reference, no KL
                 row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr, **kl)
                 row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
-                log(run, row)
                 bar.set_postfix({k: round(row[k], 3) for k in ("reward/mean", "accuracy", "gss")})
-                # the last step's evaluation too: every row of a step is logged before its checkpoint is written
-                if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.max_steps:
-                    evaluate_heldout(run, step + 1)
-                if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                    save(run, os.path.join(cfg.out, f"step-{step + 1}"))
-                if all_sum(stop.signum, run.world).item() and step + 1 < cfg.max_steps:  # a SIGINT or SIGTERM came
-                    stop_at_boundary(run, step + 1, stop.signum, stop.resume)
+                end_of_step(run, step, row, stop)
         except Exception as e:  # a bug, a library's error, a full disk: never lose the steps done
             stop_on_error(run, e, step, state, stop.resume)
     save(run, os.path.join(cfg.out, "final"))
@@ -402,6 +401,18 @@ def main(cfg: TrainConfig) -> dict:
     if run.world > 1:
         dist.destroy_process_group()
     return finish(run, time.perf_counter() - t_start)
+
+
+def end_of_step(run: Run, step: int, row: dict, stop) -> None:
+    """A step's row logged; then evaluate, save, and stop at this boundary if a SIGINT or SIGTERM came."""
+    log(run, row)
+    # the last step's evaluation too: every row of a step is logged before its checkpoint is written
+    if (run.cfg.eval_every and (step + 1) % run.cfg.eval_every == 0) or step + 1 == run.cfg.max_steps:
+        evaluate_heldout(run, step + 1)
+    if run.cfg.save_every and (step + 1) % run.cfg.save_every == 0:
+        save(run, os.path.join(run.cfg.out, f"step-{step + 1}"))
+    if all_sum(stop.signum, run.world).item() and step + 1 < run.cfg.max_steps:  # a SIGINT or SIGTERM came
+        stop_at_boundary(run, step + 1, stop.signum, stop.resume)
 
 
 def stop_at_boundary(run: Run, step: int, signum: int, resume: str) -> None:

@@ -39,7 +39,7 @@ def summarise(run: str) -> dict:
     return {
         "steps": len(train),
         "greedy": evals[-1]["eval/greedy_accuracy"],
-        "mean4": evals[-1]["eval/mean@4"],
+        "mean4": evals[-1].get("eval/mean@4", float("nan")),  # nan: greedy only (--eval-samples 0)
         "greedy0": evals[0]["eval/greedy_accuracy"],
         "time": sum(r["time/step_s"] for r in train),
         "step_s": statistics.mean(r["time/step_s"] for r in train),
@@ -68,8 +68,10 @@ def seeds_of(runs_dir: str, name: str) -> list[str]:
 
 
 def ms(values: list[float], fmt: str = "{:.1f}", scale: float = 1.0) -> str:
-    """mean +- sample sd (just the value for one seed)."""
+    """mean +- sample sd (just the value for one seed; "-" where a run did not measure it: nan)."""
     v = [x * scale for x in values]
+    if any(x != x for x in v):
+        return "-"
     if len(v) == 1:
         return fmt.format(v[0])
     return f"{fmt.format(statistics.mean(v))} ± {fmt.format(statistics.stdev(v))}"
@@ -135,6 +137,41 @@ def ranking(runs_dir: str, S: dict[str, list[dict]], reference: str = RANKING_RE
         "in-run greedy on each seed's own prompts; training s sums the step times (sample + score + update)."
         f"{start}\n\n" + table(header, rows) + "\n"
     )
+
+
+STALE_ARMS = ("plain_is", "clip_rollout", "tis", "icepop", "m2po")  # experiments/run.py's stale-rollout study
+STALE_LAGS = (0, 1, 2, 4, 8)
+
+
+def stale_name(arm: str, k: int) -> str:
+    return "stale_k0" if k == 0 else f"stale_k{k}_{arm}"
+
+
+def staleness_study(S: dict[str, list[dict]], runs_dir: str, out_dir: str) -> str:
+    """The stale-rollout study: per correction (row) and lag K (column), the held-out greedy accuracy at the last
+    step and the sampled accuracy of the last 10 steps (fresh prompts), mean +- sd over seeds, and the accuracy
+    each step of lag costs (the slope of a least-squares line over K, in points per step); one plot per correction
+    (eval.py's plot_runs: seeds averaged, min-max band) of its curves at every lag."""
+    if "stale_k0" not in S:
+        return ""
+    rows = []
+    for arm in STALE_ARMS:
+        names = [stale_name(arm, k) for k in STALE_LAGS]
+        cells = [
+            ms([s[key] for s in S[n]], scale=100) if n in S else "-"
+            for key in ("greedy", "correct_last")
+            for n in names
+        ]
+        done = [(k, statistics.mean(s["greedy"] for s in S[n])) for k, n in zip(STALE_LAGS, names) if n in S]
+        slope = statistics.linear_regression(*zip(*done)).slope * 100 if len(done) > 2 else float("nan")
+        seeds = ",".join(str(len(S[n])) if n in S else "0" for n in names)
+        rows.append([arm, seeds, *cells, f"{slope:+.2f}"])
+        runs = [d for n in names for d in seeds_of(runs_dir, n)]
+        keys = ["eval/greedy_accuracy", "accuracy", "stale/kl_k3", "clip_frac"]
+        print(plot_runs(runs, os.path.join(out_dir, f"stale_{arm}.png"), x="step", keys=keys))
+    lags = [f"K={k}" for k in STALE_LAGS]
+    header = ["correction", "seeds per K", *[f"greedy % {k}" for k in lags], *[f"sampled % {k}" for k in lags]]
+    return "## Stale rollouts (--staleness K)\n\n" + table(header + ["greedy points per lag step"], rows) + "\n"
 
 
 def main() -> None:
@@ -381,6 +418,9 @@ def main() -> None:
 
     # every method at one budget, ranked
     if text := ranking(args.runs, S):
+        out.append(text)
+
+    if text := staleness_study(S, args.runs, args.out):
         out.append(text)
 
     # every configuration in one table

@@ -7,6 +7,7 @@ holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its prese
   choose the data (setup)         choose_data(task, cfg) -> task                         hard_examples
   extra prompt streams (setup)    streams(task, cfg) -> {name: examples}                 dapo's top-ups
                                   stream_size(cfg) -> int: their examples, before drawing  dapo (memory.py)
+  run state (memory.py)           held_bytes(cfg, tokens per step) -> int: what it holds   staleness's queue
   check the data (setup)          check_data(task, cfg, examples) -> None                dagrpo's references
   start (setup, models loaded)    start(run) -> None: checks and state                   noise's rates, gtpo's gate
   the sampler's dtype (setup)     check_rollout_dtype(cfg, rollout) -> None              mismatch
@@ -19,6 +20,7 @@ counts to (this rank's), for its metrics; metrics: a dict of the step's row.
   rewards (score)                 rewards(run, reward [N], step: Scored)                 noise, dagrpo, dapo
   resample (after scoring)        resample(run, groups, step, slots, redraw, counts)     dapo ("resampled")
   rollouts (before packing)       rollouts(run, groups, counts)                          dagrpo's anchors
+  the lag (before packing)        queue(run, (groups, accuracy), step, counts) -> the same, to train  staleness
   advantage rewards (advantages)  advantage_rewards(run, reward [P, K, M], batch)        noise, kl in the reward
   sequence advantages             sequence_advantages(run, adv [B], batch, mask)         gtpo's entropy control
   trained tokens                  trained_mask(run, mask [B, T], groups, batch)          dapo, mask_truncated
@@ -60,8 +62,8 @@ from losses import CLIP, loss_name
 
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
 ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "batch_std")
-ORDER += ("kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg", "mismatch", "dsv32", "gspo")
-ORDER += ("cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
+ORDER += ("kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg", "staleness", "m2po")
+ORDER += ("mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
 
 _present = {m.name for m in pkgutil.iter_modules(__path__)}
 METHODS: tuple[ModuleType, ...] = tuple(importlib.import_module(f"{__name__}.{n}") for n in ORDER if n in _present)
@@ -114,6 +116,11 @@ def streams(task, cfg) -> dict[str, list[dict]]:
 def stream_size(cfg) -> int:
     """How many examples the methods' streams will hold (the memory estimate counts them before they are drawn)."""
     return sum(hook(cfg) for hook in hooks(cfg, "stream_size"))
+
+
+def held_bytes(cfg, tokens: int) -> int:
+    """The memory the methods' run state holds (the staleness queue), for `tokens` completion tokens per step."""
+    return sum(hook(cfg, tokens) for hook in hooks(cfg, "held_bytes"))
 
 
 def check_data(task, cfg, examples: list[dict]) -> None:

@@ -26,7 +26,9 @@ class Flags:
     """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
 
     # -- loss
-    tis_cap: float = 2.0  # with a --rollout-dtype copy: token losses times min(pi_train / pi_sampler, CAP) (0 = off)
+    tis_cap: float = (
+        2.0  # a --rollout-dtype copy or --staleness: losses times min(pi_train / pi_sampler, CAP) (0 = off)
+    )
     rollout_is: str = "token_truncate"  # the --tis-cap correction: per token or sequence, truncate or mask (0 weight)
     tis_floor: float = 0.0  # lower bound of the correction's ratio (IcePop: --rollout-is token_mask, 0.5 and 5)
 
@@ -35,8 +37,10 @@ CHOICES = dict(rollout_is=ROLLOUT_IS_MODES)
 
 
 def enabled(cfg) -> bool:
-    """On when a --rollout-dtype copy samples (bfloat16 on CUDA by default) and --tis-cap is not 0."""
-    return cfg.tis_cap > 0 and rollout_dtype(cfg) != "float32"
+    """On when --tis-cap is not 0 and the sampler's policy is not the trainer's: a --rollout-dtype copy samples
+    (bfloat16 on CUDA by default), or the rollouts are stale (--staleness K, methods/staleness.py: the weight is
+    pi_prox / pi_behaviour, the decoupled loss's behaviour weight, under --is-anchor old)."""
+    return cfg.tis_cap > 0 and (rollout_dtype(cfg) != "float32" or getattr(cfg, "staleness", 0) > 0)
 
 
 def check(cfg) -> Iterator[FlagError]:
@@ -48,10 +52,17 @@ def check(cfg) -> Iterator[FlagError]:
 
 
 def check_rollout_dtype(cfg, rollout: str) -> None:
-    """Refused before any step: a mode or floor on a run that samples with its float32 policy (nothing to correct)."""
-    if rollout == "float32" and (cfg.rollout_is != "token_truncate" or cfg.tis_floor > 0):
-        why = "this run samples with its float32 policy, so there is nothing to correct: pass --rollout-dtype bfloat16"
-        raise UserError(f"--rollout-is and --tis-floor correct a --rollout-dtype bfloat16 copy; {why}")
+    """Refused before any step: a mode or floor on a run that samples with its float32 policy, on-policy (nothing
+    to correct)."""
+    if (
+        rollout == "float32"
+        and not getattr(cfg, "staleness", 0)
+        and (cfg.rollout_is != "token_truncate" or cfg.tis_floor > 0)
+    ):
+        why = "this run samples with its float32 policy, on-policy, so there is nothing to correct"
+        fix = "pass --rollout-dtype bfloat16 or --staleness K"
+        what = "--rollout-is and --tis-floor correct a --rollout-dtype bfloat16 copy or stale rollouts"
+        raise UserError(f"{what}; {why}: {fix}")
 
 
 def micro_batch(run, tok: Tokens, mb, sampled: Tensor, sums: dict, epoch: int) -> Tokens:

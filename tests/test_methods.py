@@ -36,6 +36,8 @@ BAD = {  # one bad value of a flag each method owns (or a combination its check 
     "two_grpo": dict(advantage="two_grpo", thoughts=3),
     "dsv32": dict(opsm_delta=-2.0),
     "mismatch": dict(tis_floor=-1.0),
+    "staleness": dict(staleness=-1),
+    "m2po": dict(m2po_threshold=-1.0),
     "rloo": dict(advantage="rloo"),  # needs --no-std-normalize
     "reinforce_pp": dict(advantage="reinforce_pp"),
     "batch_std": dict(batch_std=True, std_normalize=False),
