@@ -20,9 +20,12 @@ before its first step and after its last (`start_line`, `end_summary`) is format
 from __future__ import annotations
 
 import argparse
+import ast
 import atexit
 import contextlib
 import dataclasses
+import difflib
+import glob
 import inspect
 import math
 import os
@@ -57,7 +60,7 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """One flag per field, grouped by family; a choice field (in `cls.CHOICES`) lists its values. With presets, a
     field the default preset sets shows that value as its default, and the plain one it replaces."""
-    parser = _Parser(description=description, allow_abbrev=False)
+    parser = Parser(description=description, allow_abbrev=False)
     helps, groups = _field_docs(cls)
     choices = getattr(cls, "CHOICES", {})
     sections: dict[str, argparse._ArgumentGroup] = {}
@@ -208,9 +211,44 @@ def fail(message: str) -> UserExit:
     return UserExit(message)
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, where argparse prints its usage block first
+        if message.startswith("unrecognized arguments: "):
+            message += did_you_mean(message.split()[2:], [o for a in self._actions for o in a.option_strings])
         raise fail(f"{message} (see --help)")
+
+
+def did_you_mean(args: Sequence[str], known: Sequence[str]) -> str:
+    """'; did you mean --model?': the known flags closest to the first unknown --flag in `args` (difflib), or ''."""
+    typed = next((a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in known), "")
+    close = difflib.get_close_matches(typed, known, n=2, cutoff=0.7) if typed else []
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def check_flag_names(argv: Sequence[str], *sources: str) -> None:
+    """Refuse an unknown --flag in `argv` before the entry script imports torch (a fraction of a second, not
+    seconds), as the parser would (did_you_mean included). The names come from the config dataclasses' own source,
+    `sources` as 'file.py:Class' (globs allowed, relative to this directory), read with ast, not imported: their
+    fields are the flags, a bool's also as --no-flag. The full parse after the imports checks the values."""
+    known, takes_value = {"-h", "--help"}, set()
+    for source in sources:
+        pattern, name = source.split(":")
+        for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), pattern))):
+            with open(path) as f:
+                classes = [n for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.ClassDef) and n.name == name]
+            for field in [n for c in classes for n in c.body if isinstance(n, ast.AnnAssign)]:
+                spelt, kind = flag(field.target.id), ast.unparse(field.annotation)
+                if "ClassVar" not in kind:  # CHOICES, RANGES: class attributes, not fields
+                    known |= {spelt, "--no-" + spelt[2:]} if kind == "bool" else {spelt}
+                    takes_value |= set() if kind == "bool" else {spelt}
+    unknown, args = [], iter(argv)
+    for arg in args:
+        if arg.startswith("--") and arg.split("=")[0] not in known:
+            unknown.append(arg)
+        elif arg in takes_value:
+            next(args, None)  # its value, whatever it looks like
+    if unknown:
+        raise fail(f"unrecognized arguments: {' '.join(unknown)}{did_you_mean(unknown, sorted(known))} (see --help)")
 
 
 @contextlib.contextmanager

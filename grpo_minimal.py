@@ -27,6 +27,13 @@ Left out, and the train.py flag that puts each back:
 
 from __future__ import annotations
 
+import sys
+
+import cli
+
+if __name__ == "__main__":  # a mistyped flag fails here, in a fraction of a second, before torch loads
+    cli.check_flag_names(sys.argv[1:], "grpo_minimal.py:Config")
+
 import hashlib
 from dataclasses import dataclass, replace
 

@@ -864,3 +864,35 @@ def test_train_and_eval_find_the_bundled_model_from_another_directory(tmp_path):
     )  # fmt: skip
     assert r.returncode == 2 and r.stderr.startswith("error: a training step needs about "), r.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+FLAG_CONFIGS = [("train.py", TrainConfig), ("sft.py", sft.SFTConfig), ("grpo_minimal.py", None), ("eval.py", None)]
+
+
+@pytest.mark.parametrize("script, cls", FLAG_CONFIGS)
+def test_a_mistyped_flag_is_refused_before_torch_loads_with_the_closest_flag(script, cls):
+    """Guards against a typo costing the seconds of torch's import and naming no alternative (`--modle x` said only
+    'unrecognized arguments'), and against the early check's names drifting from the config dataclass: every field's
+    flag (a bool's --no- form too) passes it, and only the typo is named, before torch is imported."""
+    import eval as evaluation
+    import grpo_minimal
+
+    cls = cls or {"grpo_minimal.py": grpo_minimal.Config, "eval.py": evaluation.EvalConfig}[script]
+    argv = ["--seeed", "x"]
+    for f in dataclasses.fields(cls):
+        argv += [cli.flag(f.name), f"--no-{cli.flag(f.name)[2:]}"] if f.type == "bool" else [cli.flag(f.name), "1"]
+    code = (
+        "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, script, *argv], cwd=ROOT, capture_output=True, text=True)
+    assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr[-2000:]
+    assert r.stderr.strip() == "error: unrecognized arguments: --seeed; did you mean --seed? (see --help)"
+
+
+def test_the_parser_suggests_the_closest_flags():
+    """Guards against the full parser (tests, torchrun, flags past the early check) naming no alternative to a typo."""
+    with pytest.raises(cli.UserExit, match=r"unrecognized arguments: --steps 5; did you mean --max-steps\?"):
+        cli.parse_config(TrainConfig, ["--steps", "5"])
+    with pytest.raises(cli.UserExit, match=r"--zzz-qqq \(see --help\)$"):  # nothing close: no suggestion
+        cli.parse_config(TrainConfig, ["--zzz-qqq"])
