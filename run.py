@@ -130,6 +130,13 @@ def setup(cfg: TrainConfig) -> Run:
     resume_dir = checkpoint.find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
         checkpoint.check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
+        if (done := checkpoint.read_trainer_step(resume_dir)) >= cfg.max_steps:  # nothing to run: say how to extend
+            if rank == 0:
+                print(
+                    f"--resume {resume_dir}: the run is already at its last step ({done} of --max-steps "
+                    f"{cfg.max_steps}); to extend it, add --max-steps N with N > {done}"
+                )
+            raise SystemExit(0)
     if rank == 0:
         checkpoint.lock_run_dir(cfg.out)  # one writer per run directory: a second train.py on it is refused
         checkpoint.check_out_dir(cfg.out, resume_dir, cfg.overwrite)

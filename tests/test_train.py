@@ -896,3 +896,38 @@ def test_the_parser_suggests_the_closest_flags():
         cli.parse_config(TrainConfig, ["--steps", "5"])
     with pytest.raises(cli.UserExit, match=r"--zzz-qqq \(see --help\)$"):  # nothing close: no suggestion
         cli.parse_config(TrainConfig, ["--zzz-qqq"])
+
+
+def test_the_bar_counts_from_the_resumed_step_and_stops_with_the_checkpoint(tiny, tmp_path, monkeypatch, capsys):
+    """Guards against the progress bar disagreeing with the run: at SIGINT it showed 81/200 while the checkpoint
+    was step 82; after a resume it counted 0/118, not 83/200; and --resume of a finished run printed "steps 201-200"
+    instead of saying that it is done and how to extend it (exit status 0)."""
+    import signal
+
+    out, real_log, handlers = str(tmp_path / "run"), train.log, {s: signal.getsignal(s) for s in (2, 15)}
+
+    def log_then_interrupt(run, row, **kw):
+        real_log(run, row, **kw)
+        if row.get("step") == 2 and "loss" in row:  # Ctrl-C during step 2's bookkeeping: it stops after step 2
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train, "log", log_then_interrupt)
+    try:
+        with pytest.raises(SystemExit) as e:
+            train.main(small(tiny, out, max_steps=4))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "stopped at step 2 of 4 by SIGINT" in err, err[-3000:]
+    assert re.findall(r"\| (\d)/4 ", err.split("stopped at step")[0])[-1] == "2"
+    monkeypatch.setattr(train, "log", real_log)
+    train.main(small(tiny, out, max_steps=4, resume=out))
+    counts = re.findall(r"\| (\d)/(\d) ", capsys.readouterr().err)
+    assert counts[0] == ("2", "4") and counts[-1] == ("4", "4") and {c[1] for c in counts} == {"4"}
+    with pytest.raises(SystemExit) as e:
+        train.main(small(tiny, out, max_steps=4, resume=out))
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == (
+        f"--resume {out}/final: the run is already at its last step (4 of --max-steps 4); to extend it, add "
+        "--max-steps N with N > 4"
+    )
