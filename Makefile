@@ -68,7 +68,7 @@ tiny-tool-model: $(STAMP)  ## rebuild assets/tiny-tool-model: the tiny shape war
 tour: $(STAMP)          ## docs/tour.md: one GRPO step of grpo_minimal.py, its real tensors and lines of code (tested: stale fails)
 	$(PY) docs/tour.py
 
-plot: $(STAMP)          ## plot every run under runs/ into runs/plot.png
+plot: $(STAMP)          ## plot the runs under runs/, one PNG per task and model (runs/plot-TASK-MODEL.png; one: runs/plot.png)
 	$(PY) eval.py --plot $(dir $(wildcard runs/*/metrics.jsonl)) --out runs/plot.png
 
 clean:

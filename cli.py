@@ -225,14 +225,13 @@ def did_you_mean(args: Sequence[str], known: Sequence[str]) -> str:
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
-def check_flag_names(argv: Sequence[str], *sources: str) -> None:
-    """Refuse an unknown --flag in `argv` before the entry script imports torch (a fraction of a second, not
-    seconds), as the parser would (did_you_mean included). The names come from the config dataclasses' own source,
-    `sources` as 'file.py:Class' (globs allowed, relative to this directory), read with ast, not imported: their
-    fields are the flags, a bool's also as --no-flag. The full parse after the imports checks the values."""
+def check_flag_names(*sources: str) -> None:
+    """Refuse an unknown --flag on the command line before the entry script imports torch (a fraction of a second,
+    not seconds), as the parser would (did_you_mean included). The flags are the fields of the config dataclasses
+    named by `sources` ('file.py:Class', globs allowed, relative to this directory), read from their source with ast,
+    not imported; a bool's also as --no-flag. The full parse after the imports checks the values."""
     known, takes_value = {"-h", "--help"}, set()
-    for source in sources:
-        pattern, name = source.split(":")
+    for pattern, name in (source.split(":") for source in sources):
         for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), pattern))):
             with open(path) as f:
                 classes = [n for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.ClassDef) and n.name == name]
@@ -241,7 +240,7 @@ def check_flag_names(argv: Sequence[str], *sources: str) -> None:
                 if "ClassVar" not in kind:  # CHOICES, RANGES: class attributes, not fields
                     known |= {spelt, "--no-" + spelt[2:]} if kind == "bool" else {spelt}
                     takes_value |= set() if kind == "bool" else {spelt}
-    unknown, args = [], iter(argv)
+    unknown, args = [], iter(sys.argv[1:])
     for arg in args:
         if arg.startswith("--") and arg.split("=")[0] not in known:
             unknown.append(arg)

@@ -20,7 +20,7 @@ import sys
 import cli
 
 if __name__ == "__main__" and "--plot" not in sys.argv:  # a mistyped flag fails here, before torch loads
-    cli.check_flag_names(sys.argv[1:], "eval.py:EvalFlags", "methods/tools*.py:Flags")
+    cli.check_flag_names("eval.py:EvalFlags", "methods/tools*.py:Flags")
 
 import json
 import math
@@ -132,10 +132,21 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
     return out
 
 
-@dataclass
-class EvalFlags:
-    """eval.py's own flags; EvalConfig adds the tool flags (methods/tools.py) after them, as train.py has them."""
+def plot_by_config(runs: list[str], out: str, **kw) -> list[str]:
+    """plot_runs for each group of runs that share a task and a model (their config.json): curves of different tasks
+    or models never share axes. One group: `out`; several: out's name plus -TASK-MODEL each (make plot)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for run in runs:
+        path = os.path.join(run, "config.json")
+        flags = json.load(open(path)) if os.path.isfile(path) else {}
+        key = f"{flags.get('task', 'task')}-{os.path.basename(str(flags.get('model', 'model')).rstrip('/'))}"
+        groups.setdefault(re.sub(r"[^\w.-]+", "_", key), []).append(run)
+    stem, ext = os.path.splitext(out)
+    return [plot_runs(runs, out if len(groups) == 1 else f"{stem}-{key}{ext}", **kw) for key, runs in groups.items()]
 
+
+@dataclass
+class EvalFlags:  # eval.py's own flags, ahead of the tool flags in --help (EvalConfig adds those)
     # -- run
     model: str = BUNDLED  # HF checkpoint directory to evaluate
     task: str = "synthetic"  # task name (see tasks.py)
@@ -295,7 +306,7 @@ if __name__ == "__main__":
         args = p.parse_args()
         keys = [k for k in args.metrics.split(",") if k] or None
         with user_errors():
-            print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
+            print(*plot_by_config(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
     else:
         with user_errors():
             plot = "; eval.py --plot RUN [RUN ...] draws runs' curves (its flags: eval.py --help --plot)"

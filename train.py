@@ -26,12 +26,10 @@ mini-batches); rows of a micro-batch are padded to its longest row; evaluation r
 
 from __future__ import annotations
 
-import sys
-
 import cli
 
 if __name__ == "__main__":  # a mistyped flag fails here, in a fraction of a second, before torch loads
-    cli.check_flag_names(sys.argv[1:], "config.py:CoreFlags", "methods/*.py:Flags")
+    cli.check_flag_names("config.py:CoreFlags", "methods/*.py:Flags")
 
 import contextlib
 import copy
@@ -40,6 +38,7 @@ import itertools
 import math
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import asdict, replace

@@ -11,7 +11,7 @@ from itertools import combinations
 
 import pytest
 
-from eval import EvalConfig, main, plot_runs
+from eval import EvalConfig, main, plot_by_config, plot_runs
 from heldout import evaluate, pass_at_k
 from helpers import count_compiled_steps, lock_held_elsewhere
 from hf import load_model
@@ -301,3 +301,21 @@ def test_eval_help_device_and_plot_errors_as_documented(tmp_path) -> None:
     assert r.returncode == 2 and r.stderr.splitlines() == [
         f"error: --plot {missing}: no metrics.jsonl in that directory"
     ]
+
+
+def test_runs_of_different_tasks_or_models_never_share_a_figure(tmp_path) -> None:
+    """Guards against `make plot` drawing every run under runs/ on one set of axes, whatever its task or model: runs
+    that share a task and a model (config.json) share a figure, each other group gets its own PNG."""
+    pytest.importorskip("matplotlib")
+    runs = []
+    for name, task, model in [("a", "synthetic", "m/tiny"), ("b", "synthetic", "m/tiny/"), ("c", "countdown", "m/q")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"task": task, "model": model}))
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+        runs.append(str(tmp_path / name))
+    out = str(tmp_path / "plot.png")
+    assert plot_by_config(runs, out) == [
+        str(tmp_path / "plot-synthetic-tiny.png"),
+        str(tmp_path / "plot-countdown-q.png"),
+    ]
+    assert plot_by_config(runs[:2], out) == [out]  # one group: the PNG asked for
