@@ -221,6 +221,7 @@ class Parser(argparse.ArgumentParser):
 def did_you_mean(args: Sequence[str], known: Sequence[str]) -> str:
     """'; did you mean --model?': the known flags closest to the first unknown --flag in `args` (difflib), or ''."""
     typed = next((a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in known), "")
+    known = [k for k in known if k.startswith("--no-") == typed.startswith("--no-")]  # --seeed: --seed, not --no-seed
     close = difflib.get_close_matches(typed, known, n=2, cutoff=0.7) if typed else []
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
@@ -229,24 +230,16 @@ def check_flag_names(*sources: str) -> None:
     """Refuse an unknown --flag on the command line before the entry script imports torch (a fraction of a second,
     not seconds), as the parser would (did_you_mean included). The flags are the fields of the config dataclasses
     named by `sources` ('file.py:Class', globs allowed, relative to this directory), read from their source with ast,
-    not imported; a bool's also as --no-flag. The full parse after the imports checks the values."""
-    known, takes_value = {"-h", "--help"}, set()
+    not imported, each also as --no-flag (the full parse after the imports refuses a non-bool's, and bad values)."""
+    known = {"-h", "--help"}
     for pattern, name in (source.split(":") for source in sources):
         for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), pattern))):
             with open(path) as f:
                 classes = [n for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.ClassDef) and n.name == name]
-            for field in [n for c in classes for n in c.body if isinstance(n, ast.AnnAssign)]:
-                spelt, kind = flag(field.target.id), ast.unparse(field.annotation)
-                if "ClassVar" not in kind:  # CHOICES, RANGES: class attributes, not fields
-                    known |= {spelt, "--no-" + spelt[2:]} if kind == "bool" else {spelt}
-                    takes_value |= set() if kind == "bool" else {spelt}
-    unknown, args = [], iter(sys.argv[1:])
-    for arg in args:
-        if arg.startswith("--") and arg.split("=")[0] not in known:
-            unknown.append(arg)
-        elif arg in takes_value:
-            next(args, None)  # its value, whatever it looks like
-    if unknown:
+            fields = [n for c in classes for n in c.body if isinstance(n, ast.AnnAssign)]
+            fields = [n.target.id for n in fields if "ClassVar" not in ast.unparse(n.annotation)]  # CHOICES: no flag
+            known |= {flag(prefix + name) for name in fields for prefix in ("", "no_")}
+    if unknown := [arg for arg in sys.argv[1:] if arg.startswith("--") and arg.split("=")[0] not in known]:
         raise fail(f"unrecognized arguments: {' '.join(unknown)}{did_you_mean(unknown, sorted(known))} (see --help)")
 
 
