@@ -277,10 +277,7 @@ def check_out_dir(out: str, resuming_from: str, overwrite: bool) -> None:
             what = "continue its run with --resume " + out
         else:
             what = "its run stopped before its first save, so there is no checkpoint to resume"
-        raise UserError(
-            f"--out {out} already holds files ({shown}): pass --out NEW_DIR for a new run; {what}; "
-            "or pass --overwrite to replace them"
-        )
+        raise UserError(f"--out {out} holds files ({shown}): pass --out NEW_DIR for a new run; {what}; or --overwrite")
     if not ({"config.json", "metrics.jsonl"} & set(entries)):
         raise UserError(
             f"--overwrite: {out} does not look like a run directory (no config.json or metrics.jsonl); not deleting it"

@@ -25,7 +25,6 @@ import atexit
 import contextlib
 import dataclasses
 import difflib
-import glob
 import inspect
 import math
 import os
@@ -33,6 +32,7 @@ import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -227,18 +227,15 @@ def did_you_mean(args: Sequence[str], known: Sequence[str]) -> str:
 
 
 def check_flag_names(*sources: str) -> None:
-    """Refuse an unknown --flag on the command line before the entry script imports torch (a fraction of a second,
-    not seconds), as the parser would (did_you_mean included). The flags are the fields of the config dataclasses
-    named by `sources` ('file.py:Class', globs allowed, relative to this directory), read from their source with ast,
-    not imported, each also as --no-flag (the full parse after the imports refuses a non-bool's, and bad values)."""
+    """Refuse an unknown --flag before the entry script imports torch, as the parser would: the fields of the classes
+    `sources` names ('file.py:Class', globs allowed), read with ast, each also as --no-flag (the full parse checks)."""
     known = {"-h", "--help"}
     for pattern, name in (source.split(":") for source in sources):
-        for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), pattern))):
-            with open(path) as f:
-                classes = [n for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.ClassDef) and n.name == name]
-            fields = [n for c in classes for n in c.body if isinstance(n, ast.AnnAssign)]
-            fields = [n.target.id for n in fields if "ClassVar" not in ast.unparse(n.annotation)]  # CHOICES: no flag
-            known |= {flag(prefix + name) for name in fields for prefix in ("", "no_")}
+        for path in sorted(Path(__file__).resolve().parent.glob(pattern)):
+            tree = ast.walk(ast.parse(path.read_text()))
+            body = [n for c in tree if isinstance(c, ast.ClassDef) and c.name == name for n in c.body]
+            fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign) and "ClassVar" not in ast.unparse(n)]
+            known |= {flag(prefix + field) for field in fields for prefix in ("", "no_")}
     if unknown := [arg for arg in sys.argv[1:] if arg.startswith("--") and arg.split("=")[0] not in known]:
         raise fail(f"unrecognized arguments: {' '.join(unknown)}{did_you_mean(unknown, sorted(known))} (see --help)")
 

@@ -1,5 +1,6 @@
 """eval.py: the evaluation command line (heldout.evaluate: greedy accuracy, mean@n, unbiased pass@k), the
-pass-rate pass for train.py --select (methods/hard_examples.py) and plots of runs.
+pass-rate pass for train.py --select (methods/hard_examples.py) and plots of runs (eval.py --plot RUN [RUN ...];
+its flags: eval.py --help --plot).
 
     python eval.py --model assets/tiny-model --task synthetic --n 16 --k 1,4,16
     python eval.py --model runs/default/final --task gsm8k --test-data test.jsonl --out eval.json
@@ -135,10 +136,9 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
 def plot_by_config(runs: list[str], out: str, **kw) -> list[str]:
     """plot_runs for each group of runs that share a task and a model (their config.json): curves of different tasks
     or models never share axes. One group: `out`; several: out's name plus -TASK-MODEL each (make plot)."""
-    groups: dict[tuple[str, str], list[str]] = {}
+    groups: dict[str, list[str]] = {}
     for run in runs:
-        path = os.path.join(run, "config.json")
-        flags = json.load(open(path)) if os.path.isfile(path) else {}
+        flags = json.load(open(path)) if os.path.isfile(path := os.path.join(run, "config.json")) else {}
         key = f"{flags.get('task', 'task')}-{os.path.basename(str(flags.get('model', 'model')).rstrip('/'))}"
         groups.setdefault(re.sub(r"[^\w.-]+", "_", key), []).append(run)
     stem, ext = os.path.splitext(out)
@@ -247,8 +247,7 @@ def main(cfg: EvalConfig) -> dict:
     # A user's error (data, checkpoint, a prompt too long) ends in one sentence, not a traceback.
     with user_errors():
         check_torch()
-        if cfg.device == "auto":  # as train.py: the GPU when there is one
-            cfg = replace(cfg, device="cuda" if torch.cuda.is_available() else "cpu")
+        cfg = replace(cfg, device="cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg
         task, examples = load_examples(cfg)
         task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
         tokenizer = load_tokenizer(cfg.model, enable_thinking=cfg.enable_thinking)
@@ -300,15 +299,12 @@ if __name__ == "__main__":
         add("--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)")
         add("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
         add("--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens")
-        add(
-            "--metrics", default="", help="comma-separated metric keys, one panel each (default: the six standard ones)"
-        )
+        add("--metrics", default="", help="comma-separated metric keys, one panel each (default: six standard ones)")
         args = p.parse_args()
         keys = [k for k in args.metrics.split(",") if k] or None
         with user_errors():
             print(*plot_by_config(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
     else:
         with user_errors():
-            plot = "; eval.py --plot RUN [RUN ...] draws runs' curves (its flags: eval.py --help --plot)"
-            cfg = cli.parse_config(EvalConfig, description=__doc__.split("\n\n")[0] + plot)[0]
+            cfg = cli.parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0]
             main(replace(cfg, model=bundled(cfg.model)))

@@ -9,8 +9,7 @@ One step (step() below), the GRPO paper's algorithm (arXiv 2402.03300):
   3. advantages  A = (r - mean_group r) / (std_group r + eps), one per completion
   4. rows        prompt | completion per row, right-padded; each completion token gets its A and a loss weight
   5. loss        -(clipped surrogate - beta * k3 KL), a token mean per completion, a mean over completions
-                 (it prints 0.0000 without --beta: on-policy the ratio is 1 and a group's advantages sum to 0, so
-                 its value is 0 at the step's start, while its gradient, sum of -weight * A * grad log p, is not)
+                 (it prints 0.0000 without --beta: ratio 1 on-policy and a group's A sum to 0; its gradient is not 0)
   6. update      clip the gradient norm, one AdamW step
 
 It computes `train.py --algo grpo --no-share-prompt --lr-schedule constant --warmup-steps 0`'s numbers, bit for bit

@@ -131,11 +131,9 @@ def setup(cfg: TrainConfig) -> Run:
     if resume_dir:
         checkpoint.check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
         if (done := checkpoint.read_trainer_step(resume_dir)) >= cfg.max_steps:  # nothing to run: say how to extend
+            last = f"({done} of --max-steps {cfg.max_steps}); to extend it, add --max-steps N with N > {done}"
             if rank == 0:
-                print(
-                    f"--resume {resume_dir}: the run is already at its last step ({done} of --max-steps "
-                    f"{cfg.max_steps}); to extend it, add --max-steps N with N > {done}"
-                )
+                print(f"--resume {resume_dir}: the run is already at its last step {last}")
             raise SystemExit(0)
     if rank == 0:
         checkpoint.lock_run_dir(cfg.out)  # one writer per run directory: a second train.py on it is refused

@@ -327,7 +327,6 @@ def main(cfg: TrainConfig) -> dict:
     P_local = cfg.prompts_per_step // run.world
     if run.state["step"] == 0:
         evaluate_heldout(run, 0)
-    # the bar counts steps done, from the step a resumed run continues at (83/200), each once its rows are logged
     bar = tqdm(total=cfg.max_steps, initial=run.state["step"], disable=run.rank != 0, desc="train", dynamic_ncols=True)
     resume = ("python" if run.world == 1 else "torchrun ...") + f" train.py --resume {cfg.out}"
     with stop_signals(resume) as stop:  # SIGINT, SIGTERM: stop at the next step boundary, with a checkpoint
@@ -379,15 +378,14 @@ def main(cfg: TrainConfig) -> dict:
                 row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr, **kl)
                 row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
                 log(run, row)
-                bar.set_postfix({k: round(row[k], 3) for k in ("reward/mean", "accuracy", "gss")}, refresh=False)
-                bar.update()  # before a stop at this boundary: the bar and its checkpoint show the same step
+                bar.update()  # then drawn with the row: at a stop here the bar and the checkpoint show the same step
+                bar.set_postfix({k: round(row[k], 3) for k in ("reward/mean", "accuracy", "gss")})
                 # the last step's evaluation too: every row of a step is logged before its checkpoint is written
                 if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.max_steps:
                     evaluate_heldout(run, step + 1)
                 if cfg.save_every and (step + 1) % cfg.save_every == 0:
                     save(run, os.path.join(cfg.out, f"step-{step + 1}"))
                 if all_sum(stop.signum, run.world).item() and step + 1 < cfg.max_steps:  # a SIGINT or SIGTERM came
-                    bar.close()  # its last line shows this step, the checkpoint's, above the stop's message
                     stop_at_boundary(run, step + 1, stop.signum, stop.resume)
         except Exception as e:  # a bug, a library's error, a full disk: never lose the steps done
             stop_on_error(run, e, step, state, stop.resume)
@@ -464,7 +462,8 @@ def finish(run: Run, seconds: float) -> dict:
     flags = "".join(f"{k} {v} " for k, v in data if v) + f"--max-new-tokens {cfg.completion_limit} "
     flags += methods.eval_flags(cfg)  # --tools python: evaluate with the tool, as trained
     print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, merged=cfg.merge))
-    print(f"decode path: {decode_path(run.static_step)}")  # CUDA graphs, or what fell back to eager and why
+    if run.static_step is not None:  # CUDA graphs or --compile's step: what ran, and what fell back to eager and why
+        print(f"decode path: {decode_path(run.static_step)}")
     checkpoint.release_run_dir(cfg.out)
     return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}
 

@@ -901,7 +901,8 @@ def test_the_parser_suggests_the_closest_flags():
 def test_the_bar_counts_from_the_resumed_step_and_stops_with_the_checkpoint(tiny, tmp_path, monkeypatch, capsys):
     """Guards against the progress bar disagreeing with the run: at SIGINT it showed 81/200 while the checkpoint
     was step 82; after a resume it counted 0/118, not 83/200; and --resume of a finished run printed "steps 201-200"
-    instead of saying that it is done and how to extend it (exit status 0)."""
+    instead of saying that it is done and how to extend it (exit status 0); the README showing other names than the
+    bar's; and a CPU run ending on the jargon line `decode path: eager`."""
     import signal
 
     out, real_log, handlers = str(tmp_path / "run"), train.log, {s: signal.getsignal(s) for s in (2, 15)}
@@ -923,8 +924,13 @@ def test_the_bar_counts_from_the_resumed_step_and_stops_with_the_checkpoint(tiny
     assert re.findall(r"\| (\d)/4 ", err.split("stopped at step")[0])[-1] == "2"
     monkeypatch.setattr(train, "log", real_log)
     train.main(small(tiny, out, max_steps=4, resume=out))
-    counts = re.findall(r"\| (\d)/(\d) ", capsys.readouterr().err)
+    said = capsys.readouterr()
+    counts = re.findall(r"\| (\d)/(\d) ", said.err)
     assert counts[0] == ("2", "4") and counts[-1] == ("4", "4") and {c[1] for c in counts} == {"4"}
+    readme = open(os.path.join(ROOT, "README.md")).read()  # the bar's names as the README shows them
+    assert re.search(r"reward/mean=[-\d.]+, accuracy=[\d.]+, gss=[\d.]+\]", said.err)
+    assert re.search(r"\d+/200 \[.*, reward/mean=[\d.]+, accuracy=[\d.]+, gss=[\d.]+\]", readme)
+    assert "decode path" not in said.out  # eager on a CPU: nothing to explain
     with pytest.raises(SystemExit) as e:
         train.main(small(tiny, out, max_steps=4, resume=out))
     assert e.value.code == 0 and capsys.readouterr().out.strip() == (
