@@ -937,3 +937,14 @@ def test_the_bar_counts_from_the_resumed_step_and_stops_with_the_checkpoint(tiny
         f"--resume {out}/final: the run is already at its last step (4 of --max-steps 4); to extend it, add "
         "--max-steps N with N > 4"
     )
+
+
+def test_every_readme_command_that_trains_writes_its_own_run_directory():
+    """Guards against the README's commands colliding with `make train`'s runs/default: after it, the tools command
+    and every flags-by-family example were refused (`--out runs/default already holds files`)."""
+    text = open(os.path.join(ROOT, "README.md")).read().replace("\\\n", " ")
+    commands = [line for line in text.splitlines() if re.match(r"(python|torchrun .*) train\.py ", line)]
+    outs = [re.search(r"--out (\S+)", c) for c in commands if "--resume" not in c]
+    assert len(outs) >= 12 and all(outs), [c for c, o in zip(commands, outs) if not o]
+    names = [o[1] for o in outs]
+    assert len(set(names)) == len(names) and "runs/default" not in names
