@@ -8,16 +8,27 @@ else
 VENV := .venv
 PY := .venv/bin/python
 endif
+# The run targets install the runtime packages (requirements.txt), the others the test tier too (requirements-dev.txt),
+# both with CI's exact versions (constraints.txt) less its torch line where the environment has a torch >= the floor.
+RUNTIME := $(VENV)/.nanorl-runtime
 STAMP := $(VENV)/.nanorl-installed
+PINS := $(VENV)/.nanorl-constraints.txt
 
 .PHONY: install test test-slow test-cuda lint format train eval gpu-check bench tiny-model tiny-tool-model experiments experiments-quick plot tour clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt
-	@[ -x $(PY) ] || python3 -m venv $(VENV)
+$(PINS): constraints.txt
+	@[ -x $(VENV)/bin/python ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	@if $(PY) -c "import graphs; graphs.check_torch()" 2>/dev/null; then grep -v '^torch==' constraints.txt; else cat constraints.txt; fi >$@
+
+$(RUNTIME): requirements.txt $(PINS)
+	$(PY) -m pip install -q -r requirements.txt -c $(PINS)
+	@touch $@
+
+$(STAMP): $(RUNTIME) requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt -c $(PINS)
 	@touch $@
 
 test: $(STAMP)          ## the fast tier of the CPU tests: everything but end-to-end and multi-process runs (under 3 min)
@@ -37,10 +48,10 @@ format: $(STAMP)        ## apply ruff's formatting and safe fixes
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-train: $(STAMP)         ## the bundled default: GRPO-MA on the synthetic task, a few minutes on a CPU
+train: $(RUNTIME)       ## the bundled default: GRPO-MA on the synthetic task, a few minutes on a CPU
 	$(PY) train.py $(ARGS)
 
-eval: $(STAMP)          ## evaluate the bundled model (or MODEL=path) on held-out prompts
+eval: $(RUNTIME)        ## evaluate the bundled model (or MODEL=path) on held-out prompts
 	$(PY) eval.py --model $(or $(MODEL),assets/tiny-model) $(ARGS)
 
 gpu-check: $(STAMP)     ## the checks that need a CUDA GPU, as one table (ARGS=--cpu: on CPU, tiny model)
@@ -59,16 +70,16 @@ experiments: $(STAMP)   ## the papers' claims: 3 seeds per configuration, about 
 experiments-quick: $(STAMP)  ## the same suite, 1 seed x a tenth of the steps: under 15 minutes
 	$(PY) experiments/run.py --quick
 
-tiny-model: $(STAMP)    ## rebuild the bundled tiny model from scratch (supervised warm start)
+tiny-model: $(RUNTIME)  ## rebuild the bundled tiny model from scratch (supervised warm start)
 	$(PY) sft.py
 
-tiny-tool-model: $(STAMP)  ## rebuild assets/tiny-tool-model: the tiny shape warm-started on products, 30% with the Python tool
+tiny-tool-model: $(RUNTIME)  ## rebuild assets/tiny-tool-model: the tiny shape warm-started on products, 30% with the Python tool
 	$(PY) sft.py --task synthetic-mul --tool-demos 0.3 --steps 600 --out assets/tiny-tool-model
 
 tour: $(STAMP)          ## docs/tour.md: one GRPO step of grpo_minimal.py, its real tensors and lines of code (tested: stale fails)
 	$(PY) docs/tour.py
 
-plot: $(STAMP)          ## plot every run under runs/ into runs/plot.png
+plot: $(STAMP)          ## plot the runs under runs/, one PNG per task and model (runs/plot-TASK-MODEL.png; one: runs/plot.png)
 	$(PY) eval.py --plot $(dir $(wildcard runs/*/metrics.jsonl)) --out runs/plot.png
 
 clean:

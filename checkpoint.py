@@ -274,10 +274,10 @@ def check_out_dir(out: str, resuming_from: str, overwrite: bool) -> None:
         if resuming_from:
             what = "leave out --out to write into the run"
         elif any(os.path.isfile(os.path.join(out, e, STATE)) for e in entries):
-            what = "continue it with --resume " + out
+            what = "continue its run with --resume " + out
         else:
-            what = "it holds no checkpoint to resume (its run stopped before its first save); choose another --out"
-        raise UserError(f"--out {out} already holds files ({shown}); {what}, or pass --overwrite to replace them")
+            what = "its run stopped before its first save, so there is no checkpoint to resume"
+        raise UserError(f"--out {out} holds files ({shown}): pass --out NEW_DIR for a new run; {what}; or --overwrite")
     if not ({"config.json", "metrics.jsonl"} & set(entries)):
         raise UserError(
             f"--overwrite: {out} does not look like a run directory (no config.json or metrics.jsonl); not deleting it"

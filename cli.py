@@ -20,9 +20,11 @@ before its first step and after its last (`start_line`, `end_summary`) is format
 from __future__ import annotations
 
 import argparse
+import ast
 import atexit
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import math
 import os
@@ -30,6 +32,7 @@ import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -57,7 +60,7 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """One flag per field, grouped by family; a choice field (in `cls.CHOICES`) lists its values. With presets, a
     field the default preset sets shows that value as its default, and the plain one it replaces."""
-    parser = _Parser(description=description, allow_abbrev=False)
+    parser = Parser(description=description, allow_abbrev=False)
     helps, groups = _field_docs(cls)
     choices = getattr(cls, "CHOICES", {})
     sections: dict[str, argparse._ArgumentGroup] = {}
@@ -208,9 +211,33 @@ def fail(message: str) -> UserExit:
     return UserExit(message)
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, where argparse prints its usage block first
+        if message.startswith("unrecognized arguments: "):
+            message += did_you_mean(message.split()[2:], [o for a in self._actions for o in a.option_strings])
         raise fail(f"{message} (see --help)")
+
+
+def did_you_mean(args: Sequence[str], known: Sequence[str]) -> str:
+    """'; did you mean --model?': the known flags closest to the first unknown --flag in `args` (difflib), or ''."""
+    typed = next((a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in known), "")
+    known = [k for k in known if k.startswith("--no-") == typed.startswith("--no-")]  # --seeed: --seed, not --no-seed
+    close = difflib.get_close_matches(typed, known, n=2, cutoff=0.7) if typed else []
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def check_flag_names(*sources: str) -> None:
+    """Refuse an unknown --flag before the entry script imports torch, as the parser would: the fields of the classes
+    `sources` names ('file.py:Class', globs allowed), read with ast, each also as --no-flag (the full parse checks)."""
+    known = {"-h", "--help"}
+    for pattern, name in (source.split(":") for source in sources):
+        for path in sorted(Path(__file__).resolve().parent.glob(pattern)):
+            tree = ast.walk(ast.parse(path.read_text()))
+            body = [n for c in tree if isinstance(c, ast.ClassDef) and c.name == name for n in c.body]
+            fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign) and "ClassVar" not in ast.unparse(n)]
+            known |= {flag(prefix + field) for field in fields for prefix in ("", "no_")}
+    if unknown := [arg for arg in sys.argv[1:] if arg.startswith("--") and arg.split("=")[0] not in known]:
+        raise fail(f"unrecognized arguments: {' '.join(unknown)}{did_you_mean(unknown, sorted(known))} (see --help)")
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ class CoreFlags:
 
     # -- run
     algo: str = "grpo_ma" if "grpo_ma" in methods.PRESETS else "grpo"  # preset of the flags below (yours win)
-    model: str = BUNDLED  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
+    model: str = BUNDLED  # HF checkpoint directory (Qwen2/2.5/3, Qwen3.5 hybrids, Llama 2/3.x)
     task: str = "synthetic"  # built-in generator or file format (file tasks read --data)
     data: str = ""  # JSONL file for file-based tasks
     test_data: str = ""  # JSONL file of held-out examples (file tasks; default: every 10th example of --data)

@@ -1,5 +1,6 @@
 """eval.py: the evaluation command line (heldout.evaluate: greedy accuracy, mean@n, unbiased pass@k), the
-pass-rate pass for train.py --select (methods/hard_examples.py) and plots of runs.
+pass-rate pass for train.py --select (methods/hard_examples.py) and plots of runs (eval.py --plot RUN [RUN ...];
+its flags: eval.py --help --plot).
 
     python eval.py --model assets/tiny-model --task synthetic --n 16 --k 1,4,16
     python eval.py --model runs/default/final --task gsm8k --test-data test.jsonl --out eval.json
@@ -14,6 +15,13 @@ the model, so a wrong flag or a bad data file fails at once, in one sentence.
 """
 
 from __future__ import annotations
+
+import sys
+
+import cli
+
+if __name__ == "__main__" and "--plot" not in sys.argv:  # a mistyped flag fails here, before torch loads
+    cli.check_flag_names("eval.py:EvalFlags", "methods/tools*.py:Flags")
 
 import json
 import math
@@ -50,7 +58,7 @@ PLOTS = [
 def read_metrics(run: str) -> list[dict]:
     path = os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise SystemExit(f"--plot {run}: no metrics.jsonl in that directory")
+        raise ValueError(f"--plot {run}: no metrics.jsonl in that directory")
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -83,9 +91,9 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     if x not in X_AXES:
-        raise SystemExit(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
+        raise ValueError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
     titles = dict(PLOTS)
     panels = [(k, titles.get(k, k)) for k in keys] if keys else PLOTS
     groups: dict[str, list[list[dict]]] = {}
@@ -125,8 +133,20 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
     return out
 
 
+def plot_by_config(runs: list[str], out: str, **kw) -> list[str]:
+    """plot_runs for each group of runs that share a task and a model (their config.json): curves of different tasks
+    or models never share axes. One group: `out`; several: out's name plus -TASK-MODEL each (make plot)."""
+    groups: dict[str, list[str]] = {}
+    for run in runs:
+        flags = json.load(open(path)) if os.path.isfile(path := os.path.join(run, "config.json")) else {}
+        key = f"{flags.get('task', 'task')}-{os.path.basename(str(flags.get('model', 'model')).rstrip('/'))}"
+        groups.setdefault(re.sub(r"[^\w.-]+", "_", key), []).append(run)
+    stem, ext = os.path.splitext(out)
+    return [plot_runs(runs, out if len(groups) == 1 else f"{stem}-{key}{ext}", **kw) for key, runs in groups.items()]
+
+
 @dataclass
-class EvalConfig(tools.Flags):  # --tools python: evaluate with the tool (methods/tools.py), as trained
+class EvalFlags:  # eval.py's own flags, ahead of the tool flags in --help (EvalConfig adds those)
     # -- run
     model: str = BUNDLED  # HF checkpoint directory to evaluate
     task: str = "synthetic"  # task name (see tasks.py)
@@ -145,16 +165,20 @@ class EvalConfig(tools.Flags):  # --tools python: evaluate with the tool (method
     compile: bool = False  # torch.compile the decode step (inside the CUDA graphs on a GPU; on CPU it takes minutes)
     cuda_graphs: bool = True  # CUDA: CUDA-graph decode, small functions compiled (graphs.py); --no-cuda-graphs: eager
     # -- output
-    device: str = "cpu"  # where to run (cuda:N picks a GPU)
+    device: str = "auto"  # where to run (auto: cuda when available, else cpu; cuda:N picks a GPU)
     out: str = ""  # write the results as JSON here (empty = print only)
     pass_rates: bool = False  # rate the first --examples TRAINING examples, --k samples each, into --out (resumes)
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(task=TASK_NAMES, device=("cpu", "cuda", "cuda:N"))
+
+@dataclass
+class EvalConfig(tools.Flags, EvalFlags):  # --tools python: evaluate with the tool (methods/tools.py), as trained
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = dict(task=TASK_NAMES, device=("auto", "cpu", "cuda", "cuda:N"))
     CHOICES |= tools.CHOICES
 
     def __post_init__(self) -> None:
         """Validate, never rewrite: every impossible flag is one sentence, before any data or model is read."""
-        device, cuda = re.fullmatch(r"cpu|cuda(:\d+)?", self.device), self.device == "cpu" or torch.cuda.is_available()
+        device = re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)
+        cuda = self.device in ("auto", "cpu") or torch.cuda.is_available()
         checks = [
             (not self.pass_rates or bool(self.out), "--pass-rates writes one row per example to --out FILE.jsonl"),
             (not (self.pass_rates and self.tools != "off"), "--pass-rates samples without a tool: drop --tools"),
@@ -164,7 +188,7 @@ class EvalConfig(tools.Flags):  # --tools python: evaluate with the tool (method
             (self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {self.top_p}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
-            (device is not None, f"--device must be cpu, cuda or cuda:N, got {self.device!r}"),
+            (device is not None, f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
             (cuda, f"--device {self.device}: no CUDA device is available; use --device cpu"),
         ]
         for ok, msg in checks:
@@ -223,6 +247,7 @@ def main(cfg: EvalConfig) -> dict:
     # A user's error (data, checkpoint, a prompt too long) ends in one sentence, not a traceback.
     with user_errors():
         check_torch()
+        cfg = replace(cfg, device="cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg
         task, examples = load_examples(cfg)
         task = task if cfg.system_prompt is None else replace(task, system_prompt=cfg.system_prompt)
         tokenizer = load_tokenizer(cfg.model, enable_thinking=cfg.enable_thinking)
@@ -268,24 +293,18 @@ def main(cfg: EvalConfig) -> dict:
 
 
 if __name__ == "__main__":
-    import argparse
-    import sys
-
-    from cli import parse_config
-
     if "--plot" in sys.argv[1:]:  # `eval.py --plot RUN [RUN ...] [--out PNG]`
-        p = argparse.ArgumentParser(description="Plot the curves of one or more runs into one PNG.", allow_abbrev=False)
+        p = cli.Parser(description="Plot the curves of one or more runs into one PNG.", allow_abbrev=False)
         add = p.add_argument
         add("--plot", nargs="+", required=True, metavar="RUN", help="run directories (each with metrics.jsonl)")
         add("--out", default="", help="PNG path (default: RUN/plot.png of the first run)")
         add("--x", default="step", choices=list(X_AXES), help="x axis: step, training time or generated tokens")
-        add(
-            "--metrics", default="", help="comma-separated metric keys, one panel each (default: the six standard ones)"
-        )
+        add("--metrics", default="", help="comma-separated metric keys, one panel each (default: six standard ones)")
         args = p.parse_args()
         keys = [k for k in args.metrics.split(",") if k] or None
-        print(plot_runs(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
+        with user_errors():
+            print(*plot_by_config(args.plot, args.out or os.path.join(args.plot[0], "plot.png"), x=args.x, keys=keys))
     else:
         with user_errors():
-            cfg = parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0]
+            cfg = cli.parse_config(EvalConfig, description=__doc__.split("\n\n")[0])[0]
             main(replace(cfg, model=bundled(cfg.model)))

@@ -9,6 +9,7 @@ One step (step() below), the GRPO paper's algorithm (arXiv 2402.03300):
   3. advantages  A = (r - mean_group r) / (std_group r + eps), one per completion
   4. rows        prompt | completion per row, right-padded; each completion token gets its A and a loss weight
   5. loss        -(clipped surrogate - beta * k3 KL), a token mean per completion, a mean over completions
+                 (it prints 0.0000 without --beta: ratio 1 on-policy and a group's A sum to 0; its gradient is not 0)
   6. update      clip the gradient norm, one AdamW step
 
 It computes `train.py --algo grpo --no-share-prompt --lr-schedule constant --warmup-steps 0`'s numbers, bit for bit
@@ -26,6 +27,11 @@ Left out, and the train.py flag that puts each back:
 """
 
 from __future__ import annotations
+
+import cli
+
+if __name__ == "__main__":  # a mistyped flag fails here, in a fraction of a second, before torch loads
+    cli.check_flag_names("grpo_minimal.py:Config")
 
 import hashlib
 from dataclasses import dataclass, replace
@@ -48,7 +54,7 @@ class Config:
     """grpo_minimal.py's flags (cli.parse_config makes each field a --flag, its comment the help)."""
 
     # -- run
-    model: str = BUNDLED  # HF checkpoint directory (Qwen2/2.5/3, Llama 2/3.x)
+    model: str = BUNDLED  # HF checkpoint directory (Qwen2/2.5/3, Qwen3.5 hybrids, Llama 2/3.x)
     task: str = "synthetic"  # built-in task (synthetic, countdown) or file format (reads --data)
     data: str = ""  # JSONL file for file-based tasks
     seed: int = 0  # seeds the data order and every rollout

@@ -130,6 +130,11 @@ def setup(cfg: TrainConfig) -> Run:
     resume_dir = checkpoint.find_checkpoint(cfg.resume) if cfg.resume else ""
     if resume_dir:
         checkpoint.check_resume(asdict(cfg), resume_dir, asdict(TrainConfig()), RESUMABLE)
+        done = checkpoint.read_trainer_step(resume_dir)  # a finished run (final/ written): say how to extend it
+        if done >= cfg.max_steps and os.path.isdir(os.path.join(os.path.dirname(resume_dir), "final")):
+            if rank == 0:
+                print(f"--resume {resume_dir}: already at its last step ({done}); to extend it, --max-steps N > {done}")
+            raise SystemExit(0)
     if rank == 0:
         checkpoint.lock_run_dir(cfg.out)  # one writer per run directory: a second train.py on it is refused
         checkpoint.check_out_dir(cfg.out, resume_dir, cfg.overwrite)

@@ -15,6 +15,11 @@ the Python tool in ToRL's form; the tool's output in them is context, not traine
 
 from __future__ import annotations
 
+import cli
+
+if __name__ == "__main__":  # a mistyped flag fails here, in a fraction of a second, before torch loads
+    cli.check_flag_names("sft.py:SFTConfig")
+
 import json
 import os
 import time

@@ -26,6 +26,11 @@ mini-batches); rows of a micro-batch are padded to its longest row; evaluation r
 
 from __future__ import annotations
 
+import cli
+
+if __name__ == "__main__":  # a mistyped flag fails here, in a fraction of a second, before torch loads
+    cli.check_flag_names("config.py:CoreFlags", "methods/*.py:Flags")
+
 import contextlib
 import copy
 import functools
@@ -335,12 +340,12 @@ def main(cfg: TrainConfig) -> dict:
     P_local = cfg.prompts_per_step // run.world
     if run.state["step"] == 0:
         evaluate_heldout(run, 0)
-    bar = tqdm(range(run.state["step"], cfg.max_steps), disable=run.rank != 0, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, initial=run.state["step"], disable=run.rank != 0, desc="train", dynamic_ncols=True)
     resume = ("python" if run.world == 1 else "torchrun ...") + f" train.py --resume {cfg.out}"
     with stop_signals(resume) as stop:  # SIGINT, SIGTERM: stop at the next step boundary, with a checkpoint
         state, step = run.state, run.state["step"]
         try:
-            for step in bar:
+            for step in range(run.state["step"], cfg.max_steps):
                 state = copy.deepcopy(run.state)  # the step's start: what a checkpoint after an error in it holds
                 clock = StepClock(run.device)  # each phase's time and peak memory
                 slots = [run.rank * P_local + i for i in range(P_local)]  # global prompt slots of this rank
@@ -367,7 +372,7 @@ def main(cfg: TrainConfig) -> dict:
                 clock.lap("score")
                 if not groups:  # a step that only samples: its row holds the rollouts' metrics, no update's
                     run.state["step"], state = step + 1, run.state
-                    end_of_step(run, step, {"step": step + 1, **sampled} | clock.row(sampled["tokens/generated"]), stop)
+                    end_of_step(run, step, {"step": step + 1, **sampled} | clock.row(sampled["tokens/generated"]), stop, bar)
                     continue
 
                 # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
@@ -391,10 +396,10 @@ def main(cfg: TrainConfig) -> dict:
                 lr, kl = run.scheduler.get_last_lr()[0], {} if cfg.beta > 0 else {"kl": None}  # no reference, no KL
                 row |= update_metrics(sums, batch.mask, grad_norm, run.state, run.world, lr=lr, **kl)
                 row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
-                bar.set_postfix({k: round(row[k], 3) for k in ("reward/mean", "accuracy", "gss")})
-                end_of_step(run, step, row, stop)
+                end_of_step(run, step, row, stop, bar)
         except Exception as e:  # a bug, a library's error, a full disk: never lose the steps done
             stop_on_error(run, e, step, state, stop.resume)
+    bar.close()
     save(run, os.path.join(cfg.out, "final"))
     if cfg.merge:
         save_merged(run)
@@ -403,9 +408,12 @@ def main(cfg: TrainConfig) -> dict:
     return finish(run, time.perf_counter() - t_start)
 
 
-def end_of_step(run: Run, step: int, row: dict, stop) -> None:
-    """A step's row logged; then evaluate, save, and stop at this boundary if a SIGINT or SIGTERM came."""
+def end_of_step(run: Run, step: int, row: dict, stop, bar: tqdm) -> None:
+    """A step's row logged and drawn (at a stop here the bar and the checkpoint show the same step); then evaluate,
+    save, and stop at this boundary if a SIGINT or SIGTERM came."""
     log(run, row)
+    bar.update()
+    bar.set_postfix({k: round(row[k], 3) for k in ("reward/mean", "accuracy", "gss") if k in row})
     # the last step's evaluation too: every row of a step is logged before its checkpoint is written
     if (run.cfg.eval_every and (step + 1) % run.cfg.eval_every == 0) or step + 1 == run.cfg.max_steps:
         evaluate_heldout(run, step + 1)
@@ -480,7 +488,8 @@ def finish(run: Run, seconds: float) -> dict:
     flags += methods.eval_flags(cfg)  # --tools python: evaluate with the tool, as trained
     flags += eval_size(sum(p.numel() for p in run.policy.parameters()), run.device.type)  # its cost fits the model
     print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, saved_text(run), merged=cfg.merge))
-    print(f"decode path: {decode_path(run.static_step)}")  # CUDA graphs, or what fell back to eager and why
+    if run.static_step is not None:  # CUDA graphs or --compile's step: what ran, and what fell back to eager and why
+        print(f"decode path: {decode_path(run.static_step)}")
     checkpoint.release_run_dir(cfg.out)
     return {"first_eval": evals[0] if evals else {}, "last_eval": evals[-1] if evals else {}}
 

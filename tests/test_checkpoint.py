@@ -155,7 +155,7 @@ def test_fresh_run_into_a_used_out_is_refused_unless_overwrite(tmp_path):
     interleaving both runs' rows in metrics.jsonl."""
     a = tmp_path / "a"
     run(a)
-    with pytest.raises(UserError, match=r"already holds files .*--resume .*--overwrite"):
+    with pytest.raises(UserError, match=r"holds files .*--out NEW_DIR .*--resume .*--overwrite"):
         run(a)
     run(a, overwrite=True)
     assert steps_logged(a) == [1, 2]
@@ -596,12 +596,12 @@ def test_case12_a_failed_start_leaves_no_directory_and_the_refusal_fits_what_is_
     with pytest.raises(UserError) as e:
         checkpoint.check_out_dir(str(failed), "", overwrite=False)
     assert str(e.value) == (
-        f"--out {failed} already holds files (config.json, metrics.jsonl); it holds no checkpoint to resume (its "
-        "run stopped before its first save); choose another --out, or pass --overwrite to replace them"
+        f"--out {failed} holds files (config.json, metrics.jsonl): pass --out NEW_DIR for a new run; its run "
+        "stopped before its first save, so there is no checkpoint to resume; or --overwrite"
     )
     (failed / "step-1").mkdir()
     (failed / "step-1" / "trainer_state.pt").write_bytes(b"")
-    with pytest.raises(UserError, match=f"; continue it with --resume {failed}, or pass --overwrite"):
+    with pytest.raises(UserError, match=f"for a new run; continue its run with --resume {failed}; or --overwrite"):
         checkpoint.check_out_dir(str(failed), "", overwrite=False)
 
 

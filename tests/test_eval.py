@@ -11,7 +11,7 @@ from itertools import combinations
 
 import pytest
 
-from eval import EvalConfig, main, plot_runs
+from eval import EvalConfig, main, plot_by_config, plot_runs
 from heldout import evaluate, pass_at_k
 from helpers import count_compiled_steps, lock_held_elsewhere
 from hf import load_model
@@ -93,7 +93,7 @@ def test_plot_groups_seeds_and_maps_steps_to_time_and_tokens(tmp_path):
         runs.append(str(run))
     out = plot_runs(runs, str(tmp_path / "t.png"), x="time", keys=["eval/accuracy"])
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(SystemExit, match="--x must be one of"):
+    with pytest.raises(ValueError, match="--x must be one of"):
         plot_runs(runs, str(tmp_path / "u.png"), x="wall")
 
 
@@ -130,7 +130,7 @@ def test_cli_prints_a_table_and_writes_json(tmp_path):
         (dict(top_p=0.0), "--top-p must be in (0, 1] (1 = off), got 0.0"),
         (dict(temperature=-0.5), "--temperature must be >= 0 (0 = greedy), got -0.5"),
         (dict(max_new_tokens=0), "--max-new-tokens must be >= 1, got 0"),
-        (dict(device="gpu"), "--device must be cpu, cuda or cuda:N, got 'gpu'"),
+        (dict(device="gpu"), "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
         (dict(task="gsm9k"), "--task must be one of " + ", ".join(TASK_NAMES) + ", got 'gsm9k'"),
     ],
 )
@@ -284,3 +284,38 @@ def test_pass_rates_file_has_one_writer(tmp_path) -> None:
         assert str(e.value).startswith(f"--out {out} is in use by process {holder.pid} (")
     res = main(EvalConfig(pass_rates=True, k="2", examples=2, out=str(out), max_new_tokens=8))  # freed by its kill
     assert 0 <= res["pass_rate_mean"] <= 1
+
+
+def test_eval_help_device_and_plot_errors_as_documented(tmp_path) -> None:
+    """Guards against eval.py's --help hiding --plot, listing the tool flags ahead of --model, a --device that
+    defaults to cpu on a GPU machine (auto: cuda when available, as train.py), and `--plot` of a directory without
+    metrics.jsonl exiting 1 without `error:` (docs/runs.md promises exit 2 and one line)."""
+    r = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "eval.py --plot RUN [RUN ...]" in " ".join(r.stdout.split())
+    sections = [line[:-1] for line in r.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert sections[1:3] == ["run", "sampling and pass@k"], sections  # after argparse's own "options"
+    assert EvalConfig().device == "auto" and "auto" in EvalConfig.CHOICES["device"]
+    missing = str(tmp_path / "missing")
+    r = subprocess.run([sys.executable, "eval.py", "--plot", missing], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: --plot {missing}: no metrics.jsonl in that directory"
+    ]
+
+
+def test_runs_of_different_tasks_or_models_never_share_a_figure(tmp_path) -> None:
+    """Guards against `make plot` drawing every run under runs/ on one set of axes, whatever its task or model: runs
+    that share a task and a model (config.json) share a figure, each other group gets its own PNG."""
+    pytest.importorskip("matplotlib")
+    runs = []
+    for name, task, model in [("a", "synthetic", "m/tiny"), ("b", "synthetic", "m/tiny/"), ("c", "countdown", "m/q")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"task": task, "model": model}))
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+        runs.append(str(tmp_path / name))
+    out = str(tmp_path / "plot.png")
+    assert plot_by_config(runs, out) == [
+        str(tmp_path / "plot-synthetic-tiny.png"),
+        str(tmp_path / "plot-countdown-q.png"),
+    ]
+    assert plot_by_config(runs[:2], out) == [out]  # one group: the PNG asked for

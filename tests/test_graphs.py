@@ -3,6 +3,9 @@ that its static-shape code, run eagerly on CPU, samples exactly what the eager p
 markers, a cache decoded again after an extend, a compiled step). Tiny random models, CPU, float32."""
 
 import copy
+import json
+import os
+import subprocess
 from collections import Counter
 
 import pytest
@@ -345,6 +348,40 @@ def test_the_oldest_supported_torch_has_every_api_the_cuda_path_calls():
     root = __file__.rsplit("/tests/", 1)[0]
     assert f"torch >= {graphs.TORCH_FLOOR}" in open(f"{root}/requirements.txt").read()
     assert f"torch ({graphs.TORCH_FLOOR} or newer" in open(f"{root}/README.md").read()
+
+
+@pytest.mark.parametrize("has_torch", [True, False])
+def test_make_keeps_the_users_torch_and_pins_only_what_is_missing(tmp_path, has_torch):
+    """Guards the torch a GPU user installed: requirements.txt pinned torch==2.13.0 and every make target installed
+    it (the CUDA build on Linux), replacing theirs. Requirements state floors, and pyproject the same; CI's exact
+    versions live in constraints.txt, which make's installs take less its torch line when the environment has a torch
+    at or above the floor; `make train` installs the runtime packages only, the test tier the rest (a stub python
+    in an active environment records what make runs)."""
+    root = __file__.rsplit("/tests/", 1)[0]
+    runtime = [line.split("#")[0].strip() for line in open(f"{root}/requirements.txt") if line[0].isalpha()]
+    assert f"torch>={graphs.TORCH_FLOOR}" in runtime and not [r for r in runtime if "==" in r]
+    assert not [line for line in open(f"{root}/requirements-dev.txt") if "==" in line.split("#")[0]]
+    assert f"dependencies = {json.dumps(runtime)}" in open(f"{root}/pyproject.toml").read()
+    pins = [line.strip() for line in open(f"{root}/constraints.txt") if line[0].isalpha()]
+    assert "torch==2.13.0" in pins and "ruff==0.17.6" in pins
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "python"
+    stub.write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path}/log\ncase "$*" in *check_torch*) exit {int(not has_torch)};; esac\n'
+    )
+    stub.chmod(0o755)
+    env = {**os.environ, "VIRTUAL_ENV": str(tmp_path), "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"}
+    subprocess.run(["make", "-s", "train"], cwd=root, env=env, check=True, capture_output=True)
+    used = open(tmp_path / ".nanorl-constraints.txt").read().split()
+    assert ("torch==2.13.0" in used) == (not has_torch) and "ruff==0.17.6" in used
+    log = open(tmp_path / "log").read()
+    assert f"-m pip install -q -r requirements.txt -c {tmp_path}/.nanorl-constraints.txt" in log
+    assert "requirements-dev.txt" not in log and log.splitlines()[-1] == "train.py"
+    subprocess.run(["make", "-s", "install"], cwd=root, env=env, check=True, capture_output=True)
+    assert (
+        f"-m pip install -q -r requirements-dev.txt -c {tmp_path}/.nanorl-constraints.txt"
+        in open(tmp_path / "log").read()
+    )
 
 
 @torch.inference_mode()

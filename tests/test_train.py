@@ -908,3 +908,85 @@ def test_train_and_eval_find_the_bundled_model_from_another_directory(tmp_path):
     )  # fmt: skip
     assert r.returncode == 2 and r.stderr.startswith("error: a training step needs about "), r.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+FLAG_CONFIGS = [("train.py", TrainConfig), ("sft.py", sft.SFTConfig), ("grpo_minimal.py", None), ("eval.py", None)]
+
+
+@pytest.mark.parametrize("script, cls", FLAG_CONFIGS)
+def test_a_mistyped_flag_is_refused_before_torch_loads_with_the_closest_flag(script, cls):
+    """Guards against a typo costing the seconds of torch's import and naming no alternative (`--modle x` said only
+    'unrecognized arguments'), and against the early check's names drifting from the config dataclass: every field's
+    flag (a bool's --no- form too) passes it, and only the typo is named, before torch is imported."""
+    import eval as evaluation
+    import grpo_minimal
+
+    cls = cls or {"grpo_minimal.py": grpo_minimal.Config, "eval.py": evaluation.EvalConfig}[script]
+    argv = ["--seeed", "x"]
+    for f in dataclasses.fields(cls):
+        argv += [cli.flag(f.name), f"--no-{cli.flag(f.name)[2:]}"] if f.type == "bool" else [cli.flag(f.name), "1"]
+    code = (
+        "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, script, *argv], cwd=ROOT, capture_output=True, text=True)
+    assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr[-2000:]
+    assert r.stderr.strip() == "error: unrecognized arguments: --seeed; did you mean --seed? (see --help)"
+
+
+def test_the_parser_suggests_the_closest_flags():
+    """Guards against the full parser (tests, torchrun, flags past the early check) naming no alternative to a typo."""
+    with pytest.raises(cli.UserExit, match=r"unrecognized arguments: --steps 5; did you mean --max-steps\?"):
+        cli.parse_config(TrainConfig, ["--steps", "5"])
+    with pytest.raises(cli.UserExit, match=r"--zzz-qqq \(see --help\)$"):  # nothing close: no suggestion
+        cli.parse_config(TrainConfig, ["--zzz-qqq"])
+
+
+def test_the_bar_counts_from_the_resumed_step_and_stops_with_the_checkpoint(tiny, tmp_path, monkeypatch, capsys):
+    """Guards against the progress bar disagreeing with the run: at SIGINT it showed 81/200 while the checkpoint
+    was step 82; after a resume it counted 0/118, not 83/200; and --resume of a finished run printed "steps 201-200"
+    instead of saying that it is done and how to extend it (exit status 0); the README showing other names than the
+    bar's; and a CPU run ending on the jargon line `decode path: eager`."""
+    import signal
+
+    out, real_log, handlers = str(tmp_path / "run"), train.log, {s: signal.getsignal(s) for s in (2, 15)}
+
+    def log_then_interrupt(run, row, **kw):
+        real_log(run, row, **kw)
+        if row.get("step") == 2 and "loss" in row:  # Ctrl-C during step 2's bookkeeping: it stops after step 2
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train, "log", log_then_interrupt)
+    try:
+        with pytest.raises(SystemExit) as e:
+            train.main(small(tiny, out, max_steps=4))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "stopped at step 2 of 4 by SIGINT" in err, err[-3000:]
+    assert re.findall(r"\| (\d)/4 ", err.split("stopped at step")[0])[-1] == "2"
+    monkeypatch.setattr(train, "log", real_log)
+    train.main(small(tiny, out, max_steps=4, resume=out))
+    said = capsys.readouterr()
+    counts = re.findall(r"\| (\d)/(\d) ", said.err)
+    assert counts[0] == ("2", "4") and counts[-1] == ("4", "4") and {c[1] for c in counts} == {"4"}
+    readme = open(os.path.join(ROOT, "README.md")).read()  # the bar's names as the README shows them
+    assert re.search(r"reward/mean=[-\d.]+, accuracy=[\d.]+, gss=[\d.]+\]", said.err)
+    assert re.search(r"\d+/200 \[.*, reward/mean=[\d.]+, accuracy=[\d.]+, gss=[\d.]+\]", readme)
+    assert "decode path" not in said.out  # eager on a CPU: nothing to explain
+    with pytest.raises(SystemExit) as e:
+        train.main(small(tiny, out, max_steps=4, resume=out))
+    said = f"--resume {out}/final: already at its last step (4); to extend it, --max-steps N > 4"
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == said
+
+
+def test_every_readme_command_that_trains_writes_its_own_run_directory():
+    """Guards against the README's commands colliding with `make train`'s runs/default: after it, the tools command
+    and every flags-by-family example were refused (`--out runs/default already holds files`)."""
+    text = open(os.path.join(ROOT, "README.md")).read().replace("\\\n", " ")
+    commands = [line for line in text.splitlines() if re.match(r"(python|torchrun .*) train\.py ", line)]
+    outs = [re.search(r"--out (\S+)", c) for c in commands if "--resume" not in c]
+    assert len(outs) >= 12 and all(outs), [c for c, o in zip(commands, outs) if not o]
+    names = [o[1] for o in outs]
+    assert len(set(names)) == len(names) and "runs/default" not in names
