@@ -372,7 +372,8 @@ def main(cfg: TrainConfig) -> dict:
                 clock.lap("score")
                 if not groups:  # a step that only samples: its row holds the rollouts' metrics, no update's
                     run.state["step"], state = step + 1, run.state
-                    end_of_step(run, step, {"step": step + 1, **sampled} | clock.row(sampled["tokens/generated"]), stop, bar)
+                    row = {"step": step + 1, **sampled} | clock.row(sampled["tokens/generated"])
+                    end_of_step(run, step, row, stop, bar)
                     continue
 
                 # 3. pack: one row per thought; micro-batches cut once, for the score pass and every epoch
