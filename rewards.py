@@ -83,6 +83,12 @@ def exact_reward(completion: str, example: dict) -> float:
     return float(strip_end_tokens(completion[i + len("</think>") :]) == str(example["answer"]))
 
 
+def answer_format_reward(completion: str, example: dict) -> float:
+    """1.0 if the graded text holds a final answer in a form `extract_answer` reads (`\\boxed{}`, `#### `,
+    `<answer>`), right or wrong, else 0.0: the "format" component of the math tasks' reward."""
+    return float(extract_answer(completion) is not None)
+
+
 def format_reward(completion: str, example: dict) -> float:
     """The `<think>thought</think>answer` structure. The opening `<think>` is optional (chat templates
     often put it in the prompt) but if present it must open the completion.
@@ -108,14 +114,8 @@ def countdown_reward(completion: str, example: dict) -> float:
     EXACTLY ONCE (the TinyZero rule; a subset scores 0) and equals `example["target"]`.
     Allowed: integers, + - * /, parentheses, spaces; `x`/`×`/`÷` are read as * and /; a trailing
     `= N` is ignored. No unary minus, no `**`. Exact arithmetic with Fraction: 7/2*2 == 7."""
-    expr = countdown_equation(completion)
-    if expr is None:
-        return 0.0
-    if len(expr) > MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
-        return 0.0
-    tokens = _EXPR_TOKEN.findall(expr)
-    numbers = sorted(int(t) for t in tokens if t.isdigit() and len(t) <= 9)
-    if len(numbers) != sum(t.isdigit() for t in tokens) or numbers != sorted(example["nums"]):
+    tokens = countdown_tokens(completion)
+    if tokens is None or not uses_each_number_once(tokens, example["nums"]):
         return 0.0
     try:
         value, end = _parse_sum(tokens, 0, 0)
@@ -126,6 +126,33 @@ def countdown_reward(completion: str, example: dict) -> float:
     except ZeroDivisionError:  # a division by zero anywhere makes the equation invalid
         return 0.0
     return float(value == example["target"])
+
+
+def countdown_tokens(completion: str) -> list[str] | None:
+    """The tokens (integers, operators, parentheses) of the last `<answer>` equation, or None when it is missing,
+    too long or holds a character outside the allowed ones."""
+    expr = countdown_equation(completion)
+    if expr is None or len(expr) > MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
+        return None
+    return _EXPR_TOKEN.findall(expr)
+
+
+def uses_each_number_once(tokens: list[str], nums: list[int]) -> bool:
+    """Whether the equation's integers are exactly `nums`, each once (a number of more than 9 digits never is)."""
+    numbers = sorted(int(t) for t in tokens if t.isdigit() and len(t) <= 9)
+    return len(numbers) == sum(t.isdigit() for t in tokens) and numbers == sorted(nums)
+
+
+def countdown_numbers_reward(completion: str, example: dict) -> float:
+    """1.0 if the last `<answer>` equation uses every number of `example["nums"]` exactly once, whatever its value
+    (the "uses each number once" component of countdown's reward)."""
+    tokens = countdown_tokens(completion)
+    return float(tokens is not None and uses_each_number_once(tokens, example["nums"]))
+
+
+def countdown_format_reward(completion: str, example: dict) -> float:
+    """1.0 if the graded text holds a closed `<answer>...</answer>` (the form countdown asks for), else 0.0."""
+    return float(countdown_equation(completion) is not None)
 
 
 def countdown_equation(completion: str) -> str | None:
@@ -182,6 +209,11 @@ def extract_code(completion: str) -> str | None:
         if info.strip().lower() in ("", "python", "python3", "py"):
             return body
     return None
+
+
+def code_format_reward(completion: str, example: dict) -> float:
+    """1.0 if the graded text holds a closed ```python block (`extract_code`), else 0.0: code's "format" component."""
+    return float(extract_code(completion) is not None)
 
 
 def code_reward(completion: str, example: dict) -> float:

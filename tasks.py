@@ -11,8 +11,9 @@ Built in (no files): "synthetic" (the bundled default: addition with a carry scr
 SYNTHETIC_VARIANTS), "synthetic-hard" (4-digit operands: no model here solves any), "countdown".
 From local JSONL (`data=`, `test_data=`, each read by data.load_jsonl): "gsm8k", "math", "code" and
 "jsonl"; the held-out split is every 10th example of `data`, or all of `test_data` when given.
-Rewards are correctness only by default (no format term); combine with rewards.format_reward in the
-trainer when wanted.
+Rewards are correctness only (no format term). Each built-in task also names its reward's components (`correct`,
+`format`: the answer given in the form the task asks for; countdown's `each_number_once`) with weights that sum them
+to that reward (format weighs 0): --advantage gdpo normalises them one by one, and every run logs their means.
 
 Callers check sizes before they start: `check_sizes` (enough distinct examples for one step and
 for the evaluation asked for) and `check_prompt_lengths` (every prompt fits the context).
@@ -32,10 +33,15 @@ from data import (
 )
 from rewards import (
     MAX_ANSWER_CHARS,
+    answer_format_reward,
     calculator_partial_credit,
+    code_format_reward,
     code_reward,
+    countdown_format_reward,
+    countdown_numbers_reward,
     countdown_reward,
     exact_reward,
+    format_reward,
     math_reward,
     strip_end_tokens,
 )
@@ -91,6 +97,8 @@ class Task:
     test_source: str = ""  # where the held-out examples come from, for error messages
     partial_credit: Callable[[str, dict], float] | None = None  # fine-grained [0, 1] score (DaGRPO); None: reward
     reference: Callable[[dict], str | None] = no_reference  # example -> its reference completion (DaGRPO), or None
+    # name -> (fn, weight): the reward's named parts, whose weighted sum is `reward` (GDPO's); None: no parts
+    components: dict[str, tuple[Callable[[str, dict], float], float]] | None = None
 
 
 def get_task(name: str, data: str | None = None, test_data: str | None = None, max_chars: int = MAX_CHARS) -> Task:
@@ -109,10 +117,12 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
                 lambda n, seed: countdown_examples(n, seed),
                 lambda n, seed: countdown_examples(n, seed, held_out=True),
                 SYSTEM_PROMPT,
+                components=parts(countdown_reward, countdown_format_reward, each_number_once=countdown_numbers_reward),
             )
         if name == "synthetic-mul":  # the Python tool's task (methods/tools.py): tiny models cannot multiply
             train, test = (lambda n, seed, h=h: multiplication_examples(n, seed, held_out=h) for h in (False, True))
-            return Task(name, exact_reward, exact_reward, train, test, None, reference=sft_completion)
+            kw = dict(reference=sft_completion, components=parts(exact_reward, format_reward))
+            return Task(name, exact_reward, exact_reward, train, test, None, **kw)
         digits, layout = SYNTHETIC_VARIANTS[name]
         return Task(
             name,
@@ -123,6 +133,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
             None,
             partial_credit=synthetic_partial_credit,
             reference=sft_completion,
+            components=parts(exact_reward, format_reward),
         )
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
@@ -156,7 +167,13 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
         test_source=test_source,
         partial_credit=calculator_partial_credit if reward is math_reward else None,
         reference=solution_completion if reward is math_reward else code_completion,
+        components=parts(reward, answer_format_reward if reward is math_reward else code_format_reward),
     )
+
+
+def parts(correct: Callable, form: Callable, **more: Callable) -> dict[str, tuple[Callable, float]]:
+    """A built-in task's reward components: `correct` (weight 1: the reward itself), `format` and `more` (weight 0)."""
+    return {"correct": (correct, 1.0), "format": (form, 0.0), **{k: (fn, 0.0) for k, fn in more.items()}}
 
 
 def check_sizes(

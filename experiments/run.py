@@ -130,6 +130,8 @@ CONFIGS = {
     "reinforce_pp_t8": (["--algo", "reinforce_pp", *T8], 300),
     "reinforce_pp_baseline_t8": (["--algo", "reinforce_pp_baseline", *T8], 300),
     "lite_ppo_t8": (["--algo", "lite_ppo", *T8], 300),
+    "maxrl_t8": (["--algo", "maxrl", *T8], 300),  # MaxRL: (r - mean) / mean
+    "gdpo_t8": (["--algo", "gdpo", *T8], 300),  # GDPO on the task's components: correct and format, weights 1
     "k2_t8": (["--algo", "grpo", *T8, "--beta", "0.01", "--kl-estimator", "k2"], 300),
     "kl_in_reward_t8": (["--algo", "dr_grpo", *T8, "--beta", "0.01", "--kl-in-reward"], 300),
     "dual_clip_t8": (["--algo", "grpo", *T8, "--mu", "2", "--dual-clip", "3"], 300),
@@ -161,7 +163,7 @@ LOSS_RANKING = (
     + ("cispo_t8", "grpo_t8_mu2", "grpo_t8_bf16", "tis_t8_bf16", "is_token_mask_t8_bf16", "is_seq_truncate_t8_bf16")
     + ("is_seq_mask_t8_bf16", "icepop_t8_bf16", "dapo_t8", "gspo_t8", "gtpo_t8", "grpo_ma_t4a2", "two_grpo_p64")
     + ("rloo_t8", "reinforce_pp_t8", "reinforce_pp_baseline_t8", "lite_ppo_t8", "k2_t8", "kl_in_reward_t8")
-    + ("dual_clip_t8", "entropy_bonus_t8", "mask_truncated_t8", "lora_r1_t8", "lora_r16_t8")
+    + ("dual_clip_t8", "entropy_bonus_t8", "mask_truncated_t8", "lora_r1_t8", "lora_r16_t8", "maxrl_t8", "gdpo_t8")
 )
 # evaluations of the end models (eval.py on the same held-out prompts for every checkpoint): kind -> (configs, flags)
 EVALS = {

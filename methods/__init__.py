@@ -59,7 +59,20 @@ from distributed import all_sum
 from losses import CLIP, loss_name
 
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
-ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "batch_std")
+ORDER = (
+    "hard_examples",
+    "noise",
+    "dagrpo",
+    "dapo",
+    "grpo_ma",
+    "dr_grpo",
+    "two_grpo",
+    "agrae",
+    "rloo",
+    "maxrl",
+    "gdpo",
+    "batch_std",
+)
 ORDER += ("kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg", "mismatch", "dsv32", "gspo")
 ORDER += ("cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
 
