@@ -83,12 +83,6 @@ def exact_reward(completion: str, example: dict) -> float:
     return float(strip_end_tokens(completion[i + len("</think>") :]) == str(example["answer"]))
 
 
-def answer_format_reward(completion: str, example: dict) -> float:
-    """1.0 if the graded text holds a final answer in a form `extract_answer` reads (`\\boxed{}`, `#### `,
-    `<answer>`), right or wrong, else 0.0: the "format" component of the math tasks' reward."""
-    return float(extract_answer(completion) is not None)
-
-
 def format_reward(completion: str, example: dict) -> float:
     """The `<think>thought</think>answer` structure. The opening `<think>` is optional (chat templates
     often put it in the prompt) but if present it must open the completion.
@@ -114,8 +108,8 @@ def countdown_reward(completion: str, example: dict) -> float:
     EXACTLY ONCE (the TinyZero rule; a subset scores 0) and equals `example["target"]`.
     Allowed: integers, + - * /, parentheses, spaces; `x`/`×`/`÷` are read as * and /; a trailing
     `= N` is ignored. No unary minus, no `**`. Exact arithmetic with Fraction: 7/2*2 == 7."""
-    tokens = countdown_tokens(completion)
-    if tokens is None or not uses_each_number_once(tokens, example["nums"]):
+    tokens = countdown_tokens(completion, example["nums"])
+    if tokens is None:
         return 0.0
     try:
         value, end = _parse_sum(tokens, 0, 0)
@@ -128,31 +122,20 @@ def countdown_reward(completion: str, example: dict) -> float:
     return float(value == example["target"])
 
 
-def countdown_tokens(completion: str) -> list[str] | None:
-    """The tokens (integers, operators, parentheses) of the last `<answer>` equation, or None when it is missing,
-    too long or holds a character outside the allowed ones."""
+def countdown_tokens(completion: str, nums: list[int]) -> list[str] | None:
+    """The tokens of the last `<answer>` equation if it is well formed (allowed characters, bounded length) and uses
+    every number of `nums` exactly once (a number of more than 9 digits never matches), else None."""
     expr = countdown_equation(completion)
     if expr is None or len(expr) > MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
         return None
-    return _EXPR_TOKEN.findall(expr)
-
-
-def uses_each_number_once(tokens: list[str], nums: list[int]) -> bool:
-    """Whether the equation's integers are exactly `nums`, each once (a number of more than 9 digits never is)."""
+    tokens = _EXPR_TOKEN.findall(expr)
     numbers = sorted(int(t) for t in tokens if t.isdigit() and len(t) <= 9)
-    return len(numbers) == sum(t.isdigit() for t in tokens) and numbers == sorted(nums)
+    return tokens if len(numbers) == sum(t.isdigit() for t in tokens) and numbers == sorted(nums) else None
 
 
 def countdown_numbers_reward(completion: str, example: dict) -> float:
-    """1.0 if the last `<answer>` equation uses every number of `example["nums"]` exactly once, whatever its value
-    (the "uses each number once" component of countdown's reward)."""
-    tokens = countdown_tokens(completion)
-    return float(tokens is not None and uses_each_number_once(tokens, example["nums"]))
-
-
-def countdown_format_reward(completion: str, example: dict) -> float:
-    """1.0 if the graded text holds a closed `<answer>...</answer>` (the form countdown asks for), else 0.0."""
-    return float(countdown_equation(completion) is not None)
+    """Countdown's "uses each number once" component: 1.0 if `countdown_tokens` accepts the equation, any value."""
+    return float(countdown_tokens(completion, example["nums"]) is not None)
 
 
 def countdown_equation(completion: str) -> str | None:
@@ -211,11 +194,6 @@ def extract_code(completion: str) -> str | None:
     return None
 
 
-def code_format_reward(completion: str, example: dict) -> float:
-    """1.0 if the graded text holds a closed ```python block (`extract_code`), else 0.0: code's "format" component."""
-    return float(extract_code(completion) is not None)
-
-
 def code_reward(completion: str, example: dict) -> float:
     """1.0 if the last ```python block passes `example["tests"]` (asserts; a list is joined by lines; with `entry_point`
     the tests' `check(candidate)` is called on it) in the sandbox, `example["setup"]` (HumanEval's prompt: its
@@ -238,7 +216,16 @@ def code_rewards(completions: list[str], examples: list[dict], max_workers: int 
     return score_batch(code_reward, completions, examples, max_workers)
 
 
-# ---------------------------------------------------------------- batches and weighted sums
+# ---------------------------------------------------------------- batches, weighted sums, reward components
+
+
+def components(correct: Callable[[str, dict], float]) -> dict[str, tuple[Callable[[str, dict], float], float]]:
+    """A built-in task's reward components, name -> (fn, weight), summing to its reward `correct`: correct (weight 1),
+    format (0: the answer in the form the task asks for, right or wrong) and countdown's each_number_once (0)."""
+    find = {countdown_reward: countdown_equation, math_reward: extract_answer, code_reward: extract_code}.get(correct)
+    form = format_reward if find is None else lambda completion, example: float(find(completion) is not None)
+    more = {"each_number_once": (countdown_numbers_reward, 0.0)} if correct is countdown_reward else {}
+    return {"correct": (correct, 1.0), "format": (form, 0.0), **more}
 
 
 def score_batch(

@@ -11,9 +11,8 @@ Built in (no files): "synthetic" (the bundled default: addition with a carry scr
 SYNTHETIC_VARIANTS), "synthetic-hard" (4-digit operands: no model here solves any), "countdown".
 From local JSONL (`data=`, `test_data=`, each read by data.load_jsonl): "gsm8k", "math", "code" and
 "jsonl"; the held-out split is every 10th example of `data`, or all of `test_data` when given.
-Rewards are correctness only (no format term). Each built-in task also names its reward's components (`correct`,
-`format`: the answer given in the form the task asks for; countdown's `each_number_once`) with weights that sum them
-to that reward (format weighs 0): --advantage gdpo normalises them one by one, and every run logs their means.
+Rewards are correctness only (no format term); Task.components names their parts (`correct`, `format`, countdown's
+`each_number_once`), weighted to sum to that reward (format weighs 0), for GDPO and the logs.
 
 Callers check sizes before they start: `check_sizes` (enough distinct examples for one step and
 for the evaluation asked for) and `check_prompt_lengths` (every prompt fits the context).
@@ -33,15 +32,11 @@ from data import (
 )
 from rewards import (
     MAX_ANSWER_CHARS,
-    answer_format_reward,
     calculator_partial_credit,
-    code_format_reward,
     code_reward,
-    countdown_format_reward,
-    countdown_numbers_reward,
+    components,
     countdown_reward,
     exact_reward,
-    format_reward,
     math_reward,
     strip_end_tokens,
 )
@@ -97,8 +92,7 @@ class Task:
     test_source: str = ""  # where the held-out examples come from, for error messages
     partial_credit: Callable[[str, dict], float] | None = None  # fine-grained [0, 1] score (DaGRPO); None: reward
     reference: Callable[[dict], str | None] = no_reference  # example -> its reference completion (DaGRPO), or None
-    # name -> (fn, weight): the reward's named parts, whose weighted sum is `reward` (GDPO's); None: no parts
-    components: dict[str, tuple[Callable[[str, dict], float], float]] | None = None
+    components: dict | None = None  # name -> (fn, weight): the reward's parts, weighted to sum to it (GDPO); None: none
 
 
 def get_task(name: str, data: str | None = None, test_data: str | None = None, max_chars: int = MAX_CHARS) -> Task:
@@ -117,11 +111,11 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
                 lambda n, seed: countdown_examples(n, seed),
                 lambda n, seed: countdown_examples(n, seed, held_out=True),
                 SYSTEM_PROMPT,
-                components=parts(countdown_reward, countdown_format_reward, each_number_once=countdown_numbers_reward),
+                components=components(countdown_reward),
             )
         if name == "synthetic-mul":  # the Python tool's task (methods/tools.py): tiny models cannot multiply
             train, test = (lambda n, seed, h=h: multiplication_examples(n, seed, held_out=h) for h in (False, True))
-            kw = dict(reference=sft_completion, components=parts(exact_reward, format_reward))
+            kw = dict(reference=sft_completion, components=components(exact_reward))
             return Task(name, exact_reward, exact_reward, train, test, None, **kw)
         digits, layout = SYNTHETIC_VARIANTS[name]
         return Task(
@@ -133,7 +127,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
             None,
             partial_credit=synthetic_partial_credit,
             reference=sft_completion,
-            components=parts(exact_reward, format_reward),
+            components=components(exact_reward),
         )
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
@@ -167,13 +161,8 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
         test_source=test_source,
         partial_credit=calculator_partial_credit if reward is math_reward else None,
         reference=solution_completion if reward is math_reward else code_completion,
-        components=parts(reward, answer_format_reward if reward is math_reward else code_format_reward),
+        components=components(reward),
     )
-
-
-def parts(correct: Callable, form: Callable, **more: Callable) -> dict[str, tuple[Callable, float]]:
-    """A built-in task's reward components: `correct` (weight 1: the reward itself), `format` and `more` (weight 0)."""
-    return {"correct": (correct, 1.0), "format": (form, 0.0), **{k: (fn, 0.0) for k, fn in more.items()}}
 
 
 def check_sizes(

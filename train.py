@@ -68,7 +68,7 @@ from pack import (
     split_rows,
     token_stats,
 )
-from rewards import combine_rewards, score_batch
+from rewards import combine_rewards
 from run import Run, setup
 from sampler import Tree, sample_tree
 from tasks import render_prompt
@@ -103,14 +103,12 @@ def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, 
     context = [[False] * len(t.tokens) + a.context for _, t, a in done]  # a tool's output: its stop ids end nothing
     texts = [decode_completion(run.tokenizer, t.tokens + a.tokens, c) for (_, t, a), c in zip(done, context)]
     exs = [g.example for g, _, _ in done]
-    if run.task.components:  # the reward is its components' weighted sum, each scored once
-        total, parts = combine_rewards(texts, exs, run.task.components, max_workers=cfg.reward_workers)
-    else:
-        total, parts = score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), {}
+    fns = run.task.components or {"": (run.task.reward, 1.0)}  # the reward: its components' weighted sum
+    total, parts = combine_rewards(texts, exs, fns, max_workers=cfg.reward_workers)
     reward = torch.tensor(total, dtype=torch.float32)
     correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
     for i, ((_, _, a), text, c) in enumerate(zip(done, texts, correct)):
-        a.text, a.correct, a.components = text, c, {k: v[i] for k, v in parts.items()}
+        a.text, a.correct, a.components = text, c, {k: v[i] for k, v in parts.items() if k}
     lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done])
     step = methods.Scored([a for _, _, a in done], texts, exs, lengths, seeds, len(groups))
     reward = methods.chain(run, "rewards", reward, step)

@@ -20,7 +20,7 @@ from config import TrainConfig
 from methods import gdpo, maxrl
 from metrics import rollout_metrics
 from pack import Answer, Group, Thought
-from rewards import countdown_format_reward, countdown_numbers_reward, countdown_reward
+from rewards import code_reward, components, countdown_numbers_reward, countdown_reward, math_reward
 from tasks import get_task
 
 F64 = torch.float64
@@ -322,9 +322,25 @@ def test_countdown_components():
         "<answer>52 + 14 + 98</answer>",
         "<answer>52*14</answer>",
     )
-    assert [countdown_format_reward(c, ex) for c in (right, wrong_value, reused, "(52*14)-98")] == [1, 1, 1, 0]
+    form = components(countdown_reward)["format"][0]
+    assert [form(c, ex) for c in (right, wrong_value, reused, "(52*14)-98")] == [1, 1, 1, 0]
     assert [countdown_numbers_reward(c, ex) for c in (right, wrong_value, reused)] == [1, 1, 0]
     assert [countdown_reward(c, ex) for c in (right, wrong_value, reused)] == [1, 0, 0]
+
+
+def test_math_and_code_format_components():
+    """Guards against a format component that grades the answer, or misses the form the task asks for: math's is a
+    final answer extract_answer reads (boxed, ####), right or wrong; code's a closed ```python block."""
+    math_form, code_form = components(math_reward)["format"][0], components(code_reward)["format"][0]
+    ex = {"answer": "2"}
+    assert [math_form(c, ex) for c in ("<think>x</think>\\boxed{3}", "#### 2", "the answer is", "\\boxed{")] == [
+        1,
+        1,
+        0,
+        0,
+    ]
+    assert [code_form(c, ex) for c in ("```python\nx = 1\n```", "```python\nx = 1", "x = 1")] == [1, 0, 0]
+    assert components(math_reward)["correct"] == (math_reward, 1.0) and components(math_reward)["format"][1] == 0.0
 
 
 def test_component_means_are_logged():
