@@ -43,6 +43,8 @@ Claims and the runs that test them (same task, model, lengths and base learning 
             grpo_t8_bf16 without one and tis_t8_bf16 with today's truncation), grpo_t8_mu2 (the baseline of the
             presets with mu = 2: SAPO, GMPO, KL-Cov, DPPO and V3.2's mask only differ from GRPO off-policy), and
             the methods that had no run at this budget (dapo_t8, gspo_t8, gtpo_t8, grpo_ma_t4a2, two_grpo_p64)
+  MaxRL,    maxrl_t8 and gdpo_t8 join that ranking (GDPO on the task's components, correct and format, weights 1);
+  GDPO      grpo_t8_50, maxrl_t8_50 and gdpo_t8_50 are the same three at 50 steps, the budget docs/results.md reports
 Left out since the previous round: A-GRAE at 100 steps on GRPO, Dr. GRPO and DAPO, and dapo (the
 300-step A-GRAE runs replace them).
 

@@ -7,6 +7,8 @@ make of it. The flag checks refuse what cannot work in one sentence."""
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import os
 import tempfile
 from types import SimpleNamespace
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from config import TrainConfig
+from config import PRESETS, TrainConfig
 from methods import gdpo, maxrl
 from metrics import rollout_metrics
 from pack import Answer, Group, Thought
@@ -398,3 +400,24 @@ def test_gdpo_refuses_a_task_without_components_and_unknown_weights():
         ValueError, match=r"--reward-weights names corect, not a component of task 't' \(correct, format\)"
     ):
         gdpo.start(run)
+
+
+@pytest.mark.slow
+def test_gdpo_and_maxrl_train_through_the_seam(tmp_path):
+    """Guards against the wiring between the components and the loop: GDPO on GRPO-MA's tree (verl's token-weighted
+    form) and MaxRL each train 2 steps of the bundled model with finite losses and log each component's mean, and a
+    reward shaped off {0, 1} (DAPO's overlong penalty) stops MaxRL with its one sentence."""
+    import train
+    from helpers import SMALL_RUN
+
+    for name, kw in (("gdpo", dict(algo="gdpo", answers=2, gdpo_form="verl")), ("maxrl", dict(algo="maxrl"))):
+        out = str(tmp_path / name)
+        train.main(TrainConfig(**{**SMALL_RUN, **PRESETS[kw["algo"]], "out": out, "samples_every": 0, **kw}))
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
+        assert len(rows) == 2 and all(math.isfinite(r["loss"]) and 0 <= r["reward/format"] <= 1 for r in rows)
+        assert all(r["reward/correct"] == r["reward/mean"] for r in rows)
+    shaped = dict(
+        SMALL_RUN, **PRESETS["maxrl"], algo="maxrl", overlong_buffer=12, out=str(tmp_path / "x"), samples_every=0
+    )
+    with pytest.raises(Exception, match=r"--advantage maxrl needs rewards in \{0, 1\}"):
+        train.main(TrainConfig(**shaped))
