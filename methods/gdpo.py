@@ -5,7 +5,7 @@ over the whole step's batch (--advantage gdpo, or --algo gdpo). Normalising comp
 Seam: advantages. The task's reward components (Task.components, one value per completion in pack.Answer.components)
 [P, G, C] -> advantages [P, G]; with GRPO-MA's tree [P, K, M, C] -> (thought [P, K], answer [P, K, M]).
 
---gdpo-form picks the peer whose rule is reproduced (docs/algorithms.md; references/algorithms-2026.md section 4):
+--gdpo-form picks the peer whose rule is reproduced (docs/algorithms.md):
   trl    TRL multi_objective_aggregation="normalize_then_sum" (the default): group (r - mean) / (unbiased std + 1e-4),
          a group of one gives 0; batch (s - mean) / (unbiased std + 1e-4).
   swift  ms-swift scale_rewards="gdpo": as trl with eps 1e-8 at both steps.
