@@ -19,7 +19,9 @@ def rollout_metrics(groups: list[Group], world: int, m: int) -> dict:
     lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in completions(groups)]).view(reward.shape)
     thoughts = [t for g in groups for t in g.thoughts]
     answers = [a for t in thoughts for a in t.answers]
+    parts = {f"reward/{k}": all_sum(sum(a.components[k] for a in answers), world) for k in answers[0].components}
     return {
+        **{k: (v / all_sum(len(answers), world)).item() for k, v in parts.items()},
         "reward/mean": (all_sum(reward.sum(), world) / all_sum(reward.numel(), world)).item(),
         "reward/std": reward.std().item(),  # this rank's (rank 0's) rollouts
         "accuracy": (all_sum(correct.sum(), world) / all_sum(correct.numel(), world)).item(),

@@ -35,6 +35,7 @@ class Answer:
     reward: float = 0.0
     correct: float = 0.0  # the task's own 0/1 correctness (the reward may add shaping or noise)
     credit: float = 0.0  # the fine-grained score DaGRPO's pair mask compares (--pair-delta), else the reward
+    components: dict[str, float] = field(default_factory=dict)  # the task's reward components (Task.components)
     sampled: bool = True  # False: not sampled from the policy (an anchor), trained off-policy
     context: list[bool] = field(default_factory=list)  # per token: True = appended (a tool's output), never trained;
     # empty: every token is the policy's

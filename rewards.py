@@ -108,14 +108,8 @@ def countdown_reward(completion: str, example: dict) -> float:
     EXACTLY ONCE (the TinyZero rule; a subset scores 0) and equals `example["target"]`.
     Allowed: integers, + - * /, parentheses, spaces; `x`/`×`/`÷` are read as * and /; a trailing
     `= N` is ignored. No unary minus, no `**`. Exact arithmetic with Fraction: 7/2*2 == 7."""
-    expr = countdown_equation(completion)
-    if expr is None:
-        return 0.0
-    if len(expr) > MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
-        return 0.0
-    tokens = _EXPR_TOKEN.findall(expr)
-    numbers = sorted(int(t) for t in tokens if t.isdigit() and len(t) <= 9)
-    if len(numbers) != sum(t.isdigit() for t in tokens) or numbers != sorted(example["nums"]):
+    tokens = countdown_tokens(completion, example["nums"])
+    if tokens is None:
         return 0.0
     try:
         value, end = _parse_sum(tokens, 0, 0)
@@ -126,6 +120,22 @@ def countdown_reward(completion: str, example: dict) -> float:
     except ZeroDivisionError:  # a division by zero anywhere makes the equation invalid
         return 0.0
     return float(value == example["target"])
+
+
+def countdown_tokens(completion: str, nums: list[int]) -> list[str] | None:
+    """The tokens of the last `<answer>` equation if it is well formed (allowed characters, bounded length) and uses
+    every number of `nums` exactly once (a number of more than 9 digits never matches), else None."""
+    expr = countdown_equation(completion)
+    if expr is None or len(expr) > MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
+        return None
+    tokens = _EXPR_TOKEN.findall(expr)
+    numbers = sorted(int(t) for t in tokens if t.isdigit() and len(t) <= 9)
+    return tokens if len(numbers) == sum(t.isdigit() for t in tokens) and numbers == sorted(nums) else None
+
+
+def countdown_numbers_reward(completion: str, example: dict) -> float:
+    """Countdown's "uses each number once" component: 1.0 if `countdown_tokens` accepts the equation, any value."""
+    return float(countdown_tokens(completion, example["nums"]) is not None)
 
 
 def countdown_equation(completion: str) -> str | None:
@@ -206,7 +216,16 @@ def code_rewards(completions: list[str], examples: list[dict], max_workers: int 
     return score_batch(code_reward, completions, examples, max_workers)
 
 
-# ---------------------------------------------------------------- batches and weighted sums
+# ---------------------------------------------------------------- batches, weighted sums, reward components
+
+
+def components(correct: Callable[[str, dict], float]) -> dict[str, tuple[Callable[[str, dict], float], float]]:
+    """A built-in task's reward components, name -> (fn, weight), summing to its reward `correct`: correct (weight 1),
+    format (0: the answer in the form the task asks for, right or wrong) and countdown's each_number_once (0)."""
+    find = {countdown_reward: countdown_equation, math_reward: extract_answer, code_reward: extract_code}.get(correct)
+    form = format_reward if find is None else lambda completion, example: float(find(completion) is not None)
+    more = {"each_number_once": (countdown_numbers_reward, 0.0)} if correct is countdown_reward else {}
+    return {"correct": (correct, 1.0), "format": (form, 0.0), **more}
 
 
 def score_batch(

@@ -11,8 +11,8 @@ Built in (no files): "synthetic" (the bundled default: addition with a carry scr
 SYNTHETIC_VARIANTS), "synthetic-hard" (4-digit operands: no model here solves any), "countdown".
 From local JSONL (`data=`, `test_data=`, each read by data.load_jsonl): "gsm8k", "math", "code" and
 "jsonl"; the held-out split is every 10th example of `data`, or all of `test_data` when given.
-Rewards are correctness only by default (no format term); combine with rewards.format_reward in the
-trainer when wanted.
+Rewards are correctness only (no format term); Task.components names their parts (`correct`, `format`, countdown's
+`each_number_once`), weighted to sum to that reward (format weighs 0), for GDPO and the logs.
 
 Callers check sizes before they start: `check_sizes` (enough distinct examples for one step and
 for the evaluation asked for) and `check_prompt_lengths` (every prompt fits the context).
@@ -34,6 +34,7 @@ from rewards import (
     MAX_ANSWER_CHARS,
     calculator_partial_credit,
     code_reward,
+    components,
     countdown_reward,
     exact_reward,
     math_reward,
@@ -91,6 +92,7 @@ class Task:
     test_source: str = ""  # where the held-out examples come from, for error messages
     partial_credit: Callable[[str, dict], float] | None = None  # fine-grained [0, 1] score (DaGRPO); None: reward
     reference: Callable[[dict], str | None] = no_reference  # example -> its reference completion (DaGRPO), or None
+    components: dict | None = None  # name -> (fn, weight): the reward's parts, weighted to sum to it (GDPO); None: none
 
 
 def get_task(name: str, data: str | None = None, test_data: str | None = None, max_chars: int = MAX_CHARS) -> Task:
@@ -109,10 +111,12 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
                 lambda n, seed: countdown_examples(n, seed),
                 lambda n, seed: countdown_examples(n, seed, held_out=True),
                 SYSTEM_PROMPT,
+                components=components(countdown_reward),
             )
         if name == "synthetic-mul":  # the Python tool's task (methods/tools.py): tiny models cannot multiply
             train, test = (lambda n, seed, h=h: multiplication_examples(n, seed, held_out=h) for h in (False, True))
-            return Task(name, exact_reward, exact_reward, train, test, None, reference=sft_completion)
+            kw = dict(reference=sft_completion, components=components(exact_reward))
+            return Task(name, exact_reward, exact_reward, train, test, None, **kw)
         digits, layout = SYNTHETIC_VARIANTS[name]
         return Task(
             name,
@@ -123,6 +127,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
             None,
             partial_credit=synthetic_partial_credit,
             reference=sft_completion,
+            components=components(exact_reward),
         )
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
@@ -156,6 +161,7 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
         test_source=test_source,
         partial_credit=calculator_partial_credit if reward is math_reward else None,
         reference=solution_completion if reward is math_reward else code_completion,
+        components=components(reward),
     )
 
 

@@ -73,7 +73,7 @@ from pack import (
     split_rows,
     token_stats,
 )
-from rewards import score_batch
+from rewards import combine_rewards
 from run import Run, setup
 from sampler import Tree, sample_tree
 from tasks import render_prompt
@@ -108,13 +108,15 @@ def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, 
     context = [[False] * len(t.tokens) + a.context for _, t, a in done]  # a tool's output: its stop ids end nothing
     texts = [decode_completion(run.tokenizer, t.tokens + a.tokens, c) for (_, t, a), c in zip(done, context)]
     exs = [g.example for g, _, _ in done]
-    reward = torch.tensor(score_batch(run.task.reward, texts, exs, max_workers=cfg.reward_workers), dtype=torch.float32)
+    parts = run.task.components or {}  # scored with the reward, each function once (the reward's own: reused)
+    fns = {"": (run.task.reward, 1.0), **{k: (f, 0.0) for k, (f, _) in parts.items() if f is not run.task.reward}}
+    total, scored = combine_rewards(texts, exs, fns, max_workers=cfg.reward_workers)
     correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
-    for (_, _, a), text, c in zip(done, texts, correct):
-        a.text, a.correct = text, c
+    for i, ((_, _, a), text, c) in enumerate(zip(done, texts, correct)):
+        a.text, a.correct, a.components = text, c, {k: scored.get(k, scored[""])[i] for k in parts}
     lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done])
     step = methods.Scored([a for _, _, a in done], texts, exs, lengths, seeds, len(groups))
-    reward = methods.chain(run, "rewards", reward, step)
+    reward = methods.chain(run, "rewards", torch.tensor(total, dtype=torch.float32), step)
     for (_, _, a), r in zip(done, reward.tolist()):
         a.reward = r
     return groups

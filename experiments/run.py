@@ -46,6 +46,8 @@ Claims and the runs that test them (same task, model, lengths and base learning 
   Stale     stale_k0 and stale_k{1,2,4,8}_{plain_is,clip_rollout,tis,icepop,m2po}: --staleness K with each
             correction (no correction, the clipped ratio against the behaviour policy, TIS, IcePop, M2PO), 30 steps
             of 8 prompts x 8, greedy held-out accuracy only: 63 runs of 150-330 s on a loaded 2-core VM
+  MaxRL,    maxrl_t8 and gdpo_t8 join that ranking (GDPO on the task's components, correct and format, weights 1);
+  GDPO      grpo_t8_50, maxrl_t8_50 and gdpo_t8_50 are the same three at 50 steps, the budget docs/results.md reports
 Left out since the previous round: A-GRAE at 100 steps on GRPO, Dr. GRPO and DAPO, and dapo (the
 300-step A-GRAE runs replace them).
 
@@ -133,6 +135,12 @@ CONFIGS = {
     "reinforce_pp_t8": (["--algo", "reinforce_pp", *T8], 300),
     "reinforce_pp_baseline_t8": (["--algo", "reinforce_pp_baseline", *T8], 300),
     "lite_ppo_t8": (["--algo", "lite_ppo", *T8], 300),
+    "maxrl_t8": (["--algo", "maxrl", *T8], 300),  # MaxRL: (r - mean) / mean
+    "gdpo_t8": (["--algo", "gdpo", *T8], 300),  # GDPO on the task's components: correct and format, weights 1
+    # the same three at 50 steps (what docs/results.md reports for MaxRL and GDPO so far)
+    "grpo_t8_50": (["--algo", "grpo", *T8], 50),
+    "maxrl_t8_50": (["--algo", "maxrl", *T8], 50),
+    "gdpo_t8_50": (["--algo", "gdpo", *T8], 50),
     "k2_t8": (["--algo", "grpo", *T8, "--beta", "0.01", "--kl-estimator", "k2"], 300),
     "kl_in_reward_t8": (["--algo", "dr_grpo", *T8, "--beta", "0.01", "--kl-in-reward"], 300),
     "dual_clip_t8": (["--algo", "grpo", *T8, "--mu", "2", "--dual-clip", "3"], 300),
@@ -178,7 +186,7 @@ LOSS_RANKING = (
     + ("cispo_t8", "grpo_t8_mu2", "grpo_t8_bf16", "tis_t8_bf16", "is_token_mask_t8_bf16", "is_seq_truncate_t8_bf16")
     + ("is_seq_mask_t8_bf16", "icepop_t8_bf16", "dapo_t8", "gspo_t8", "gtpo_t8", "grpo_ma_t4a2", "two_grpo_p64")
     + ("rloo_t8", "reinforce_pp_t8", "reinforce_pp_baseline_t8", "lite_ppo_t8", "k2_t8", "kl_in_reward_t8")
-    + ("dual_clip_t8", "entropy_bonus_t8", "mask_truncated_t8", "lora_r1_t8", "lora_r16_t8")
+    + ("dual_clip_t8", "entropy_bonus_t8", "mask_truncated_t8", "lora_r1_t8", "lora_r16_t8", "maxrl_t8", "gdpo_t8")
 )
 # evaluations of the end models (eval.py on the same held-out prompts for every checkpoint): kind -> (configs, flags)
 EVALS = {
@@ -360,7 +368,8 @@ def main() -> None:
     if args.only:  # those configurations' runs and evaluations (and the start model's), what they need first
         picked = lambda name: name.split(".")[0].rsplit("-s", 1)[0] in args.only  # noqa: E731
         train_jobs = [j for j in train_jobs if picked(j["name"])]
-        eval_jobs = [j for j in eval_jobs if picked(j["name"]) or j["name"].startswith("base.")]
+        kinds = {j["name"].split(".", 1)[1] for j in eval_jobs if picked(j["name"])}  # the start model's of these
+        eval_jobs = [j for j in eval_jobs if picked(j["name"]) or j["name"] in {f"base.{k}" for k in kinds}]
         prep = [j for j in prep if any(j["done"] in t["inputs"] for t in train_jobs)]
     failed = run_all(prep, args, "preparation")
     ready = lambda jobs: [j for j in jobs if all(os.path.exists(stamp_of(m)) for m in j["inputs"])]  # noqa: E731

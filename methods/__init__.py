@@ -61,9 +61,10 @@ from distributed import all_sum
 from losses import CLIP, loss_name
 
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
-ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "batch_std")
-ORDER += ("kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg", "staleness", "m2po")
-ORDER += ("mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
+ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "maxrl")
+ORDER += ("gdpo", "batch_std", "kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg")
+ORDER += ("staleness", "m2po", "mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo", "dppo", "dual_clip")
+ORDER += ("entropy_bonus", "tools")
 
 _present = {m.name for m in pkgutil.iter_modules(__path__)}
 METHODS: tuple[ModuleType, ...] = tuple(importlib.import_module(f"{__name__}.{n}") for n in ORDER if n in _present)

@@ -39,6 +39,8 @@ BAD = {  # one bad value of a flag each method owns (or a combination its check 
     "staleness": dict(staleness=-1),
     "m2po": dict(m2po_threshold=-1.0),
     "rloo": dict(advantage="rloo"),  # needs --no-std-normalize
+    "maxrl": dict(advantage="maxrl"),  # needs --no-std-normalize
+    "gdpo": dict(reward_weights="correct"),  # not name=number
     "reinforce_pp": dict(advantage="reinforce_pp"),
     "batch_std": dict(batch_std=True, std_normalize=False),
     "kl": dict(kl_in_reward=True),  # needs --beta > 0
