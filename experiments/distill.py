@@ -9,8 +9,9 @@
    no teacher checkpoint). The tiny model's vocabulary holds only the task's characters, so RLSD's and SDPO's
    teacher prompts are written in it: RLSD_TEMPLATE puts the reference sum after the question, SDPO_TEMPLATE a
    successful sibling's completion before it (the methods' English templates would be unknown tokens to it).
-3. A summary table (OUT/summary.md): held-out greedy accuracy at the start and end (mean and spread over seeds),
-   the teacher's, and the per-token reverse-KL estimate to the teacher over the first and last 5 steps.
+3. A summary table (OUT/summary.md): held-out greedy accuracy (200 prompts) at step 0 and at step --steps (mean and
+   spread over seeds), the teacher's, and the per-token reverse-KL estimate to the teacher over the first and last
+   5 steps. --methods runs some of them (the table reads every method whose runs exist, at step --steps).
 A run whose final/ exists is skipped; two runs at a time (--jobs), one thread each.
 """
 
@@ -53,19 +54,20 @@ def ms(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
-def summary(out: str, seeds: list[int]) -> str:
-    lines = ["| method | greedy acc. start | greedy acc. end | reverse KL, first 5 steps | last 5 steps |"]
+def summary(out: str, seeds: list[int], steps: int) -> str:
+    """The table: each method's held-out greedy accuracy at step 0 and at step `steps` (its evaluation there)."""
+    lines = [f"| method | greedy acc. step 0 | step {steps} | reverse KL, steps 1-5 | steps {steps - 4}-{steps} |"]
     lines.append("|---|---|---|---|---|")
     teacher = [
         r["teacher/eval/accuracy"] for s in seeds for r in rows(f"{out}/opd-s{s}") if "teacher/eval/accuracy" in r
     ]
-    for name in METHODS:
+    for name in [m for m in METHODS if os.path.isdir(f"{out}/{m}-s{seeds[0]}")]:
         start, end, kl0, kl1 = [], [], [], []
         for s in seeds:
             rs = rows(f"{out}/{name}-s{s}")
-            acc = [r["eval/greedy_accuracy"] for r in rs if "eval/greedy_accuracy" in r]
-            start, end = start + acc[:1], end + acc[-1:]
-            kl = [r["teacher/reverse_kl"] for r in rs if "teacher/reverse_kl" in r]
+            at = {r["step"]: r["eval/greedy_accuracy"] for r in rs if "eval/greedy_accuracy" in r}
+            start, end = start + [at[0]], end + [at[steps]]
+            kl = [r["teacher/reverse_kl"] for r in rs if "teacher/reverse_kl" in r and r["step"] <= steps]
             kl0, kl1 = (kl0 + [statistics.mean(kl[:5])], kl1 + [statistics.mean(kl[-5:])]) if kl else (kl0, kl1)
         row = [name, ms(start), ms(end), ms(kl0) if kl0 else "-", ms(kl1) if kl1 else "-"]
         lines.append("| " + " | ".join(row) + " |")
@@ -80,20 +82,22 @@ def main() -> None:
     ap.add_argument("--teacher-steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--eval-every", type=int, default=20)
     args = ap.parse_args()
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     teacher = os.path.join(out, "teacher")
     train(["--max-steps", str(args.teacher_steps), "--eval-every", "0"], teacher, f"{out}/teacher.log")
     jobs = []
-    for name, flags in METHODS.items():
+    for name in args.methods:
         for s in args.seeds:
-            argv = [f.format(teacher=os.path.join(teacher, "final")) if f == "{teacher}" else f for f in flags]
-            argv += ["--max-steps", str(args.steps), "--seed", str(s), "--eval-every", str(max(1, args.steps // 2))]
+            argv = [os.path.join(teacher, "final") if f == "{teacher}" else f for f in METHODS[name]]
+            argv += ["--max-steps", str(args.steps), "--seed", str(s), "--eval-every", str(args.eval_every)]
             jobs.append((argv, f"{out}/{name}-s{s}", f"{out}/{name}-s{s}.log"))
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda j: train(*j), jobs))
-    text = summary(out, args.seeds)
+    text = summary(out, args.seeds, args.steps)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text + "\n")
     print(text)
