@@ -358,7 +358,7 @@ def main(cfg: TrainConfig) -> dict:
                 # 4. score pass (no grad): old log-probs, reference log-probs, entropy
                 batch.score_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
                 batch.old_logp = batch.score_logp if cfg.mu > 1 else None
-                methods.scores(run, batch, micro, groups)  # a teacher's log-probs (OPD, RLSD, SDPO)
+                batch = methods.chain(run, "scores", batch, micro, groups)  # a teacher's log-probs (OPD, RLSD, SDPO)
                 clock.lap("score_pass")
                 # 5. advantages: per sequence, then per-token adv and weight for the whole step
                 batch.adv, batch.weight, batch.mask, selection = advantages(run, groups, batch, batch_accuracy)

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cli import FlagError
 from losses import Objective, on_mask, token_ratio
+from methods import teacher
 from methods.teacher import score as teacher_score
 from methods.teacher import self_distilled, signal_metrics
 from pack import token_stats
@@ -47,13 +48,18 @@ class Flags:
     """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
 
     # -- teachers
+    teacher: str = ""  # a frozen teacher checkpoint, same tokenizer (OPD; with RLSD/SDPO: their teacher model)
+    self_teacher: str = "auto"  # RLSD/SDPO's teacher: live policy | initial weights (auto: the authors' code's)
+    teacher_template: str = ""  # RLSD/SDPO's teacher prompt: {prompt}, {answer} | {demo} ("" = the method's)
     teacher_coef: float = 1.0  # OPD: c in A_t = A_task + c (T_t - s_t), or of the full-vocabulary KL term
     distill_only: bool = False  # OPD: the advantage is the teacher's signal alone (no task reward)
     teacher_student: str = "sampler"  # OPD: the student log-prob in the signal: sampler | old (pi_old)
     teacher_kl: str = "sampled"  # OPD: sampled (the sampled token's log-ratio) | full (reverse KL, all the vocab)
 
 
-CHOICES = dict(teacher_student=("sampler", "old"), teacher_kl=("sampled", "full"))
+CHOICES = dict(
+    teacher_student=("sampler", "old"), teacher_kl=("sampled", "full"), self_teacher=("auto", "live", "initial")
+)
 PRESETS = {"opd": dict(distill_only=True, aggregation="token_mean")}  # tinker's recipe: pure distillation
 
 
@@ -62,6 +68,7 @@ def enabled(cfg) -> bool:
 
 
 def check(cfg) -> Iterator[FlagError]:
+    yield from teacher.check(cfg)
     if cfg.distill_only and not cfg.teacher:
         yield FlagError(("distill_only",), "needs --teacher PATH (the model to distill from)", ("teacher",))
     if cfg.teacher_coef <= 0:
@@ -71,6 +78,10 @@ def check(cfg) -> Iterator[FlagError]:
 def start(run) -> None:
     if run.cfg.teacher_kl == "full" and run.world > 1:
         raise FlagError(("teacher_kl",), "full runs a second student forward per micro-batch: one process only")
+    teacher.start(run)
+
+
+weight_bytes = teacher.weight_bytes
 
 
 def needs_scores(cfg) -> bool:
@@ -78,9 +89,10 @@ def needs_scores(cfg) -> bool:
     return cfg.teacher_student == "old"
 
 
-def scores(run, batch, micro: list, groups: list) -> None:
+def scores(run, batch, micro: list, groups: list):
     """The teacher on the batch's own rows."""
     batch.teacher_logp = teacher_score(run, batch, micro)
+    return batch
 
 
 def opd_signal(teacher_logp: Tensor, student_logp: Tensor, mask: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from cli import FlagError, UserError
 from losses import on_mask
+from methods import teacher
 from methods.teacher import prompted, signal_metrics
 from methods.teacher import score as teacher_score
 
@@ -71,6 +72,9 @@ def check_data(task, cfg, examples: list[dict]) -> None:
         raise UserError(f"--algo rlsd needs each example's reference answer; task {task.name} has one without")
 
 
+start, weight_bytes = teacher.start, teacher.weight_bytes  # the teacher checkpoint or initial copy, if any
+
+
 def needs_scores(cfg) -> bool:
     """S is pi_old: the score pass measures the policy."""
     return True
@@ -81,10 +85,11 @@ def teacher_texts(template: str, examples: list[dict]) -> list[str]:
     return [template.format(prompt=ex["prompt"], answer=ex["answer"]) for ex in examples]
 
 
-def scores(run, batch, micro: list, groups: list) -> None:
+def scores(run, batch, micro: list, groups: list):
     """The teacher on the same completion tokens, each group's prompt replaced by its teacher prompt."""
     texts = teacher_texts(run.cfg.teacher_template or TEMPLATE, [g.example for g in groups])
     batch.teacher_logp = teacher_score(run, batch, micro, prompted(run, groups, texts))
+    return batch
 
 
 def rlsd_advantages(

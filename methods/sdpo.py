@@ -30,6 +30,7 @@ from torch import Tensor
 
 from cli import FlagError
 from losses import on_mask
+from methods import teacher
 from methods.teacher import prompted, signal_metrics
 from methods.teacher import score as teacher_score
 
@@ -62,6 +63,9 @@ def check(cfg) -> Iterator[FlagError]:
             yield FlagError(("teacher_template",), "for SDPO may name only {prompt} and {demo}")
 
 
+start, weight_bytes = teacher.start, teacher.weight_bytes  # the teacher checkpoint or initial copy, if any
+
+
 def needs_scores(cfg) -> bool:
     """s is pi_old: the score pass measures the policy."""
     return True
@@ -78,12 +82,13 @@ def demos(groups: list, threshold: float) -> list[str | None]:
     return out
 
 
-def scores(run, batch, micro: list, groups: list) -> None:
+def scores(run, batch, micro: list, groups: list):
     """The policy on each row's completion tokens after its teacher prompt (the plain prompt where no demo)."""
     template = run.cfg.teacher_template or TEMPLATE
     rows = [(g, d) for g, d in zip((g for g in groups for _ in g.thoughts), demos(groups, run.cfg.sdpo_threshold))]
     texts = [g.example["prompt"] if d is None else template.format(prompt=g.example["prompt"], demo=d) for g, d in rows]
     batch.teacher_logp = teacher_score(run, batch, micro, prompted(run, groups, texts, per_row=True))
+    return batch
 
 
 def sdpo_advantages(

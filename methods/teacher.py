@@ -9,9 +9,10 @@ score pass (methods.scores), its log-probs (B, T) in the batch's logical layout 
     completion tokens. `--self-teacher live` scores the policy as it is; `initial` its starting weights (the
     reference model: under LoRA the base with adapters off; otherwise a frozen copy). With `--teacher` the
     checkpoint takes the self-teacher's place (ms-swift's --teacher_model).
-The teacher prompt re-renders the example's user message through `--teacher-template` (the method's template by
-default, docs/algorithms.md), and the step's groups are re-packed with it (pack.pack): the completion tokens and the
-logical layout are unchanged, so the teacher's log-probs align with the student's token by token.
+The flags are opd.py's (--teacher, --self-teacher, --teacher-template); the three methods' start and weight_bytes
+hooks are this file's. The teacher prompt re-renders the example's user message through `--teacher-template` (the
+method's template by default, docs/algorithms.md), and the step's groups are re-packed with it (pack.pack): the
+completion tokens and the logical layout are unchanged, so the teacher's log-probs align with the student's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -33,29 +34,13 @@ from tasks import render_prompt
 from tokenizer import load_tokenizer
 
 
-@dataclass
-class Flags:
-    """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
-
-    # -- teachers
-    teacher: str = ""  # a frozen teacher checkpoint, same tokenizer (OPD; with RLSD/SDPO: their teacher model)
-    self_teacher: str = "auto"  # RLSD/SDPO's teacher: live policy | initial weights (auto: the authors' code's)
-    teacher_template: str = ""  # RLSD/SDPO's teacher prompt: {prompt}, {answer} | {demo} ("" = the method's)
-
-
-CHOICES = dict(self_teacher=("auto", "live", "initial"))
-
-
 def self_distilled(cfg) -> bool:
     """RLSD or SDPO: the teacher is the policy (or --teacher) after a teacher prompt."""
     return getattr(cfg, "rlsd_lambda", 0) > 0 or getattr(cfg, "sdpo_weight", 0) > 0
 
 
-def enabled(cfg) -> bool:
-    return bool(cfg.teacher) or self_distilled(cfg)
-
-
 def check(cfg) -> Iterator[FlagError]:
+    """The teacher's flags (opd.py holds them; its check calls this whether or not a teacher is on)."""
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "config.json")):
         yield FlagError(("teacher",), f"{cfg.teacher!r} is not a checkpoint directory (no config.json)")
     if (cfg.teacher_template or cfg.self_teacher != "auto") and not self_distilled(cfg):
