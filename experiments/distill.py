@@ -71,7 +71,7 @@ def summary(out: str, seeds: list[int], steps: int) -> str:
             kl0, kl1 = (kl0 + [statistics.mean(kl[:5])], kl1 + [statistics.mean(kl[-5:])]) if kl else (kl0, kl1)
         row = [name, ms(start), ms(end), ms(kl0) if kl0 else "-", ms(kl1) if kl1 else "-"]
         lines.append("| " + " | ".join(row) + " |")
-    lines.append(f"\nteacher: held-out greedy accuracy {ms(teacher[:1])} (its OPD runs' start rows)")
+    lines.append(f"\nteacher: held-out greedy accuracy {ms(teacher)} (each OPD run's start, on its seed's prompts)")
     return "\n".join(lines)
 
 

@@ -299,3 +299,23 @@ def test_self_distillation_trains_with_its_teacher_prompt(tmp_path, algo):
     train.main(TrainConfig(**kw, out=str(tmp_path / "run")))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "teacher/adv_share" in line]
     assert len(rows) == 1 and all(math.isfinite(r["teacher/reverse_kl"]) for r in rows)
+
+
+def test_teacher_flags_are_checked_and_its_weights_counted():
+    """Guards the flag checks (pure OPD without a teacher, a template without a self-teacher, a template naming
+    another field) and memory.py's count of the teacher (its parameters at the rollout dtype's bytes)."""
+    import json
+
+    from cli import FlagError
+    from config import TrainConfig
+    from hf import config_from_hf
+    from memory import n_params
+
+    for kw, match in ((dict(distill_only=True), "needs --teacher"), (dict(teacher_template="{prompt}"), "rlsd or sdpo"),
+                      (dict(rlsd_lambda=0.5, teacher_template="{demo}"), "only {prompt} and {answer}")):  # fmt: skip
+        with pytest.raises(FlagError, match=match):
+            TrainConfig(**kw)
+    cfg = TrainConfig(teacher=BUNDLED)
+    with open(f"{BUNDLED}/config.json") as f:
+        assert teacher.weight_bytes(cfg, 2) == 2 * n_params(config_from_hf(json.load(f))) > 0
+    assert teacher.weight_bytes(TrainConfig(), 2) == 0
