@@ -11,7 +11,7 @@ holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its prese
   start (setup, models loaded)    start(run) -> None: checks and state                   noise's rates, gtpo's gate
   the sampler's dtype (setup)     check_rollout_dtype(cfg, rollout) -> None              mismatch
   score pass (needs)              needs_scores(cfg) -> bool                              gtpo, cov, entropy_mask, kl
-  weights held (memory.py)        weight_bytes(cfg, rollout_bytes) -> int: a teacher's   opd, rlsd, sdpo
+  weights held (memory.py)        weight_bytes(cfg, rollout_bytes) -> int: a teacher's   teacher
 
 The step's seams that transform one value are each one call, chain(run, seam, value, *context), which passes the
 value through every enabled method's hook(run, value, *context) -> value in ORDER. counts: a dict the hook adds its
@@ -62,8 +62,8 @@ from losses import CLIP, loss_name
 
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
 ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "batch_std")
-ORDER += ("kl", "reinforce_pp", "opd", "rlsd", "sdpo", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg")
-ORDER += ("mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
+ORDER += ("kl", "reinforce_pp", "teacher", "opd", "rlsd", "sdpo", "gtpo", "mask_truncated", "entropy_mask", "cov")
+ORDER += ("gpg", "mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
 
 _present = {m.name for m in pkgutil.iter_modules(__path__)}
 METHODS: tuple[ModuleType, ...] = tuple(importlib.import_module(f"{__name__}.{n}") for n in ORDER if n in _present)

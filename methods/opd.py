@@ -19,7 +19,8 @@ reverse KL over the whole vocabulary, KL_t = sum_v p_S(v) (log p_S(v) - log p_T(
 directly and added to the loss as c * sum_t weight_t KL_t (weight: the run's aggregation). Never a (rows, T, V)
 tensor of either model: the logits are made chunk by chunk (reverse_kl), each chunk recomputed in backward. It costs
 one more forward of the student per micro-batch (and of the teacher); one process only (a second forward would be a
-second DDP/FSDP forward per backward). With --distill-only the task advantage is 0, so the KL is the whole loss.
+second DDP/FSDP forward per backward). With --distill-only the task advantage is 0, so the KL is the whole
+loss (the logged `loss` is the surrogate's; the KL's gradient is in grad_norm).
 
 Edge cases: a teacher equal to the student gives signal 0 on every token, so in pure OPD advantage, loss and
 gradient are exactly 0; an empty mask gives a graph-attached 0 (policy_loss's sum over no token).
@@ -37,7 +38,6 @@ from torch.utils.checkpoint import checkpoint
 
 from cli import FlagError
 from losses import Objective, on_mask, token_ratio
-from methods import teacher
 from methods.teacher import score as teacher_score
 from methods.teacher import self_distilled, signal_metrics
 from pack import token_stats
@@ -68,7 +68,6 @@ def enabled(cfg) -> bool:
 
 
 def check(cfg) -> Iterator[FlagError]:
-    yield from teacher.check(cfg)
     if cfg.distill_only and not cfg.teacher:
         yield FlagError(("distill_only",), "needs --teacher PATH (the model to distill from)", ("teacher",))
     if cfg.teacher_coef <= 0:
@@ -78,10 +77,6 @@ def check(cfg) -> Iterator[FlagError]:
 def start(run) -> None:
     if run.cfg.teacher_kl == "full" and run.world > 1:
         raise FlagError(("teacher_kl",), "full runs a second student forward per micro-batch: one process only")
-    teacher.start(run)
-
-
-weight_bytes = teacher.weight_bytes
 
 
 def needs_scores(cfg) -> bool:

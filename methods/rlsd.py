@@ -27,7 +27,6 @@ from torch import Tensor
 
 from cli import FlagError, UserError
 from losses import on_mask
-from methods import teacher
 from methods.teacher import prompted, signal_metrics
 from methods.teacher import score as teacher_score
 
@@ -70,9 +69,6 @@ def check(cfg) -> Iterator[FlagError]:
 def check_data(task, cfg, examples: list[dict]) -> None:
     if cfg.rlsd_lambda > 0 and not all(ex.get("answer") not in (None, "") for ex in examples):
         raise UserError(f"--algo rlsd needs each example's reference answer; task {task.name} has one without")
-
-
-start, weight_bytes = teacher.start, teacher.weight_bytes  # the teacher checkpoint or initial copy, if any
 
 
 def needs_scores(cfg) -> bool:

@@ -30,7 +30,6 @@ from torch import Tensor
 
 from cli import FlagError
 from losses import on_mask
-from methods import teacher
 from methods.teacher import prompted, signal_metrics
 from methods.teacher import score as teacher_score
 
@@ -61,9 +60,6 @@ def check(cfg) -> Iterator[FlagError]:
             cfg.teacher_template.format(prompt="", demo="")
         except (KeyError, IndexError, ValueError):
             yield FlagError(("teacher_template",), "for SDPO may name only {prompt} and {demo}")
-
-
-start, weight_bytes = teacher.start, teacher.weight_bytes  # the teacher checkpoint or initial copy, if any
 
 
 def needs_scores(cfg) -> bool:

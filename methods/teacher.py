@@ -9,10 +9,10 @@ score pass (methods.scores), its log-probs (B, T) in the batch's logical layout 
     completion tokens. `--self-teacher live` scores the policy as it is; `initial` its starting weights (the
     reference model: under LoRA the base with adapters off; otherwise a frozen copy). With `--teacher` the
     checkpoint takes the self-teacher's place (ms-swift's --teacher_model).
-The flags are opd.py's (--teacher, --self-teacher, --teacher-template); the three methods' start and weight_bytes
-hooks are this file's. The teacher prompt re-renders the example's user message through `--teacher-template` (the
-method's template by default, docs/algorithms.md), and the step's groups are re-packed with it (pack.pack): the
-completion tokens and the logical layout are unchanged, so the teacher's log-probs align with the student's.
+The flags are in opd.py's Flags (--teacher, --self-teacher, --teacher-template); this file's hooks run at setup.
+The teacher prompt re-renders the example's user message through `--teacher-template` (the method's template by
+default, docs/algorithms.md), and the step's groups are re-packed with it (pack.pack): the completion tokens and the
+logical layout are unchanged, so the teacher's log-probs align with the student's.
 """
 
 from __future__ import annotations
@@ -39,8 +39,13 @@ def self_distilled(cfg) -> bool:
     return getattr(cfg, "rlsd_lambda", 0) > 0 or getattr(cfg, "sdpo_weight", 0) > 0
 
 
+def enabled(cfg) -> bool:
+    """A teacher is scored: --teacher, or a self-teacher (its hooks: start and weight_bytes, at setup)."""
+    return bool(cfg.teacher) or self_distilled(cfg)
+
+
 def check(cfg) -> Iterator[FlagError]:
-    """The teacher's flags (opd.py holds them; its check calls this whether or not a teacher is on)."""
+    """The teacher's flags (opd.py's Flags hold them, for --help's family)."""
     if cfg.teacher and not os.path.isfile(os.path.join(cfg.teacher, "config.json")):
         yield FlagError(("teacher",), f"{cfg.teacher!r} is not a checkpoint directory (no config.json)")
     if (cfg.teacher_template or cfg.self_teacher != "auto") and not self_distilled(cfg):
