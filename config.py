@@ -26,7 +26,7 @@ from tasks import TASK_NAMES
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "grpo_ma", "two_grpo", "agrae", "gtpo", "dagrpo", "cispo")
 ALGOS += ("sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "gpg", "dsv32", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-ALGOS += ("lite_ppo", "maxrl", "gdpo")
+ALGOS += ("lite_ppo", "maxrl", "gdpo", "opd", "rlsd", "sdpo")
 
 
 @dataclass

@@ -409,6 +409,7 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     weights += (shape.rollout_bytes * N if rollout != "float32" else 0) + (
         4 * N if cfg.beta and not cfg.lora_rank else 0
     )
+    weights += methods.weight_bytes(cfg, shape.rollout_bytes)  # a teacher's (methods/teacher.py)
     offloaded = cfg.optimizer_offload and cuda
     fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * T // shard + 4 * T * cfg.optimizer_offload)
     n_pool = cfg.max_steps * cfg.prompts_per_step + methods.stream_size(cfg)  # the pool and the methods' streams

@@ -121,6 +121,7 @@ class Batch:
     score_logp: torch.Tensor | None = None  # the policy's log-probs in the score pass (None when nothing needs them)
     old_logp: torch.Tensor | None = None  # log-probs before the update (mu > 1; None: the update's own, detached)
     ref_logp: torch.Tensor | None = None  # under the reference model (beta > 0)
+    teacher_logp: torch.Tensor | None = None  # under a teacher (methods.scores: --teacher, RLSD's, SDPO's), else None
     entropy: torch.Tensor | None = None  # token entropy before the update (None: measured in the first epoch)
     adv: torch.Tensor | None = None
     weight: torch.Tensor | None = None  # the loss weight of each token: the step's aggregation, whole
@@ -362,6 +363,7 @@ def token_stats(
     entropy: bool = False,
     chunk_tokens: int | None = None,
     entropy_grad: bool = False,
+    states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy; with entropy_grad, differentiable) of every completion token under `model`,
     (B, T) float32 in the logical layout (0 at prompt and padding positions).
@@ -398,6 +400,8 @@ def token_stats(
     h = hidden.flatten(0, 1).index_select(0, rows * hidden.shape[1] + src.clamp(min=0))
     if first is not None:  # source -1: the shared prompt's last position
         h = torch.where((src >= 0)[:, None], h, first.index_select(0, rows))
+    if states:  # the predicting hidden states (N, C) of the completion tokens, row-major, and the tokens (N,)
+        return h, ids[rows, cols]
     kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
     logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw)
     index, shape = (batch.to_logical[rows, cols],), batch.ids.shape

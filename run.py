@@ -63,6 +63,7 @@ class Run:
     micro_batch_rows: int = 64  # rows per micro-batch: --micro-batch-rows, or what auto chose (memory.check_memory)
     static_step: StaticDecode | None = None  # CUDA graphs (and --compile's step) sampling and evaluation run
     guard: distributed.WeightGuard | None = None  # refuses weights an update broke (set by setup)
+    teacher: Transformer | None = None  # --teacher, or a self-teacher's initial copy (methods/teacher.py)
 
     @property
     def fsdp(self) -> bool:

@@ -185,7 +185,8 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
     # Thought tokens carry their thought's advantage, answer tokens their own answer's.
     seq_adv = seq_adv.view(adv_answer.shape).to(dev)
     adv = advantage.grpo_ma_token_advantages(adv_thought.to(dev), seq_adv, batch.thought, batch.answer_id)
-    adv = methods.chain(run, "token_advantages", adv, groups, batch, mask, reward)  # REINFORCE++: token returns
+    metrics = {}
+    adv = methods.chain(run, "token_advantages", adv, groups, batch, mask, reward, metrics)  # REINFORCE++, OPD
     rows, M = all_sum(batch.ids.shape[0], world).item(), cfg.answers  # thoughts over all ranks
     if M > 1 and cfg.aggregation == "seq_mean_token_mean":
         kw = dict(thought_weight=cfg.thought_weight, answer_weight=cfg.answer_weight, num_thoughts=rows)
@@ -197,7 +198,6 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
         kw = dict(max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
         weight = advantage.token_weights(m, cfg.aggregation, **kw)
     # GTPO's conflict tokens, GPG's alpha: the step's weight, the KL penalty's too
-    metrics = {}
     weight = methods.chain(run, "token_weights", weight, groups, batch, raw.to(dev), mask, metrics)
     # Clip-Cov, KL-Cov, the 80/20 entropy mask: selections over the whole step's tokens, for the surrogate only
     metrics |= methods.select(run, batch, adv, mask)
@@ -385,6 +385,7 @@ def main(cfg: TrainConfig) -> dict:
                 # 4. score pass (no grad): old log-probs, reference log-probs, entropy
                 batch.score_logp, batch.ref_logp, batch.entropy = score_pass(run, micro, batch.ids.shape)
                 batch.old_logp = batch.score_logp if cfg.mu > 1 else None
+                batch = methods.chain(run, "scores", batch, micro, groups)  # a teacher's log-probs (OPD, RLSD, SDPO)
                 clock.lap("score_pass")
                 # 5. advantages: per sequence, then per-token adv and weight for the whole step
                 batch.adv, batch.weight, batch.mask, selection = advantages(run, groups, batch, batch_accuracy)

@@ -12,6 +12,7 @@ holds its flags (a `Flags` dataclass that config.TrainConfig gathers), its prese
   start (setup, models loaded)    start(run) -> None: checks and state                   noise's rates, gtpo's gate
   the sampler's dtype (setup)     check_rollout_dtype(cfg, rollout) -> None              mismatch
   score pass (needs)              needs_scores(cfg) -> bool                              gtpo, cov, entropy_mask, kl
+  weights held (memory.py)        weight_bytes(cfg, rollout_bytes) -> int: a teacher's   teacher
 
 The step's seams that transform one value are each one call, chain(run, seam, value, *context), which passes the
 value through every enabled method's hook(run, value, *context) -> value in ORDER. counts: a dict the hook adds its
@@ -24,7 +25,8 @@ counts to (this rank's), for its metrics; metrics: a dict of the step's row.
   advantage rewards (advantages)  advantage_rewards(run, reward [P, K, M], batch)        noise, kl in the reward
   sequence advantages             sequence_advantages(run, adv [B], batch, mask)         gtpo's entropy control
   trained tokens                  trained_mask(run, mask [B, T], groups, batch)          dapo, mask_truncated
-  token advantages                token_advantages(run, adv [B, T], groups, batch, mask, reward)  reinforce_pp
+  more scored models (score pass) scores(run, batch, micro, groups): batch.teacher_logp  opd, rlsd, sdpo
+  token advantages                token_advantages(run, adv [B, T], groups, batch, mask, reward, metrics)  opd
   token weights                   token_weights(run, weight [B, T], groups, batch, raw [B], mask, metrics)  gtpo, gpg
   micro-batch (update)            micro_batch(run, tok, mb, sampled, sums, epoch)        mismatch, dsv32, kl
   extra loss terms (update)       loss_terms(run, loss, tok, entropy); needs_entropy_grad(cfg) -> bool  entropy_bonus
@@ -62,9 +64,9 @@ from losses import CLIP, loss_name
 
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
 ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "maxrl")
-ORDER += ("gdpo", "batch_std", "kl", "reinforce_pp", "gtpo", "mask_truncated", "entropy_mask", "cov", "gpg")
-ORDER += ("staleness", "m2po", "mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo", "dppo", "dual_clip")
-ORDER += ("entropy_bonus", "tools")
+ORDER += ("gdpo", "batch_std", "kl", "reinforce_pp", "teacher", "opd", "rlsd", "sdpo", "gtpo", "mask_truncated")
+ORDER += ("entropy_mask", "cov", "gpg", "staleness", "m2po", "mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo")
+ORDER += ("dppo", "dual_clip", "entropy_bonus", "tools")
 
 _present = {m.name for m in pkgutil.iter_modules(__path__)}
 METHODS: tuple[ModuleType, ...] = tuple(importlib.import_module(f"{__name__}.{n}") for n in ORDER if n in _present)
@@ -196,6 +198,11 @@ def select(run, batch, adv: torch.Tensor, mask: torch.Tensor) -> dict:
 def metrics(run, sums: dict, counts: dict) -> dict:
     """The methods' entries of the step's row; counts: what the resample and rollouts hooks counted (this rank's)."""
     return {k: v for hook in hooks(run.cfg, "metrics") for k, v in hook(run, sums, counts).items()}
+
+
+def weight_bytes(cfg, rollout_bytes: int) -> int:
+    """The bytes of the models the methods hold beside the policy (a teacher), for memory.py's estimate."""
+    return sum(hook(cfg, rollout_bytes) for hook in hooks(cfg, "weight_bytes"))
 
 
 def check_rollout_dtype(cfg, rollout: str) -> None:

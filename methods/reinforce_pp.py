@@ -114,7 +114,7 @@ def whiten(x: Tensor, mask: Tensor, stats: Tensor | None = None, *, eps: float =
     return torch.where(m, out, torch.zeros_like(out)).to(x.dtype)
 
 
-def token_advantages(run, adv: Tensor, groups: list, batch, mask: Tensor, reward: Tensor) -> Tensor:
+def token_advantages(run, adv: Tensor, groups: list, batch, mask: Tensor, reward: Tensor, metrics: dict) -> Tensor:
     """The token returns of the rewards [P, K, M] (the KL in them with --kl-in-reward), whitened over the step's
     trained tokens on every rank: [B, T], in place of the per-completion advantages."""
     cfg = run.cfg

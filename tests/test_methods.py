@@ -47,6 +47,10 @@ BAD = {  # one bad value of a flag each method owns (or a combination its check 
     "dual_clip": dict(dual_clip=0.5),
     "entropy_bonus": dict(entropy_coef=-1.0),
     "tools": dict(max_tool_calls=0),
+    "teacher": dict(teacher="/no/such/checkpoint"),
+    "opd": dict(teacher_coef=-1.0),
+    "rlsd": dict(rlsd_lambda=2.0),
+    "sdpo": dict(sdpo_weight=2.0),
 }
 # presets and objectives with no flag of their own to check
 NOTHING_TO_REFUSE = ("grpo_ma", "dr_grpo", "cispo", "gpg", "mask_truncated")
