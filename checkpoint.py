@@ -483,3 +483,18 @@ def load_trainer_state(resume_dir: str, policy, optimizer, scheduler, fsdp: bool
         optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     return saved["trainer"]
+
+
+def saves_masters(cfg, torch_dtype: str) -> bool:
+    """Whether a checkpoint carries the float32 masters: with the optimizer, when its weights are written in less
+    (torch_dtype: the model's, what --save-dtype auto writes)."""
+    dtype = getattr(torch, torch_dtype if cfg.save_dtype == "auto" else cfg.save_dtype)
+    return cfg.save_optimizer and not cfg.lora_rank and dtype != torch.float32
+
+
+def saved_text(cfg, torch_dtype: str) -> str:
+    """The end summary's account of OUT/final: its size on disk and what takes it."""
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(cfg.out, "final")) for f in fs)
+    held = ("LoRA adapters" if cfg.lora_rank else "weights") + ", float32 masters" * saves_masters(cfg, torch_dtype)
+    held += " and AdamW moments; --no-save-optimizer leaves them out" * cfg.save_optimizer
+    return (f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB") + f": {held}"

@@ -392,8 +392,7 @@ def token_stats(
 
     # The slot whose hidden state predicts each packed token: the one before it, or its jump's source.
     source = torch.arange(-1, ids.shape[1] - 1, device=ids.device).expand_as(ids).clone()
-    jb, jt, js = batch.jumps
-    source[jb, jt] = js
+    source[batch.jumps[:2]] = batch.jumps[2]  # (row, token, source slot)
     rows, cols = (batch.to_logical >= 0).nonzero(as_tuple=True)  # every completion token, row-major
     src = source[rows, cols]
     # (N, C); answers share their thought's last slot: index_select, see PromptRows.update

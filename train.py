@@ -73,7 +73,7 @@ from pack import (
     split_rows,
     token_stats,
 )
-from rewards import combine_rewards
+from rewards import score_batch
 from run import Run, setup
 from sampler import Tree, sample_tree
 from tasks import render_prompt
@@ -102,21 +102,17 @@ def sample(run: Run, examples: list[dict], seeds: list[int]) -> tuple[list[list[
 def score(run: Run, examples: list[dict], prompts: list[list[int]], tree: Tree, seeds: list[int]) -> list[Group]:
     """2. The step's record: every completion's text, reward and the task's own correctness. Transform rewards:
     the methods' rewards seam (reward noise, DaGRPO's credit, DAPO's overlong penalty)."""
-    cfg = run.cfg
-    groups = rollouts(examples, prompts, tree, cfg.thoughts, cfg.answers)
+    groups = rollouts(examples, prompts, tree, run.cfg.thoughts, run.cfg.answers)
     done = list(completions(groups))
     context = [[False] * len(t.tokens) + a.context for _, t, a in done]  # a tool's output: its stop ids end nothing
     texts = [decode_completion(run.tokenizer, t.tokens + a.tokens, c) for (_, t, a), c in zip(done, context)]
     exs = [g.example for g, _, _ in done]
-    parts = run.task.components or {}  # scored with the reward, each function once (the reward's own: reused)
-    fns = {"": (run.task.reward, 1.0), **{k: (f, 0.0) for k, (f, _) in parts.items() if f is not run.task.reward}}
-    total, scored = combine_rewards(texts, exs, fns, max_workers=cfg.reward_workers)
-    correct = [float(run.task.correct(t, e)) for t, e in zip(texts, exs)]
-    for i, ((_, _, a), text, c) in enumerate(zip(done, texts, correct)):
-        a.text, a.correct, a.components = text, c, {k: scored.get(k, scored[""])[i] for k in parts}
+    reward = torch.tensor(score_batch(run.task.reward, texts, exs, run.cfg.reward_workers), dtype=torch.float32)
+    for (_, _, a), text, ex in zip(done, texts, exs):
+        a.text, a.correct = text, float(run.task.correct(text, ex))
     lengths = torch.tensor([len(t.tokens) + len(a.tokens) for _, t, a in done])
     step = methods.Scored([a for _, _, a in done], texts, exs, lengths, seeds, len(groups))
-    reward = methods.chain(run, "rewards", torch.tensor(total, dtype=torch.float32), step)
+    reward = methods.chain(run, "rewards", reward, step)
     for (_, _, a), r in zip(done, reward.tolist()):
         a.reward = r
     return groups
@@ -194,8 +190,7 @@ def advantages(run: Run, groups: list[Group], batch: Batch, batch_accuracy: floa
         weight = advantage.grpo_ma_token_weights(batch.thought & mask, answer_id, num_answers=rows * M, **kw)
     else:
         m = mask.float()
-        tokens = all_sum(m.sum(), world).item()
-        kw = dict(max_len=cfg.completion_limit, num_seqs=rows, num_tokens=tokens)
+        kw = dict(max_len=cfg.completion_limit, num_seqs=rows, num_tokens=all_sum(m.sum(), world).item())
         weight = advantage.token_weights(m, cfg.aggregation, **kw)
     # GTPO's conflict tokens, GPG's alpha: the step's weight, the KL penalty's too
     weight = methods.chain(run, "token_weights", weight, groups, batch, raw.to(dev), mask, metrics)
@@ -300,7 +295,8 @@ def save(run: Run, path: str) -> None:
         write_model = functools.partial(lora.write_adapters, adapters, lora.adapter_config(run.policy, cfg.model))
     if run.rank == 0:
         dtype = None if cfg.save_dtype == "auto" else getattr(torch, cfg.save_dtype)
-        masters = (run.policy.state_dict() if weights is None else weights) if saves_masters(run) else None
+        lossy = checkpoint.saves_masters(cfg, run.policy.config.torch_dtype)  # weights written in less than float32
+        masters = (run.policy.state_dict() if weights is None else weights) if lossy else None
         optim, scheduler = optim if cfg.save_optimizer else None, run.scheduler.state_dict()
         state = dict(optimizer=optim, scheduler=scheduler, trainer=run.state, config=asdict(cfg))
         state["master_weights"] = masters
@@ -308,20 +304,6 @@ def save(run: Run, path: str) -> None:
         checkpoint.save_checkpoint(path, run.policy, cfg.model, state, asdict(cfg), **kw)
     if run.world > 1:
         dist.barrier()
-
-
-def saves_masters(run: Run) -> bool:
-    """Whether a checkpoint carries the float32 masters: with the optimizer, when its weights are written in less."""
-    dtype = getattr(torch, run.policy.config.torch_dtype if run.cfg.save_dtype == "auto" else run.cfg.save_dtype)
-    return run.cfg.save_optimizer and not run.cfg.lora_rank and dtype != torch.float32
-
-
-def saved_text(run: Run) -> str:
-    """The end summary's account of final/: its size on disk and what takes it."""
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(f"{run.cfg.out}/final") for f in fs)
-    held = ("LoRA adapters" if run.cfg.lora_rank else "weights") + ", float32 masters" * saves_masters(run)
-    held += " and AdamW moments; --no-save-optimizer leaves them out" * run.cfg.save_optimizer
-    return (f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB") + f": {held}"
 
 
 def save_merged(run: Run) -> None:
@@ -491,7 +473,8 @@ def finish(run: Run, seconds: float) -> dict:
     flags = "".join(f"{k} {v} " for k, v in data if v) + f"--max-new-tokens {cfg.completion_limit} "
     flags += methods.eval_flags(cfg)  # --tools python: evaluate with the tool, as trained
     flags += eval_size(sum(p.numel() for p in run.policy.parameters()), run.device.type)  # its cost fits the model
-    print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, saved_text(run), merged=cfg.merge))
+    saved = checkpoint.saved_text(cfg, run.policy.config.torch_dtype)  # final/'s size and what it holds
+    print(end_summary(evals, seconds, cfg.out, files, flags, cfg.max_steps, saved, merged=cfg.merge))
     if run.static_step is not None:  # CUDA graphs or --compile's step: what ran, and what fell back to eager and why
         print(f"decode path: {decode_path(run.static_step)}")
     checkpoint.release_run_dir(cfg.out)

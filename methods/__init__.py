@@ -18,7 +18,7 @@ The step's seams that transform one value are each one call, chain(run, seam, va
 value through every enabled method's hook(run, value, *context) -> value in ORDER. counts: a dict the hook adds its
 counts to (this rank's), for its metrics; metrics: a dict of the step's row.
 
-  rewards (score)                 rewards(run, reward [N], step: Scored)                 noise, dagrpo, dapo
+  rewards (score)                 rewards(run, reward [N], step: Scored)                 noise, dagrpo, dapo, components
   resample (after scoring)        resample(run, groups, step, slots, redraw, counts)     dapo ("resampled")
   rollouts (before packing)       rollouts(run, groups, counts)                          dagrpo's anchors
   the lag (before packing)        queue(run, (groups, accuracy), step, counts) -> the same, to train  staleness
@@ -64,9 +64,9 @@ from losses import CLIP, loss_name
 
 # The order of every call chain: rewards are flipped (noise) before the overlong penalty (dapo), and so on.
 ORDER = ("hard_examples", "noise", "dagrpo", "dapo", "grpo_ma", "dr_grpo", "two_grpo", "agrae", "rloo", "maxrl")
-ORDER += ("gdpo", "batch_std", "kl", "reinforce_pp", "teacher", "opd", "rlsd", "sdpo", "gtpo", "mask_truncated")
-ORDER += ("entropy_mask", "cov", "gpg", "staleness", "m2po", "mismatch", "dsv32", "gspo", "cispo", "sapo", "gmpo")
-ORDER += ("dppo", "dual_clip", "entropy_bonus", "tools")
+ORDER += ("components", "gdpo", "batch_std", "kl", "reinforce_pp", "teacher", "opd", "rlsd", "sdpo", "gtpo")
+ORDER += ("mask_truncated", "entropy_mask", "cov", "gpg", "staleness", "m2po", "mismatch", "dsv32", "gspo", "cispo")
+ORDER += ("sapo", "gmpo", "dppo", "dual_clip", "entropy_bonus", "tools")
 
 _present = {m.name for m in pkgutil.iter_modules(__path__)}
 METHODS: tuple[ModuleType, ...] = tuple(importlib.import_module(f"{__name__}.{n}") for n in ORDER if n in _present)
