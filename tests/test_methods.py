@@ -53,7 +53,7 @@ BAD = {  # one bad value of a flag each method owns (or a combination its check 
     "sdpo": dict(sdpo_weight=2.0),
 }
 # presets and objectives with no flag of their own to check
-NOTHING_TO_REFUSE = ("grpo_ma", "dr_grpo", "cispo", "gpg", "mask_truncated")
+NOTHING_TO_REFUSE = ("grpo_ma", "dr_grpo", "cispo", "gpg", "mask_truncated", "components")
 
 
 def test_every_method_is_checked():
