@@ -319,3 +319,47 @@ def test_teacher_flags_are_checked_and_its_weights_counted():
     with open(f"{BUNDLED}/config.json") as f:
         assert teacher.weight_bytes(cfg, 2) == 2 * n_params(config_from_hf(json.load(f))) > 0
     assert teacher.weight_bytes(TrainConfig(), 2) == 0
+
+
+def perturbed_teacher(path) -> str:
+    """The bundled model with every weight moved by 5% noise (seed 0): a teacher with the student's tokenizer that
+    is neither the student nor its base."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(BUNDLED, path)
+    g = torch.Generator().manual_seed(0)
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).contiguous() for k, v in tensors.items()}
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_teacher_under_ddp_equals_one_process_and_under_lora_is_not_the_base(tmp_path):
+    """Guards --teacher beyond one full-weight process: 2 DDP ranks (gloo) of pure OPD after one step equal one
+    process (each rank scores its own rows with its own copy of the teacher; the KL metric sums over ranks); and with
+    LoRA the teacher stays the --teacher checkpoint, not the adapters' frozen base: at the first step the LoRA student
+    equals the base, so its reverse KL to the teacher equals the full-weight run's (were the teacher the base, 0)."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_train import DDP_ARGS, TORCHRUN, assert_equals_one_process
+
+    teacher_dir = perturbed_teacher(tmp_path / "teacher")
+    args = [a if a != "grpo" else "opd" for a in DDP_ARGS] + ["--teacher", teacher_dir, "--samples-every", "0"]
+    launch = [*TORCHRUN, "--nproc_per_node", "2", "--master-port", "29561"]
+    assert_equals_one_process([launch], args, tmp_path)
+
+    import train
+    from train import TrainConfig
+
+    kls = []
+    for lora_rank in (0, 4):
+        out = tmp_path / f"lora{lora_rank}"
+        kw = SMALL_RUN | dict(algo="opd", **opd.PRESETS["opd"], teacher=teacher_dir, max_steps=1, eval_examples=2)
+        train.main(TrainConfig(**kw, lora_rank=lora_rank, out=str(out)))
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "teacher/reverse_kl" in line]
+        kls.append(rows[0]["teacher/reverse_kl"])
+    assert kls[0] > 1e-4 and kls[1] == pytest.approx(kls[0], rel=1e-5, abs=1e-7)
