@@ -326,7 +326,7 @@ def main(cfg: TrainConfig) -> dict:
         evaluate_heldout(run, 0)
     bar = tqdm(total=cfg.max_steps, initial=run.state["step"], disable=run.rank != 0, desc="train", dynamic_ncols=True)
     resume = ("python" if run.world == 1 else "torchrun ...") + f" train.py --resume {cfg.out}"
-    with stop_signals(resume) as stop:  # SIGINT, SIGTERM: stop at the next step boundary, with a checkpoint
+    with stop_signals(resume) as stop, bar:  # SIGINT, SIGTERM: stop at the next step boundary, with a checkpoint
         state, step = run.state, run.state["step"]
         try:
             for step in range(run.state["step"], cfg.max_steps):
@@ -385,7 +385,6 @@ def main(cfg: TrainConfig) -> dict:
                 end_of_step(run, step, row, stop, bar)
         except Exception as e:  # a bug, a library's error, a full disk: never lose the steps done
             stop_on_error(run, e, step, state, stop.resume)
-    bar.close()
     save(run, os.path.join(cfg.out, "final"))
     if cfg.merge:
         save_merged(run)

@@ -26,9 +26,7 @@ class Flags:
     """The flags of this method (config.TrainConfig gathers them; a trailing comment is the --help text)."""
 
     # -- loss
-    tis_cap: float = (
-        2.0  # a --rollout-dtype copy or --staleness: losses times min(pi_train / pi_sampler, CAP) (0 = off)
-    )
+    tis_cap: float = 2.0  # bf16 rollout copy or --staleness: losses times min(pi_train / pi_sampler, CAP) (0 = off)
     rollout_is: str = "token_truncate"  # the --tis-cap correction: per token or sequence, truncate or mask (0 weight)
     tis_floor: float = 0.0  # lower bound of the correction's ratio (IcePop: --rollout-is token_mask, 0.5 and 5)
 

@@ -45,9 +45,7 @@ class Flags:
     # -- rollouts
     staleness: int = 0  # train step n's rollouts at step n + K (0 = on-policy); the first K steps only sample
     # -- loss
-    is_anchor: str = (
-        "old"  # the ratio against the proximal policy (old; --tis-cap weights it) or the sampler's (rollout)
-    )
+    is_anchor: str = "old"  # the ratio against the proximal policy (old; --tis-cap weights it) or the sampler's
 
 
 CHOICES = dict(is_anchor=("old", "rollout"))

@@ -87,6 +87,7 @@ def weights(path: str) -> dict[str, torch.Tensor]:
 def test_every_preset_runs(tiny, tmp_path, algo):
     """Guards against a preset whose flag combination crashes the loop or writes no metrics/checkpoint."""
     extra = dict(thoughts=2) if algo == "two_grpo" else dict(answers=2) if algo == "grpo_ma" else {}
+    extra |= dict(teacher=tiny) if algo == "opd" else {}  # the one preset that needs a checkpoint: its teacher
     out = str(tmp_path / algo)
     train.main(small(tiny, out, algo=algo, **extra))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -408,15 +409,25 @@ def test_non_finite_steps_are_skipped_then_stop(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_help_lists_every_flag():
-    """Guards against `train.py --help` crashing (argparse %-formatting of help text), missing a field,
-    losing a field's help text, or hiding the family a flag belongs to and the values a choice flag takes."""
+    """Guards against `train.py --help` crashing (argparse %-formatting of help text), missing a field or a family
+    (teachers: the distillation methods'), losing a field's help text, or hiding the family a flag belongs to and
+    the values a choice flag takes."""
     r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     helps, groups = cli._field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         assert "--" + f.name.replace("_", "-") in r.stdout, f.name
         assert helps.get(f.name), f"{f.name} has no help comment"
-    families = ("run", "rollouts", "rewards", "advantages", "loss", "optimisation", "logging and checkpoints")
+    families = (
+        "run",
+        "rollouts",
+        "rewards",
+        "advantages",
+        "loss",
+        "optimisation",
+        "logging and checkpoints",
+        "teachers",
+    )
     assert set(groups.values()) == set(families)
     sections = [line[:-1] for line in r.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert [s for s in sections if s in families] == list(families)
