@@ -81,19 +81,15 @@ def parse_weights(spec: str) -> dict[str, float]:
 
 
 def check(cfg) -> Iterator[FlagError]:
-    on = cfg.advantage == "gdpo"
+    on, me = cfg.advantage == "gdpo", "--advantage gdpo"
     for field, spelled in SHAPING if on else ():
         if getattr(cfg, field, False) not in (False, 0, "", None):
             why = f"normalises the task's reward components, which {spelled} does not change: drop it"
-            yield FlagError(("advantage",), why, (field,), "--advantage gdpo")
+            yield FlagError(("advantage",), why, (field,), me)
     if on and getattr(cfg, "pair_delta", -1) >= 0:
-        yield FlagError(
-            ("advantage",), "replaces DaGRPO's advantages: drop --pair-delta", ("pair_delta",), "--advantage gdpo"
-        )
+        yield FlagError(("advantage",), "replaces DaGRPO's advantages: drop --pair-delta", ("pair_delta",), me)
     if on and not cfg.std_normalize:
-        yield FlagError(
-            ("advantage",), "divides by its own stds: drop --no-std-normalize", ("std_normalize",), "--advantage gdpo"
-        )
+        yield FlagError(("advantage",), "divides by its own stds: drop --no-std-normalize", ("std_normalize",), me)
     for field in ("reward_weights", "gdpo_form"):
         if not on and getattr(cfg, field) != Flags.__dataclass_fields__[field].default:
             yield FlagError((field,), "needs --advantage gdpo (or --algo gdpo)", ("advantage",))
@@ -112,10 +108,8 @@ def start(run) -> None:
         raise ValueError(f"--advantage gdpo needs a reward with named components, and task '{run.task.name}' has none.")
     unknown = sorted(set(parse_weights(run.cfg.reward_weights)) - set(parts))
     if unknown:
-        have = ", ".join(parts)
-        raise ValueError(
-            f"--reward-weights names {', '.join(unknown)}, not a component of task '{run.task.name}' ({have})."
-        )
+        have, name = ", ".join(parts), run.task.name
+        raise ValueError(f"--reward-weights names {', '.join(unknown)}, not a component of task '{name}' ({have}).")
 
 
 def group_scores(x: Tensor, form: str = "trl") -> Tensor:
