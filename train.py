@@ -384,7 +384,7 @@ def main(cfg: TrainConfig) -> dict:
                 row |= selection | methods.metrics(run, sums, counts) | clock.row(sampled["tokens/generated"])
                 end_of_step(run, step, row, stop, bar)
         except Exception as e:  # a bug, a library's error, a full disk: never lose the steps done
-            stop_on_error(run, e, step, state, stop.resume)
+            stop_on_error(run, e, step, state, stop.resume, bar)
     save(run, os.path.join(cfg.out, "final"))
     if cfg.merge:
         save_merged(run)
@@ -422,12 +422,13 @@ def stop_at_boundary(run: Run, step: int, signum: int, resume: str) -> None:
     raise Stopped(signum, message)
 
 
-def stop_on_error(run: Run, error: Exception, step: int, state: dict | None, resume: str) -> NoReturn:
+def stop_on_error(run: Run, error: Exception, step: int, state: dict | None, resume: str, bar: tqdm) -> NoReturn:
     """An unexpected exception ended the run in step `step` + 1: as for a signal, a checkpoint of the last completed
     step first (`state`: the trainer state it ended with; None when the error came mid-update, whose weights no
     checkpoint may hold), then the traceback and a last line that says what holds the run (exit status 1). A
     ValueError or OSError is one sentence instead, with that line appended (status 2, as cli.user_errors); a
     UserError, a stop the trainer chose, passes unchanged."""
+    bar.close()  # the bar's last line above what follows
     if isinstance(error, UserError):  # a stop the trainer chose (broken weights, a removed run directory)
         raise error  # its sentence says what is intact
     cfg, done = run.cfg, (state or {}).get("step", 0)
