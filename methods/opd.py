@@ -10,9 +10,9 @@ A_task is the run's group-normalised advantage, and the signal is added after no
 Which student log-prob s is (--teacher-student): `sampler`, what the sampler computed when it drew the token
 (tinker, TRL IW-OPD); `old`, the score pass's pi_old (slime, SkyRL, NeMo-RL, ms-swift). On one optimizer step per
 batch (mu = 1) in float32 they agree. The loss is the run's --loss: `clip` (slime's and ms-swift's PPO loss; at
-mu = 1 the ratio is 1 and the clip never binds) or `is`, exp(s - o) * A unclipped (SkyRL's and tinker's
-importance_sampling, o = pi_old). At mu = 1 both give the gradient -A_t grad s_t per token; with the aggregation's
-weights (token_mean: / #tokens) the step equals tinker's and SkyRL's.
+mu = 1 the ratio is 1 and the clip never binds) or `plain_is` (methods/staleness.py), exp(s - o) * A unclipped
+(SkyRL's and tinker's importance_sampling, o = pi_old). At mu = 1 both give the gradient -A_t grad s_t per token;
+with the aggregation's weights (token_mean: / #tokens) the step equals tinker's and SkyRL's.
 
 Full-vocabulary form (--teacher-kl full; TRL's DistillationTrainer with beta = 1, GKD's reverse case): the per-token
 reverse KL over the whole vocabulary, KL_t = sum_v p_S(v) (log p_S(v) - log p_T(v)) at --temperature, differentiated
@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from cli import FlagError
-from losses import Objective, on_mask, token_ratio
+from losses import on_mask
 from methods.teacher import score as teacher_score
 from methods.teacher import self_distilled, signal_metrics
 from pack import token_stats
@@ -156,11 +156,3 @@ def micro_batch(run, tok, mb, sampled: Tensor, sums: dict, epoch: int):
     flat = mb.to_logical[rows, cols]
     (cfg.teacher_coef * (tok.weight.flatten()[flat] * kl).sum()).backward()  # weight: 0 off the trained tokens
     return tok
-
-
-def importance_sampled(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, hp) -> tuple[Tensor, Tensor]:
-    """exp(s - o) * A, no clip (tinker's and SkyRL's importance_sampling loss): no token is ever cut."""
-    return token_ratio(logp, old_logp, mask) * on_mask(adv, mask), torch.zeros_like(mask)
-
-
-LOSSES = {"is": Objective(importance_sampled)}

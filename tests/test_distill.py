@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import methods
 from helpers import BUNDLED, SMALL_RUN, make_hf_checkpoint
 from hf import load_model
 from logprobs import token_logprobs
@@ -44,7 +45,7 @@ def test_opd_advantage_is_the_task_advantage_plus_the_teacher_log_ratio():
 
 def test_opd_gradient_equals_tinkers_importance_sampling_loss():
     """Guards the OPD step against the recipe: -sum_t exp(s_t - b_t) A_t / N (tinker, SkyRL) and its gradient, by
-    the clipped surrogate at mu = 1 (slime, ms-swift) and by --loss is, with token_mean weights."""
+    the clipped surrogate at mu = 1 (slime, ms-swift) and by --loss plain_is, with token_mean weights."""
     s0, T, mask, A = example()
     b = s0 + torch.tensor([[0.0, 0.01, -0.02, 0.0], [0.03, 0.0, 0.0, 0.0]])  # the sampler's log-probs
     adv = opd.opd_advantages(torch.zeros_like(A), T, b, mask, 1.0, distill_only=True)
@@ -53,7 +54,10 @@ def test_opd_gradient_equals_tinkers_importance_sampling_loss():
     want = -(torch.exp(ref - b) * adv * mask).sum() / N
     want.backward()
     weight = mask.float() / N
-    for objective, old in ((opd.LOSSES["is"], b), (CLIP, s0)):  # is: o = b (the sampler); clip at mu = 1: o = s
+    for objective, old in (
+        (methods.LOSSES["plain_is"], b),
+        (CLIP, s0),
+    ):  # is: o = b (the sampler); clip at mu = 1: o = s
         logp = s0.clone().requires_grad_(True)
         loss, _ = policy_loss(Tokens(logp, old, adv, weight, mask=mask), HP, objective)
         loss.backward()
