@@ -10,6 +10,10 @@ layer passes over it (the `valid` of each forward), so holes never change what a
 keys, a state cannot be rewound: a token once fed is in it.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -51,7 +55,7 @@ class KVCache:
         self.span = 0  # static mode: slots attention covers, a bucket >= length + 1 (graphs.span_bucket)
 
     @classmethod
-    def for_model(cls, model: Transformer, batch: int, max_len: int) -> "KVCache":
+    def for_model(cls, model: Transformer, batch: int, max_len: int) -> KVCache:
         c, dev = model.config, model.lm_head.weight.device
         # under autocast the keys/values arrive in the autocast dtype: store them in it (a meta model: its own)
         autocast = dev.type != "meta" and torch.is_autocast_enabled(dev.type)
@@ -117,7 +121,7 @@ class KVCache:
         if not torch.equal(self.rows, torch.arange(len(self.rows), device=self.rows.device)):
             self.reorder(torch.argsort(self.rows))
 
-    def fork(self, rows: Tensor, max_len: int) -> "KVCache":
+    def fork(self, rows: Tensor, max_len: int) -> KVCache:
         """A new cache of len(rows) rows; row i copies the caller's row rows[i] (prefix sharing)."""
         src, s, (L, _, Hkv, _, hd) = torch.argsort(self.rows)[rows], self.length, self.k.shape
         layers, state = list(self.kv_index), None
@@ -202,3 +206,110 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
     logits = model(tok[:, None], positions=positions, cache=cache, attn_mask=mask, valid=alive[:, None])
     cache.next_pos[:b] += alive
     return logits[:, -1]
+
+
+# -----------------------------------------------------------------------------
+# Training: shared prompts, run once for the rows that continue them
+
+
+class PromptKV:
+    """KV-cache stand-in for the shared-prompt forward: records each layer's keys/values of the
+    prompts (keeping their autograd graph), and a hybrid's DeltaNet layers' states after them; `rows(prompt_of)`
+    then serves the completion rows, prepending their prompt's keys/values to their own and starting each
+    DeltaNet layer from its prompt's state."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        return k, v
+
+    def state(self, layer_idx: int, batch: int) -> None:
+        return None  # the prompts start from the empty state
+
+    def set_state(self, layer_idx: int, conv: torch.Tensor, S: torch.Tensor) -> None:
+        self.states[layer_idx] = conv, S
+
+    def rows(self, prompt_of: torch.Tensor) -> PromptRows:
+        return PromptRows(self, prompt_of)
+
+
+@dataclass
+class PromptRows:
+    prompts: PromptKV
+    prompt_of: torch.Tensor
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # index_select, not x[prompt_of]: rows repeat prompt indices, and the backward of advanced indexing
+        # (index_put with accumulate) sums repeats with racy atomic adds on a multi-threaded CPU, so two
+        # runs would differ in the last bits; index_select's backward (index_add_) sums in a fixed order.
+        pk = self.prompts.k[layer_idx].index_select(0, self.prompt_of)
+        pv = self.prompts.v[layer_idx].index_select(0, self.prompt_of)
+        return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+
+    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.index_select(0, self.prompt_of) for t in self.prompts.states[layer_idx])
+
+    def set_state(self, layer_idx: int, conv: torch.Tensor, S: torch.Tensor) -> None:
+        pass  # nothing continues the rows
+
+
+class TrunkKV(PromptKV):
+    """PromptKV of a hybrid's tree trunks (tree_hidden), which continue their shared prompts (`prompts`, its rows)
+    or, without one, nothing."""
+
+    def __init__(self, prompts: PromptRows | None) -> None:
+        super().__init__()
+        self.prompts = prompts
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = (k, v) if self.prompts is None else self.prompts.update(layer_idx, k, v)
+        return super().update(layer_idx, k, v)
+
+    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.prompts is None else self.prompts.state(layer_idx, batch)
+
+
+@dataclass
+class Prompts:
+    """Shared prompts after their pass: each layer's keys and values and each DeltaNet layer's state (kv), the last
+    position's hidden state (first, (P, C): it predicts each row's first token) and the keys' validity (P, Lp)."""
+
+    kv: PromptKV
+    first: torch.Tensor
+    valid: torch.Tensor
+    leaves: Prompts | None = None  # the same values cut from the pass's graph: what micro-batches before the last read
+
+    def tensors(self) -> list[torch.Tensor]:
+        states = [t for pair in self.kv.states.values() for t in pair]
+        return [self.first, *self.kv.k.values(), *self.kv.v.values(), *states]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() of the last micro-batch that reads these prompts, and in the same call their pass's
+        backward, given what the earlier micro-batches sent to the leaves and what this one sends."""
+        pairs = [(t, leaf.grad) for t, leaf in zip(self.tensors(), self.leaves.tensors()) if leaf.grad is not None]
+        torch.autograd.backward([loss, *(t for t, _ in pairs)], [None, *(g for _, g in pairs)])
+
+    def cut(self) -> Prompts:
+        """These prompts with leaves: the same values cut from the pass's graph (gradients sum in their .grad)."""
+        leaves = iter([t.detach().requires_grad_(t.requires_grad) for t in self.tensors()])
+        kv, first = PromptKV(), next(leaves)
+        kv.k, kv.v = ({i: next(leaves) for i in d} for d in (self.kv.k, self.kv.v))
+        kv.states = {i: (next(leaves), next(leaves)) for i in self.kv.states}
+        return Prompts(kv, first, self.valid)
+
+
+def prompt_pass(model, ids: torch.Tensor, valid: torch.Tensor, leaves: bool = False) -> Prompts:
+    """Each shared prompt once (ids, valid (P, Lp), left-padded), recording its keys/values (a hybrid's states too).
+    It runs on the unwrapped module (DDP: the wrapper sees one forward per backward). Its last hidden state predicts
+    each row's token 0; that use also keeps every layer's output in the backward graph, which FSDP2 needs (it
+    re-gathers a layer's weights when its output's gradient arrives). leaves: with `leaves` (Prompts.cut)."""
+    kv = PromptKV()
+    kw = dict(cache=kv, attn_mask=chunk_mask(valid, valid.shape[1]), logits_to_keep=1, hidden=True, valid=valid)
+    first = getattr(model, "module", model)(ids, positions=(valid.cumsum(1) - 1).clamp(min=0), **kw)[:, 0]
+    prompts = Prompts(kv, first, valid)
+    prompts.leaves = prompts.cut() if leaves else None
+    return prompts

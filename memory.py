@@ -160,6 +160,9 @@ def micro_batch(shape: Shape) -> tuple[int, int, int, int]:
         rows = max(1, min(rows, shape.micro_batch_tokens // (row + shared)))
     # rows are sorted by length, not by prompt: a micro-batch of fewer than all rows may hold one prompt per row
     prompts = shape.prompts if rows == shape.prompts * shape.thoughts else min(rows, shape.prompts)
+    micro_batches = -(-shape.prompts * shape.thoughts // rows)
+    if micro_batches * prompts > shape.prompts and shape.prompts * shared <= rows * row + prompts * shared:
+        prompts = shape.prompts  # pack.step_prompts: every prompt in one pass, its activations kept through the epoch
     return rows, row, prompts if shared else 0, shape.prompt_tokens
 
 

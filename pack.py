@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcache import chunk_mask
+from kvcache import PromptRows, Prompts, TrunkKV, prompt_pass
 from logprobs import head_logprobs
 
 
@@ -212,6 +212,7 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
         None if batch.packed_attn is None else batch.packed_attn[rows, :, :width, :width],
         (new[jb[keep]], jt[keep], js[keep]),
         torch.where(to_logical >= 0, new[to_logical // T] * T + to_logical % T, -1),
+        group=None if batch.group is None else batch.group[rows],
     )
     if batch.prompt_ids is not None:
         prompts, mb.prompt_of = torch.unique(batch.prompt_of[rows], return_inverse=True)
@@ -245,67 +246,6 @@ def split_rows(batch: Batch, size: int, max_tokens: int = 0) -> list[torch.Tenso
         rows.append(r)
         prompts = with_p
     return cuts + [torch.tensor(rows, device=order.device)]
-
-
-class PromptKV:
-    """KV-cache stand-in for the shared-prompt forward: records each layer's keys/values of the
-    prompts (keeping their autograd graph), and a hybrid's DeltaNet layers' states after them; `rows(prompt_of)`
-    then serves the completion rows, prepending their prompt's keys/values to their own and starting each
-    DeltaNet layer from its prompt's state."""
-
-    def __init__(self) -> None:
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k[layer_idx], self.v[layer_idx] = k, v
-        return k, v
-
-    def state(self, layer_idx: int, batch: int) -> None:
-        return None  # the prompts start from the empty state
-
-    def set_state(self, layer_idx: int, conv: torch.Tensor, S: torch.Tensor) -> None:
-        self.states[layer_idx] = conv, S
-
-    def rows(self, prompt_of: torch.Tensor) -> PromptRows:
-        return PromptRows(self, prompt_of)
-
-
-@dataclass
-class PromptRows:
-    prompts: PromptKV
-    prompt_of: torch.Tensor
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # index_select, not x[prompt_of]: rows repeat prompt indices, and the backward of advanced indexing
-        # (index_put with accumulate) sums repeats with racy atomic adds on a multi-threaded CPU, so two
-        # runs would differ in the last bits; index_select's backward (index_add_) sums in a fixed order.
-        pk = self.prompts.k[layer_idx].index_select(0, self.prompt_of)
-        pv = self.prompts.v[layer_idx].index_select(0, self.prompt_of)
-        return torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-
-    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(t.index_select(0, self.prompt_of) for t in self.prompts.states[layer_idx])
-
-    def set_state(self, layer_idx: int, conv: torch.Tensor, S: torch.Tensor) -> None:
-        pass  # nothing continues the rows
-
-
-class TrunkKV(PromptKV):
-    """PromptKV of a hybrid's tree trunks (tree_hidden), which continue their shared prompts (`prompts`, its rows)
-    or, without one, nothing."""
-
-    def __init__(self, prompts: PromptRows | None) -> None:
-        super().__init__()
-        self.prompts = prompts
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = (k, v) if self.prompts is None else self.prompts.update(layer_idx, k, v)
-        return super().update(layer_idx, k, v)
-
-    def state(self, layer_idx: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.prompts is None else self.prompts.state(layer_idx, batch)
 
 
 def rows_mask(own: torch.Tensor | None, keys: torch.Tensor | None, T: int) -> torch.Tensor | None:
@@ -356,6 +296,19 @@ def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_v
     return out.flatten(0, 1).index_copy(0, flat, ha.flatten(0, 1)[own.flatten()]).view(B, Tp, -1)
 
 
+def step_prompts(model, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -> Prompts | None:
+    """The step's shared prompts run once for all its micro-batches, when more than one micro-batch reads a prompt
+    (each would run it again) and the pass is no larger than a micro-batch (its activations live through the epoch,
+    beside each micro-batch's); None otherwise. The micro-batches before the last read `leaves`, values cut from the
+    pass's graph that sum the gradients sent back to them; the last reads the pass itself, and Prompts.backward runs
+    the pass's backward with its own, once (DDP and FSDP see one backward through the prompts, as per micro-batch)."""
+    if batch.prompt_ids is None or len(micro) < 2:
+        return None
+    again = sum(int(mb.prompt_valid.sum()) for _, mb in micro) > int(batch.prompt_valid.sum())
+    fits = batch.prompt_ids.numel() <= max(mb.packed_ids.numel() + mb.prompt_ids.numel() for _, mb in micro)
+    return prompt_pass(model, batch.prompt_ids, batch.prompt_valid, leaves=True) if again and fits else None
+
+
 def token_stats(
     model,
     batch: Batch,
@@ -364,6 +317,7 @@ def token_stats(
     chunk_tokens: int | None = None,
     entropy_grad: bool = False,
     states: bool = False,
+    prompts: Prompts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy; with entropy_grad, differentiable) of every completion token under `model`,
     (B, T) float32 in the logical layout (0 at prompt and padding positions).
@@ -372,18 +326,15 @@ def token_stats(
     through lm_head, chunk by chunk (logprobs.head_logprobs), so no (rows, T, V) logits ever exist.
     Token t is predicted by the hidden state at t - 1, except the first token of a segment that does
     not follow its predecessor (the `jumps`: answer j > 0 is predicted from its thought's end, a
-    row's first token from its shared prompt's end)."""
-    ids, first, prompts, keys = batch.packed_ids, None, None, None
+    row's first token from its shared prompt's end). prompts: the step's shared prompts, already run (step_prompts;
+    the rows' batch.group index them), else the batch's own run here."""
+    ids, first, keys = batch.packed_ids, None, None
     head = getattr(model, "module", model)
     if batch.prompt_ids is not None:  # 1. each prompt once, recording its keys/values (a hybrid's states too)
-        kv, valid, of = PromptKV(), batch.prompt_valid, batch.prompt_of
-        # DDP: the prompt pass runs on the wrapped module, so the wrapper sees one forward per backward.
-        # Its last hidden state predicts each row's token 0; that use also keeps every layer's output in
-        # the backward graph, which FSDP2 needs (it re-gathers a layer's weights when its output's gradient arrives).
-        kw = dict(cache=kv, attn_mask=chunk_mask(valid, valid.shape[1]), logits_to_keep=1, hidden=True, valid=valid)
-        # (B, C), its last position; index_select: see PromptRows.update
-        first = head(batch.prompt_ids, positions=(valid.cumsum(1) - 1).clamp(min=0), **kw)[:, 0].index_select(0, of)
-        prompts, keys = kv.rows(of), valid.index_select(0, of)  # 2. the rows attend to their prompt's keys
+        of = batch.prompt_of if prompts is None else batch.group
+        prompts = prompt_pass(model, batch.prompt_ids, batch.prompt_valid) if prompts is None else prompts
+        first = prompts.first.index_select(0, of)  # (B, C); index_select: see PromptRows.update
+        prompts, keys = prompts.kv.rows(of), prompts.valid.index_select(0, of)  # 2. the rows attend to their keys
     if batch.packed_attn is not None and "linear_attention" in (head.config.layer_types or ()):
         hidden = tree_hidden(model, batch, prompts, keys)  # a hybrid's tree rows: no mask can keep answers apart
     else:

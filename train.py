@@ -71,6 +71,7 @@ from pack import (
     rollouts,
     select_rows,
     split_rows,
+    step_prompts,
     token_stats,
 )
 from rewards import score_batch
@@ -210,6 +211,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     # each micro-batch's trained tokens, the weight of its diagnostics: the same in every epoch, one sync per step
     trained = torch.stack([batch.mask[rows].sum() for rows, _ in micro]).tolist()
     for epoch in range(cfg.mu):
+        with run.precision():  # each shared prompt once per epoch for all micro-batches, when that saves work
+            shared = step_prompts(run.model, batch, micro)
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
             no_sync = world > 1 and not cfg.fsdp and not sync
@@ -217,7 +220,9 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 run.policy.set_requires_gradient_sync(sync)
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), run.precision():
                 entropy = epoch == 0 and batch.entropy is None
-                logp, ent = token_stats(run.model, mb, cfg.temperature, entropy=entropy, entropy_grad=entropy_grad)
+                prompts = shared and (shared if sync else shared.leaves)  # the step's prompts, run once (or None)
+                kw = dict(entropy=entropy, entropy_grad=entropy_grad, prompts=prompts)
+                logp, ent = token_stats(run.model, mb, cfg.temperature, **kw)
                 mask = batch.mask[rows]
                 old = logp.detach() if batch.old_logp is None else batch.old_logp[rows]
                 tok = Tokens(logp, old, **batch.per_token(rows))  # advantages, weights, the methods' fields
@@ -226,7 +231,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 tok = methods.chain(run, "micro_batch", tok, mb, sampled, sums, epoch)
                 loss, metrics = policy_loss(tok, cfg, run.objective)
                 loss = methods.chain(run, "loss_terms", loss, tok, ent)
-                (loss * world).backward()  # DDP/FSDP average over ranks; our loss is already the global sum
+                # DDP/FSDP average over ranks (our loss is already the global sum); the shared prompts' backward: once
+                shared.backward(loss * world) if shared and sync else (loss * world).backward()
             sums["clip_frac"] += metrics["clip_frac"] * trained[i] / cfg.mu  # the mean over epochs
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
                 ent = ent if ent is not None else batch.entropy[rows]

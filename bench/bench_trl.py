@@ -360,7 +360,7 @@ def run_both(cfg: BenchConfig, model_dir: str, work: str) -> tuple[list[dict], l
             if proc.returncode:
                 raise SystemExit(f"bench_trl: the {side} run failed:\n{proc.stderr[-3000:]}")
             with open(job["result"]) as f:
-                out[side] += json.load(f)
+                out[side] += [dict(row, round=r) for row in json.load(f)]
     return out["ours"], out["trl"]
 
 
@@ -401,6 +401,18 @@ def report(cfg: BenchConfig, ours: list[dict], trl: list[dict], model_note: str)
     # Time per generated token, so a side whose policy stops earlier does not look faster for it.
     per_tok = (median_of(trl, "total") / mean_of(trl, "length")) / (median_of(ours, "total") / mean_of(ours, "length"))
     print(f"step time per generated token, TRL / train.py: {per_tok:.1f}x")
+    # the spread: each round's ratio of medians (the sides ran back to back), and each side's range over steps
+    for key in ("total", "update"):
+        per_round = [
+            median_of([s for s in trl if s["round"] == r], key) / median_of([s for s in ours if s["round"] == r], key)
+            for r in range(cfg.rounds)
+        ]
+        ranges = ", ".join(
+            f"{name} {min(s[key] for s in steps):.2f}-{max(s[key] for s in steps):.2f} s"
+            for name, steps in (("train.py", ours), ("TRL", trl))
+        )
+        rounds = ", ".join(f"{x:.2f}x" for x in per_round)
+        print(f"{key}: TRL / train.py per round {rounds}; range over steps: {ranges}")
     # memory of the update (last timed step: AdamW's state exists throughout), CPU peak RSS in GiB
     o, t = ours[-1], trl[-1]
     o_act, t_act = o["mem_update"] - o["mem_base"], t["mem_update"] - t["mem_base"]

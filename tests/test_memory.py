@@ -13,8 +13,8 @@ import torch
 
 import memory
 from helpers import QWEN35_08B
+from kvcache import PromptKV
 from model import Block, ModelConfig, Transformer, rope_cos_sin
-from pack import PromptKV
 from sampler import KVCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
