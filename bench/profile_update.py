@@ -5,17 +5,19 @@
 
 Both sides run the same update on the same checkpoint (random weights from random_checkpoint.py, float32): one
 prompt of --prompt-tokens, --rows completions of --new tokens, micro-batches of --micro-batch-rows, forward and
-backward of every micro-batch, then AdamW. Ours is train.py's path (pack, split_rows, token_stats with the shared
-prompt, policy_loss); TRL's is what its GRPOTrainer computes per micro-batch: transformers' model on the rows'
-prompt + completion tokens (logits_to_keep = the completion), log-softmax at the targets, the clipped loss. Each
-side runs --repeats times after a warm-up, under torch.profiler on the last; the table groups the aten ops' self
-CPU time by kind (matmuls split by what they multiply: the head's vocabulary, the MLP's width, the rest), per step.
+backward of every micro-batch, then AdamW. Ours is train.py's path (pack, split_rows, step_prompts: the shared prompt
+once per step, token_stats, a clipped loss; ours_micro: the prompt once per micro-batch); TRL's is what its
+GRPOTrainer computes per micro-batch: transformers' model on the rows' prompt + completion tokens (logits_to_keep =
+the completion), log-softmax at the targets, the clipped loss. Each side runs a warm-up step, then --repeats timed
+steps (the sides in turns), then one under torch.profiler (--no-profile: none), whose table groups the aten ops'
+self CPU time by kind (matmuls split by what they multiply: the head's vocabulary, the MLP's width, the rest).
 A profile to read, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -125,6 +127,7 @@ def main() -> None:
     p.add_argument("--micro-batch-rows", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="a profiled round last")
     p.add_argument("--sides", default="ours,trl", help="any of ours, ours_micro (the prompt once per micro-batch), trl")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -146,13 +149,14 @@ def main() -> None:
     for name in chosen:
         model, _ = sides[name]
         sides[name] = (model, sides[name][1], torch.optim.AdamW(model.parameters(), lr=1e-7))  # ours, ours_micro: two
-    for r in range(args.repeats + 1):  # the sides in turns; round 0 warms up
+    for r in range(1 + args.repeats + args.profile):  # the sides in turns: a warm-up, timed rounds, a profiled one
         for name in chosen:
             model, step, opt = sides[name]
-            if r < args.repeats:
+            if r <= args.repeats:
                 t = time.perf_counter()
                 step(model, opt)
-                times[name].append(time.perf_counter() - t)
+                if r:
+                    times[name].append(time.perf_counter() - t)
             else:
                 with torch.profiler.profile(record_shapes=True) as prof:
                     step(model, opt)
@@ -162,7 +166,10 @@ def main() -> None:
         f"one update: 1 prompt of {args.prompt_tokens} + {args.rows} x {args.new} tokens, micro-batch "
         f"{args.micro_batch_rows}, {n_layers} layers, float32, {args.threads} threads"
     )
-    print("step seconds (rounds 1..):", {k: [round(x, 2) for x in v] for k, v in times.items()})
+    for name, ts in times.items():
+        print(f"{name}: step {statistics.median(ts):.2f} s, median of {len(ts)} (range {min(ts):.2f}-{max(ts):.2f})")
+    if not results:
+        return
     kinds = sorted({k for r in results.values() for k in r}, key=lambda k: -max(r.get(k, 0) for r in results.values()))
     print(f"{'self CPU seconds / step':<40}" + "".join(f"{n:>10}" for n in chosen))
     for k in kinds:
