@@ -94,9 +94,10 @@ class KVCache:
             v_all.index_copy_(2, self.slot, v)
             return k_all, v_all
         s = self.length
-        self.k[layer_idx, :b, :, s : s + T] = k
-        self.v[layer_idx, :b, :, s : s + T] = v
-        return self.k[layer_idx, :b, :, : s + T], self.v[layer_idx, :b, :, : s + T]
+        k_all, v_all = self.k[layer_idx, :b, :, : s + T], self.v[layer_idx, :b, :, : s + T]
+        k_all[:, :, s:] = k  # written through the views returned: fewer view ops in the decode step
+        v_all[:, :, s:] = v
+        return k_all, v_all
 
     def reorder(self, perm: Tensor) -> None:
         """Permute the first len(perm) cache rows: new row i = old row perm[i]."""
@@ -178,12 +179,19 @@ def prefill(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, Tens
     return cache, extend(model, cache, ids.to(dev), valid.to(dev))[:, -1]
 
 
+def additive_mask(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """A decode step's attention mask (b, 1, 1, S) in `dtype`: 0 at the valid slots of valid (b, S), -inf at holes.
+    Built once per step for every layer: given a boolean mask, SDPA builds this same one in each layer (zeros, then
+    -inf where masked), so the outputs are bit for bit those of the boolean mask."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))[:, None, None]
+
+
 def decode_step(model: Transformer, cache: KVCache, tok: Tensor, alive: Tensor) -> Tensor:
     """Feed one token (b,) per active row; returns the logits (b, V) of each row's next token.
     extend() for T = 1, minus the ops a single query does not need (the hot path)."""
     b, s = len(tok), cache.length
     cache.key_valid[:b, s] = alive  # a finished row's slot is a hole
-    mask = cache.key_valid[:b, None, None, : s + 1]  # (b, 1, 1, S): one query needs no causal part
+    mask = additive_mask(cache.key_valid[:b, : s + 1], cache.k.dtype)  # one query needs no causal part
     logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask, valid=alive[:, None])
     cache.length += 1
     cache.next_pos[:b] += alive
@@ -197,13 +205,11 @@ def decode_step_static(model: Transformer, cache: KVCache, tok: Tensor, alive: T
     b = len(tok)
     valid = cache.key_valid[:b, : cache.span]  # (b, span)
     valid.index_copy_(1, cache.slot, alive[:, None])
-    # one additive mask (0 or -inf) for every layer: SDPA would turn a boolean one into it in each layer. A mask rules
-    # out the flash backend: under capture SDPA runs mem-efficient or cuDNN (plans built in the warm-up), or math
-    # (slow: many kernels, float32 scores; bench/gpu_check.sh's profile shows which). No row is ever fully masked
-    # (a padding row attends to slot 0, graphs.py; a prompt has a valid token), so no row's softmax is NaN.
-    mask = torch.zeros(valid.shape, dtype=cache.k.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
-    positions, mask = cache.next_pos[:b, None], mask[:, None, None]
-    logits = model(tok[:, None], positions=positions, cache=cache, attn_mask=mask, valid=alive[:, None])
+    # A mask rules out the flash backend: under capture SDPA runs mem-efficient or cuDNN (plans built in the warm-up),
+    # or math (slow: many kernels, float32 scores; bench/gpu_check.sh's profile shows which). No row is ever fully
+    # masked (a padding row attends to slot 0, graphs.py; a prompt has a valid token), so no row's softmax is NaN.
+    mask = additive_mask(valid, cache.k.dtype)
+    logits = model(tok[:, None], positions=cache.next_pos[:b, None], cache=cache, attn_mask=mask, valid=alive[:, None])
     cache.next_pos[:b] += alive
     return logits[:, -1]
 

@@ -332,9 +332,10 @@ class Transformer(nn.Module):
         training turns those into log-probs with `head_logprobs`, never holding (B, T, V) logits.
 
         positions (B, T): RoPE position of each token (default arange(T)). cache: an object with
-        `update(layer_idx, k, v) -> (k_all, v_all)`. attn_mask (B, 1, T, S) bool, True = attend,
-        used as given; without mask and cache the forward is plainly causal. valid (B, T) bool: the real tokens
-        (False: padding), what Gated DeltaNet layers skip (deltanet.py); attention layers read attn_mask."""
+        `update(layer_idx, k, v) -> (k_all, v_all)`. attn_mask (B, 1, T, S) bool, True = attend (or SDPA's
+        additive form, 0 or -inf: kvcache.additive_mask), used as given; without mask and cache the forward is
+        plainly causal. valid (B, T) bool: the real tokens (False: padding), what Gated DeltaNet layers skip
+        (deltanet.py); attention layers read attn_mask."""
         B, T = input_ids.shape
         if cache is not None and attn_mask is None:
             # is_causal is top-left aligned: wrong as soon as the cache already holds keys

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from decode_profile import CountOps  # noqa: E402  (same directory)
+
 from hf import load_model, save_model  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from sampler import KVCache, generate  # noqa: E402
@@ -98,7 +100,8 @@ def time_ours(
     return best_time(lambda: generate(model, prompts, **kw), repeats, clock)
 
 
-def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
+def hf_run(hf, prompts: list[list[int]], n: int, new_tokens: int) -> Callable[[], None]:
+    """transformers.generate of new_tokens per row, sampling as ours does (temperature 1, no top-k/top-p)."""
     T = max(map(len, prompts))
     ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts]).to(hf.device)
     mask = (torch.arange(T) >= torch.tensor([T - len(p) for p in prompts])[:, None]).long().to(hf.device)
@@ -108,8 +111,8 @@ def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[
             out = hf.generate(
                 ids,
                 attention_mask=mask,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
                 do_sample=True,
                 temperature=1.0,
                 top_k=0,
@@ -117,9 +120,26 @@ def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[
                 num_return_sequences=n,
                 pad_token_id=0,
             )
-        assert out.shape == (len(prompts) * n, T + NEW_TOKENS)
+        assert out.shape == (len(prompts) * n, T + new_tokens)
 
-    return best_time(run, repeats, clock)
+    return run
+
+
+def time_hf(hf, prompts: list[list[int]], n: int, repeats: int, clock: Callable[[], float]) -> float:
+    return best_time(hf_run(hf, prompts, n, NEW_TOKENS), repeats, clock)
+
+
+def ops_per_step(run: Callable[[int], Callable[[], object]], short: int = 8, long: int = 24) -> float:
+    """The aten ops a decode step dispatches (each one a Python-to-C++ round trip on CPU): those of a run of `long`
+    new tokens minus those of one of `short`, divided by long - short, so prefill and setup cancel out."""
+    counts = {}
+    for steps in (short, long):
+        fn = run(steps)
+        fn()  # first calls (lazy inits) are not counted
+        with CountOps() as ops:
+            fn()
+        counts[steps] = ops.n
+    return (counts[long] - counts[short]) / (long - short)
 
 
 def time_gemms(
@@ -226,6 +246,10 @@ def main() -> None:
         f"{1e3 * (t_attn - t_gemm) / NEW_TOKENS:.2f} + everything else {1e3 * (t_ours - t_attn) / NEW_TOKENS:.2f} "
         f"(norms, RoPE, cache writes, sampling, Python)"
     )
+    kw = dict(n=n, temperature=1.0, seed=0)
+    ours_ops = ops_per_step(lambda steps: lambda: generate(ours, prompts, max_new_tokens=steps, **kw))
+    hf_ops = ops_per_step(lambda steps: hf_run(hf, prompts, n, steps))
+    print(f"  aten ops per decode step: sampler {ours_ops:.0f}, transformers.generate {hf_ops:.0f}")
 
     print("\nbatch   prompts x n   tok/s   KV cache (float32)")
     for P, n in ((1, 1), (2, 4), (8, 4), (32, 4)):
