@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf import load_model  # noqa: E402
-from pack import Answer, Group, Thought, backward, pack, select_rows, split_rows, step_prompts, token_stats  # noqa: E402
+from pack import Answer, Group, Thought, pack, select_rows, split_rows, step_prompts, token_stats  # noqa: E402
 
 KINDS = {  # aten op name fragments -> kind (first match wins; matmuls are split by shape below)
     "solve_triangular": "DeltaNet triangular solves",
@@ -98,7 +98,7 @@ def ours_step(model, opt, groups, micro_rows: int, pad: int, adv: torch.Tensor, 
         ratio = (logp - logp.detach()).exp()
         a = adv[rows, None]
         loss = -(torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a) * mask).sum() / mask.sum() / len(adv)
-        backward(loss, shared if last else None)
+        shared.backward(loss) if shared and last else loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
