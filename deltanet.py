@@ -63,7 +63,8 @@ def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(system)
     # T^-1 once (64 right-hand sides), then the two right-hand sides are matmuls: cheaper than solving for them,
     # in backward too; beta, and the decay from the chunk's start, scale T^-1's columns instead of v's and k's rows
-    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True) * beta[..., None, :]
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    inverse = inverse * beta[..., None, :]  # T^-1 diag(beta)
     u = inverse @ v
     w = (inverse * gc[..., None, :].exp()) @ k
     within = (q @ k.transpose(-1, -2)) * decay  # (.., C, C): token i reads what token j <= i wrote
