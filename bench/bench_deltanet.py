@@ -12,6 +12,12 @@ of each row left-padded, which runs `compact`'s gathers), forward alone (autogra
 forward+backward, in microseconds per token: the median of --reps runs, the sides in turns in one process.
 Then torch.compile (Inductor, dynamic shapes) of our rule and of our layer's mix, against eager, with the compile
 (the first call, forward and backward) timed apart. A comparison to read, not a test: nothing asserts on a time.
+
+Measured (2 shared CPU cores under load, 1 thread; ours / transformers' time, medians of 5; before: 573e536):
+    rule fwd+bwd   (a) 1.11 -> 0.73   (b) 0.91 -> 0.73   (c) 0.81 -> 0.55
+    rule fwd       (a) 0.77 -> 0.77   (b) 0.70 -> 0.66   (c) 0.91 -> 0.66
+    layer fwd+bwd, valid all True: (a) 1.03 -> 0.87   (b) 1.05 -> 0.97   (c) 0.86 -> 1.06 (noise: projections dominate)
+    compiled rule (a): 1.08 x eager, first call 224 s
 """
 
 from __future__ import annotations
@@ -202,7 +208,11 @@ def compiled(shape, reps):
     }
     for name, (e, c, lv) in pairs.items():
         start = time.perf_counter()
-        fwd_bwd(c, lv)()
+        try:
+            fwd_bwd(c, lv)()
+        except Exception as err:  # the mix at B = 1, dynamic: Inductor (torch 2.13) fails ordering symbolic strides
+            print(f"({shape}) {name}: compile failed: {str(err).splitlines()[0]}", flush=True)
+            continue
         first = time.perf_counter() - start
         (ye, *want), (yc, *got) = (outputs_and_grads(f, lv) for f in (e, c))
         diff = max((a - b).abs().max().item() for a, b in zip([*ye, *want], [*yc, *got]))
