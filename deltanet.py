@@ -49,26 +49,36 @@ def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     values to write and w = T^-1 (beta k, decayed from the chunk's start) what the chunk's start state predicts of
     them. Each chunk then costs matmuls, and one step of a scan over chunks carries S. The tail is padded with
     g = beta = 0 tokens, which leave S unchanged."""
-    B, H, T, dk = q.shape
-    pad = -T % CHUNK
-    q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, CHUNK)) for x in (q, k, v))  # (B, H, N, C, d)
-    g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, CHUNK)) for x in (g, beta))  # (B, H, N, C)
+    T, C = q.shape[2], CHUNK
+    pad = -T % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    q, k, v = (x.unflatten(2, (-1, C)) for x in (q, k, v))  # (B, H, N, C, d)
+    g, beta = (x.unflatten(2, (-1, C)) for x in (g, beta))  # (B, H, N, C)
     gc = g.cumsum(-1)  # log decay from the chunk's start to each token
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (.., C, C): i <- j
-    kb = k * beta[..., None]
-    system = (kb @ k.transpose(-1, -2)) * decay  # its strict lower part; the solve takes the diagonal as 1
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * gc[..., None].exp(), upper=False, unitriangular=True)
+    system = (k @ k.transpose(-1, -2)) * decay * beta[..., :, None]  # its strict lower part; the diagonal is 1
+    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(system)
+    # T^-1 once (64 right-hand sides), then the two right-hand sides are matmuls: cheaper than solving for them,
+    # in backward too; beta, and the decay from the chunk's start, scale T^-1's columns instead of v's and k's rows
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    inverse = inverse * beta[..., None, :]  # T^-1 diag(beta)
+    u = inverse @ v
+    w = (inverse * gc[..., None, :].exp()) @ k
     within = (q @ k.transpose(-1, -2)) * decay  # (.., C, C): token i reads what token j <= i wrote
     q_from_start = q * gc[..., None].exp()
-    k_to_end = k * (gc[..., -1:] - gc)[..., None].exp()
-    out = torch.empty_like(u)
-    for n in range(q.shape[2]):
-        new = u[:, :, n] - w[:, :, n] @ S  # what the chunk writes, less what S already predicts
-        out[:, :, n] = q_from_start[:, :, n] @ S + within[:, :, n] @ new
-        S = S * gc[:, :, n, -1, None, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ new
-    return out.flatten(2, 3)[:, :, :T], S
+    k_to_end = (k * (gc[..., -1:] - gc)[..., None].exp()).transpose(-1, -2)  # (.., dk, C)
+    chunk_decay = gc[..., -1, None, None].exp()  # (B, H, N, 1, 1)
+    out = []  # unbind and stack: autograd then gathers each chunk's gradient once, not a zero-filled copy per chunk
+    for q_n, w_n, u_n, within_n, k_n, decay_n in zip(
+        *(x.unbind(2) for x in (q_from_start, w, u, within, k_to_end, chunk_decay))
+    ):
+        new = u_n - w_n @ S  # what the chunk writes, less what S already predicts
+        out.append(q_n @ S + within_n @ new)
+        S = S * decay_n + k_n @ new
+    return torch.stack(out, 2).flatten(2, 3)[:, :, :T], S
 
 
 def compact(valid: Tensor) -> Tensor:
@@ -133,6 +143,8 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         state = cache.state(self.layer_idx, B) if cache is not None else None
         conv, S = state if state is not None else self.new_state(B, x.dtype, x.device)
+        if valid is not None and T > 1 and valid.all():  # nothing to skip: as without `valid`, and no sorting
+            valid = None
         order = None
         if valid is not None and T > 1:  # each row's valid tokens first: the rule runs over them contiguously
             order = compact(valid)

@@ -188,9 +188,10 @@ def deltanet_saved_bytes(c: ModelConfig, forwards: list[tuple[int, int]], nb: in
     (3C + 1, twice), the convolution's input and output (2D), q and k L2-normalised (2 Hv (dk + 1); with as many
     key heads as value heads they are views, and the convolution's output is kept whole: + Hv dv), the gates
     (3 Hv), the gated norm and out_proj's input (6 Hv dv + Hv), gate and up (2I). Per row: the convolution's
-    window (D (K-1)), and per value head and chunk of 64 (N a row's chunks) the chunk's decays, triangular system
-    and reads (5 x 64^2), keys (5 or, N > 1, 6 x 64 dk), values (3 x 64 dv), gates (4 x 64) and the scan's state
-    (dk dv + 1). Per forward: the norms' 1 + w and the decay's two (Hv) factors. Exact in float32
+    window (D (K-1)), and per value head and chunk of 64 (N a row's chunks) the chunk's decays, triangular system,
+    its inverse and reads (9 x 64^2), keys (3 or, N > 1, 5 x 64 dk: what reads the state a chunk starts from),
+    values (2 x 64 dv), gates (4 x 64) and the scan's state (dk dv + 1). Per forward: the norms' 1 + w and the
+    decay's two (Hv) factors. Exact in float32
     (tests/test_memory.py); nb: bytes of the projections' outputs (the rule itself runs in float32)."""
     C, I, K = c.hidden_size, c.intermediate_size, c.linear_conv_kernel_dim  # noqa: E741 (I: intermediate size)
     Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -200,7 +201,7 @@ def deltanet_saved_bytes(c: ModelConfig, forwards: list[tuple[int, int]], nb: in
     total = 0
     for rows, T in forwards:
         N = -(-T // chunk)
-        per_chunk = 5 * chunk * chunk + (5 + (N > 1)) * chunk * dk + 3 * chunk * dv + 4 * chunk + dk * dv + 1
+        per_chunk = 9 * chunk * chunk + (3 + 2 * (N > 1)) * chunk * dk + 2 * chunk * dv + 4 * chunk + dk * dv + 1
         total += rows * T * per_token + rows * (D * (K - 1) * nb + N * Hv * per_chunk * 4) + (2 * C + 2 * Hv) * 4
     return total
 
