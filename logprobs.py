@@ -3,6 +3,8 @@ exist (the sampler's rows: token_logprobs) and through lm_head chunk by chunk (t
 never holds (tokens, V) logits, in forward or backward); the entropy beside it.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -60,6 +62,36 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int | No
     return _chunked(fn, logits.reshape(-1, V), chunk_rows=chunk_rows).view(logits.shape[:-1])
 
 
+def _logit_grad(x: Tensor, lse: Tensor, targets: Tensor, g: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """g * d logp / d logits = g (onehot(target) - softmax(x)) / temperature, x = logits.float() / temperature (n, V),
+    overwritten: the (n, V) result, in the matmul dtype. lse, targets, g (n,)."""
+    d = x.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
+    d.scatter_add_(1, targets[:, None], g[:, None])  # + g at the target: g * (onehot - softmax)
+    return d.div_(temperature).to(dtype)
+
+
+def _add_grads(d: Tensor, h: Tensor, w: Tensor, g_h: Tensor | None, g_w: Tensor | None) -> None:
+    """One chunk's share of the gradients: g_h (n, C) = d @ w, and d.T @ h added to g_w (V, C), float32 over chunks."""
+    if g_h is not None:
+        g_h.copy_(d @ w)
+    if g_w is not None:
+        if d.dtype == g_w.dtype:
+            g_w.addmm_(d.T, h)  # in place: no (V, C) temporary per chunk
+        else:  # autocast: the chunk's product in the matmul dtype, then added
+            g_w += d.T @ h
+
+
+def _chunk_grad(loss: Callable[[Tensor], Tensor], logp: Tensor, start: int, N: int) -> Tensor:
+    """d loss / d logp[start : start + n] at these log-probs (n,), the other N - n log-probs replaced by zeros: their
+    value is not known yet, and for a loss that is a sum of per-token terms of their own log-probs it does not matter.
+    The loss runs on an (N,) vector of the real one's shape, so each token's gradient goes through the same kernels
+    at the same position as in the real backward: bitwise the same value when the loss is token-separable."""
+    with torch.enable_grad():
+        x = logp.detach().requires_grad_()
+        full = torch.cat([x.new_zeros(start), x, x.new_zeros(N - start - len(x))])
+        return torch.autograd.grad(loss(full), x)[0]
+
+
 class _HeadLogprobs(torch.autograd.Function):
     """logp = _logp_lse(hidden @ weight.T, targets) over row chunks; backward recomputes each chunk's
     logits and applies d logp / d logits = (onehot(target) - softmax(x)) / temperature by hand.
@@ -68,20 +100,46 @@ class _HeadLogprobs(torch.autograd.Function):
     logsumexp, computes entropy once in forward (checkpoint would recompute it), skips the
     recomputed logsumexp and its backward, and sums weight's gradient over the chunks in ONE
     float32 buffer (checkpoint hands autograd one (V, C) gradient per chunk to add up, in bf16
-    under autocast)."""
+    under autocast).
+
+    With `loss` (the caller's loss as a function of the (N,) log-probs), the backward is done in the forward, a
+    speculation (Liger-Kernel's fused linear losses do it by declaration): each chunk's logits, once computed, give
+    logp, then g = d loss / d logp for its tokens (_chunk_grad), then d = g (onehot - softmax) / temperature and
+    the chunk's gradients d @ W and d.T @ h, at once: 3 head matmuls per chunk instead of 4 (forward, recompute,
+    the two gradients). The backward compares the gradient it receives with the g assumed (torch.equal, exact):
+    equal, it returns the gradients already computed, bitwise those its recomputation would give (the same
+    logits, the same g, the same kernels); different (a loss whose per-token gradient depends on other tokens'
+    log-probs: a sequence ratio, a geometric mean, weights from the current log-probs), it frees them and
+    recomputes as without `loss`. So it is exact for every loss, and faster for a token-separable one; the caller
+    passes `loss` only where it expects that. Memory: the (N, C) and (V, C) gradient buffers the backward would
+    allocate are allocated in the forward instead, the last op before the backward (only the loss, over (B, T)
+    tensors, runs between), so the peak does not rise."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad=False):
+    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad=False, loss=None):
         w = weight.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's weight cache does)
         N = hidden.shape[0]
         logp = hidden.new_empty(N, dtype=torch.float32)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
+        ctx.spec = None
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if loss is not None and not entropy_grad and (need_h or need_w):  # g assumed (N,), the gradients it gives
+            g_h = torch.empty_like(hidden) if need_h else None
+            g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+            ctx.spec = (torch.empty_like(logp), g_h, g_w)
         for i in range(0, N, step):
-            logits = hidden[i : i + step].to(dtype) @ w.T  # (n, V): the only logits alive
-            logp[i : i + step], lse[i : i + step] = _logp_lse(logits, targets[i : i + step], temperature)
+            h, t = hidden[i : i + step].to(dtype), targets[i : i + step]
+            logits = h @ w.T  # (n, V): the only logits alive
+            logp[i : i + step], lse[i : i + step] = _logp_lse(logits, t, temperature)
             if want_entropy:
                 ent[i : i + step] = _entropy(logits, temperature, lse[i : i + step])
+            if ctx.spec is not None:
+                g, g_h, g_w = ctx.spec
+                g[i : i + step] = _chunk_grad(loss, logp[i : i + step], i, N)
+                logits = logits.float().div_(temperature)  # x (under autocast a float32 copy: the bf16 one is freed)
+                d = _logit_grad(logits, lse[i : i + step], t, g[i : i + step], temperature, dtype)
+                _add_grads(d, h, w, None if g_h is None else g_h[i : i + step], g_w)
         ctx.save_for_backward(hidden, w, targets, lse, ent if entropy_grad else lse.new_empty(0))
         ctx.temperature, ctx.dtype, ctx.step, ctx.weight_dtype = temperature, dtype, step, weight.dtype
         ctx.entropy_grad = entropy_grad
@@ -92,30 +150,36 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent):
-        hidden, w, targets, lse, ent = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[:2]
-        g_h = torch.empty_like(hidden) if need_h else None
-        g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
-        for i in range(0, hidden.shape[0], ctx.step):
-            h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
-            x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
-            if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
-                log_p = x.sub_(lse[i : i + ctx.step, None])
-                p = log_p.exp()
-                e = g_ent[i : i + ctx.step, None]
-                d = p * -g[:, None] - e * p * (log_p + ent[i : i + ctx.step, None])
-            else:
-                d = x.sub_(lse[i : i + ctx.step, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
-            d.scatter_add_(1, t[:, None], g[:, None])  # + g at the target: g * (onehot - softmax)
-            d = d.div_(ctx.temperature).to(ctx.dtype)  # d logp / d logits, in the matmul dtype
-            if need_h:
-                g_h[i : i + ctx.step] = d @ w  # (n, C)
-            if need_w:
-                if d.dtype == g_w.dtype:  # (V, C), summed in float32 across chunks
-                    g_w.addmm_(d.T, h)  # in place: no (V, C) temporary per chunk
-                else:  # autocast: the chunk's product in the matmul dtype, then added
-                    g_w += d.T @ h
-        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None
+        spec, ctx.spec = ctx.spec, None
+        if spec is not None and torch.equal(g_logp, spec[0]):  # the speculation holds: the gradients are computed
+            g_h, g_w = spec[1:]
+        else:
+            del spec  # a miss frees the speculative buffers before allocating its own: no higher peak
+            g_h, g_w = _head_backward(ctx, g_logp, g_ent)
+        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None, None
+
+
+def _head_backward(ctx, g_logp: Tensor, g_ent: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """_HeadLogprobs' backward, recomputing each chunk's logits: the gradients of hidden and weight (float32), each
+    None if not needed."""
+    hidden, w, targets, lse, ent = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[:2]
+    g_h = torch.empty_like(hidden) if need_h else None
+    g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+    for i in range(0, hidden.shape[0], ctx.step):
+        h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
+        x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
+        if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
+            log_p = x.sub_(lse[i : i + ctx.step, None])
+            p = log_p.exp()
+            e = g_ent[i : i + ctx.step, None]
+            d = p * -g[:, None] - e * p * (log_p + ent[i : i + ctx.step, None])
+            d.scatter_add_(1, t[:, None], g[:, None])  # + g at the target
+            d = d.div_(ctx.temperature).to(ctx.dtype)
+        else:
+            d = _logit_grad(x, lse[i : i + ctx.step], t, g, ctx.temperature, ctx.dtype)
+        _add_grads(d, h, w, None if g_h is None else g_h[i : i + ctx.step], g_w)
+    return g_h, g_w
 
 
 def head_logprobs(
@@ -127,6 +191,7 @@ def head_logprobs(
     entropy: bool = False,
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
+    loss: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """token_logprobs(lm_head(hidden), targets, temperature) without ever holding more than one
     chunk of logits, in forward or backward (at a 152k vocabulary the logits would be the largest
@@ -139,7 +204,11 @@ def head_logprobs(
     the backward then adds the entropy's gradient, -p (log p + H) / temperature per logit, chunk by chunk). Under
     autocast the matmul runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))`
     would.
-    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits)."""
+    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits).
+    loss: the scalar the caller will back-propagate, as a function of the returned logp (a tensor of its shape),
+    when it is a sum of per-token terms of their own log-probs (GRPO's clipped surrogate, a KL): the backward is then
+    done in the forward, 3 head matmuls per chunk instead of 4, and checked in the backward (_HeadLogprobs: exact for
+    any loss, a loss that is not token-separable only costs the work). Ignored with entropy_grad."""
     _check_temperature("head_logprobs", temperature)
     lm_head = getattr(head, "lm_head", head)
     if getattr(lm_head, "bias", None) is not None:
@@ -149,8 +218,9 @@ def head_logprobs(
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     step = chunk_tokens or max(1, 2**24 // weight.shape[0])
     C = hidden.shape[-1]
+    flat = loss and (lambda x: loss(x.view(targets.shape)))  # of the (N,) log-probs
     with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
         logp, ent = _HeadLogprobs.apply(
-            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy, entropy_grad
+            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy, entropy_grad, flat
         )
     return logp.view(targets.shape), ent.view(targets.shape) if entropy else None

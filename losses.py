@@ -155,7 +155,9 @@ class Objective:
 
     fn: Callable[..., tuple[Tensor, Tensor]]  # fn(logp, old_logp, adv, mask, hp, **takes) -> (obj, cut)
     takes: tuple[str, ...] = ()  # Tokens fields passed as keywords; "keep": it applies the selections itself
-    sequence_level: bool = False  # one ratio per sequence: the ratio_mean metric reports the sequence ratio
+    # one ratio per sequence: the ratio_mean metric reports the sequence ratio; and the loss is not a sum of per-token
+    # terms of their own log-probs, so the trainer does not ask the head to fuse its backward (logprobs.head_logprobs)
+    sequence_level: bool = False
 
     def __call__(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return self.fn(*args, **kwargs)
@@ -186,6 +188,13 @@ class Tokens:
     off_policy: Tensor | None = None  # bool, tokens not sampled from pi_old (DaGRPO's anchors): an objective takes it
     selected: Tensor | None = None  # bool, KL-Cov's tokens (its objective takes them)
     beta: float | None = None  # the KL penalty's coefficient (None: hp.beta; 0: the KL is in the reward instead)
+
+
+def token_loss(fields: dict, old: Tensor | None, hp, objective: Objective, scale: float, logp: Tensor) -> Tensor:
+    """scale * policy_loss's loss as a function of the log-probs logp [B, T] alone (old: old_logp, None at mu = 1:
+    logp itself, detached; fields: the rest of Tokens'): what the head's fused backward differentiates per token
+    (pack.token_stats' loss, logprobs.head_logprobs)."""
+    return policy_loss(Tokens(logp, logp.detach() if old is None else old, **fields), hp, objective)[0] * scale
 
 
 def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Tensor, dict[str, float]]:

@@ -13,7 +13,7 @@ logical layout where the advantages and weights of the loss live.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -318,6 +318,7 @@ def token_stats(
     entropy_grad: bool = False,
     states: bool = False,
     prompts: Prompts | None = None,
+    loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy; with entropy_grad, differentiable) of every completion token under `model`,
     (B, T) float32 in the logical layout (0 at prompt and padding positions).
@@ -327,7 +328,8 @@ def token_stats(
     Token t is predicted by the hidden state at t - 1, except the first token of a segment that does
     not follow its predecessor (the `jumps`: answer j > 0 is predicted from its thought's end, a
     row's first token from its shared prompt's end). prompts: the step's shared prompts, already run (step_prompts;
-    the rows' batch.group index them), else the batch's own run here."""
+    the rows' batch.group index them), else the batch's own run here. loss: the loss as a function of the (B, T)
+    log-probs, when a sum of per-token terms: the head's backward runs in its forward (logprobs.head_logprobs)."""
     ids, first, keys = batch.packed_ids, None, None
     head = getattr(model, "module", model)
     if batch.prompt_ids is not None:  # 1. each prompt once, recording its keys/values (a hybrid's states too)
@@ -352,11 +354,9 @@ def token_stats(
         h = torch.where((src >= 0)[:, None], h, first.index_select(0, rows))
     if states:  # the predicting hidden states (N, C) of the completion tokens, row-major, and the tokens (N,)
         return h, ids[rows, cols]
-    kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
-    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw)
     index, shape = (batch.to_logical[rows, cols],), batch.ids.shape
-
-    def to_logical(x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(shape.numel()).index_put(index, x).view(shape)
-
+    to_logical = lambda x: x.new_zeros(shape.numel()).index_put(index, x).view(shape)  # noqa: E731 (N,) -> (B, T)
+    kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
+    fused = loss and (lambda x: loss(to_logical(x)))  # the loss of the (N,) log-probs, for the head's fused backward
+    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw, loss=fused)
     return to_logical(logp), None if ent is None else to_logical(ent)

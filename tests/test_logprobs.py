@@ -222,3 +222,132 @@ def test_head_logprobs_never_allocate_full_logits(tied):
     with LargestOutput() as probe:
         reference(head, hidden, targets, 0.9)[0].sum().backward()
     assert probe.largest >= N * V
+
+
+# ----------------------------------------------------------------------------- the fused backward (head_logprobs' loss)
+
+
+def packed_micro_batch(model: M.Transformer):
+    """A packed micro-batch of 2 prompts x 3 thoughts x 2 answers (tree rows), and per-token fields for policy_loss:
+    mask (every completion token), adv, weight, old_logp and ref_logp near the model's log-probs (ratios off 1)."""
+    import train
+    from pack import rollouts
+    from sampler import Tree
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 96, (n,), generator=g).tolist()  # noqa: E731
+    P, K, m = 2, 3, 2
+    thoughts = [rand(2 + (i * 5) % 7) for i in range(P * K)]
+    answers = [rand(1 + (a * 3) % 5) for a in range(P * K * m)]
+    zeros = lambda seqs: [[0.0] * len(s) for s in seqs]  # noqa: E731
+    tree = Tree(thoughts, zeros(thoughts), [False] * (P * K), answers, zeros(answers), ["stop"] * len(answers))
+    batch = train.pack(rollouts([{}] * P, [rand(5), rand(8)], tree, K, m), pad_id=0, device=torch.device("cpu"))
+    mask = batch.thought | (batch.answer_id >= 0)
+    with torch.no_grad():
+        lp, _ = train.token_stats(model, batch, 0.7)
+    near = lambda: torch.where(mask, lp + 0.3 * torch.randn(mask.shape, generator=g), 0.0)  # noqa: E731
+    fields = dict(adv=torch.randn(mask.shape, generator=g), weight=mask.float() / mask.sum(), mask=mask)
+    fields["selected"] = mask & (torch.arange(mask.shape[1]) % 3 == 0)  # KL-Cov's tokens (only kl_cov takes them)
+    return batch, fields, near(), near()
+
+
+def micro_batch_update(model, batch, fields, old, hp, objective, fused: bool):
+    """train.update's micro-batch: token_stats (the head in chunks of 5 tokens), Tokens, policy_loss, backward;
+    fused: token_stats gets the loss (losses.token_loss), so the head's backward runs in its forward. Returns the
+    loss and every parameter's gradient."""
+    import functools
+
+    import train
+    from losses import Tokens, policy_loss, token_loss
+
+    model.zero_grad()
+    loss_of = functools.partial(token_loss, fields, old, hp, objective, 1.0) if fused else None
+    logp, _ = train.token_stats(model, batch, 0.7, chunk_tokens=5, loss=loss_of)
+    loss, _ = policy_loss(Tokens(logp, logp.detach() if old is None else old, **fields), hp, objective)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def head_recomputes(monkeypatch) -> list:
+    """A list that grows by one each time _HeadLogprobs' backward recomputes the logits (the speculation missed, or
+    there was none)."""
+    calls, plain = [], L._head_backward
+    monkeypatch.setattr(L, "_head_backward", lambda *a: calls.append(1) or plain(*a))
+    return calls
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_fused_head_backward_equals_the_plain_one_for_every_loss(mu, beta, monkeypatch):
+    """Guards the fused backward (head_logprobs' loss): for every --loss, with and without the KL term, on-policy
+    (mu = 1: old_logp is the log-probs) and off (mu > 1), one micro-batch update through a tied tiny model must give
+    the plain path's loss and every parameter's gradient within 1e-6 (in fact bitwise: the same logits, g and
+    kernels). A wrong sign or 1/T in the forward's d, a chunk's g taken at the wrong slice, a g_W kept from one chunk,
+    or a speculation accepted when the incoming gradient differs fail here. A token-separable loss must not recompute
+    the logits in the backward; GSPO's and GMPO's sequence statistics at mu > 1 must (the fallback), still exact."""
+    import dataclasses
+    import types
+
+    from config import TrainConfig
+    from methods import LOSSES
+
+    model = tiny_model(tied=True)
+    batch, fields, old, ref = packed_micro_batch(model)
+    hp = types.SimpleNamespace(**{**dataclasses.asdict(TrainConfig()), "beta": beta})
+    fields = fields | dict(ref_logp=ref if beta else None)
+    recomputes = head_recomputes(monkeypatch)
+    for name, objective in LOSSES.items():
+        loss, grads = micro_batch_update(model, batch, fields, old if mu > 1 else None, hp, objective, fused=False)
+        assert len(recomputes) == 1
+        recomputes.clear()
+        loss_f, grads_f = micro_batch_update(model, batch, fields, old if mu > 1 else None, hp, objective, fused=True)
+        torch.testing.assert_close(loss_f, loss, **TOL)
+        for a, b in zip(grads_f, grads):
+            torch.testing.assert_close(a, b, **TOL, msg=f"--loss {name}")
+        # at mu = 1 every ratio is 1, so even GSPO's and GMPO's per-token gradients ignore the other tokens
+        sequence_statistics = objective.sequence_level and mu > 1
+        assert len(recomputes) == int(sequence_statistics), f"--loss {name}: recomputed {len(recomputes)} times"
+        recomputes.clear()
+
+
+def test_fused_head_backward_falls_back_when_the_gradient_depends_on_other_tokens(monkeypatch):
+    """Guards the speculation's check: a loss whose per-token gradient reads other tokens' current log-probs (a
+    weight from the row's mean log-prob, as DeepSeek-V3.2's sequence mask or a sequence-level importance weight
+    computes one), or a gradient scaled after the fact, must be caught in the backward (a recomputation) and give
+    the plain path's gradients, not the assumed ones."""
+    m = tiny_model(tied=False)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 9, 32, generator=g, requires_grad=True)
+    targets = torch.randint(0, 96, (2, 9), generator=g)
+    coupled = lambda lp: (lp * lp.detach().mean(-1, keepdim=True).exp()).sum()  # noqa: E731 (2, 9) -> ()
+    separable = lambda lp: (lp * lp.detach().exp()).sum()  # noqa: E731
+    recomputes = head_recomputes(monkeypatch)
+    for loss, scale, misses in ((coupled, 1.0, 1), (separable, 3.0, 1), (separable, 1.0, 0)):
+        grads = []
+        for fused in (False, True):
+            logp, _ = L.head_logprobs(m, hidden, targets, 0.7, chunk_tokens=4, loss=loss if fused else None)
+            grads.append(torch.autograd.grad(loss(logp) * scale, (hidden, m.lm_head.weight)))
+        assert len(recomputes) == 1 + misses
+        recomputes.clear()
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+def test_fused_head_backward_under_autocast_equals_the_plain_one(monkeypatch):
+    """Guards the fused backward under bf16 autocast (the trainer's GPU path): the forward's bf16 logits and the
+    chunk products summed into the float32 weight gradient must be those the plain backward recomputes, so the
+    speculation holds (no recomputation) and the gradients are the plain path's."""
+    m = tiny_model(tied=True)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 7, 32, generator=g, requires_grad=True)
+    targets = torch.randint(0, 96, (3, 7), generator=g)
+    loss = lambda lp: (lp * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))).sum()  # noqa: E731
+    recomputes = head_recomputes(monkeypatch)
+    grads = []
+    for fused in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = L.head_logprobs(m, hidden, targets, 0.7, chunk_tokens=4, loss=loss if fused else None)
+            grads.append(torch.autograd.grad(loss(logp), (hidden, m.lm_head.weight)))
+    assert len(recomputes) == 1
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
