@@ -15,16 +15,21 @@ def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tens
     """THE log-prob formula: x = logits.float() / temperature, logp = x[target] - logsumexp(x).
     logits (n, V), targets (n,) -> logp (n,), logsumexp (n,), float32. Every log-prob in the repo
     (sampler, trainer, eval) is this function applied to some rows of logits."""
-    x = logits.float() / temperature
+    return _logp_of_x(logits.float() / temperature, targets)
+
+
+def _logp_of_x(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """_logp_lse on x = logits.float() / temperature, already scaled (the head's forward divides its own logits in
+    place: no (n, V) copy)."""
     lse = torch.logsumexp(x, dim=-1)
     return x.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
 
 
-def _entropy(logits: Tensor, temperature: float, lse: Tensor | None = None) -> Tensor:
-    """Entropy of softmax(x), x = logits.float() / temperature: H = logsumexp(x) - sum p x. (n, V) -> (n,)."""
-    x = logits.float() / temperature
+def _entropy(logits: Tensor, temperature: float, lse: Tensor | None = None, x: Tensor | None = None) -> Tensor:
+    """Entropy of softmax(x), x = logits.float() / temperature (or given): H = logsumexp(x) - sum p x. (n, V) -> (n,)"""
+    x = logits.float() / temperature if x is None else x
     lse = torch.logsumexp(x, dim=-1) if lse is None else lse
-    return lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+    return lse - torch.softmax(x, dim=-1).mul_(x).sum(-1)
 
 
 def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tensor:
@@ -130,15 +135,15 @@ class _HeadLogprobs(torch.autograd.Function):
             ctx.spec = (torch.empty_like(logp), g_h, g_w)
         for i in range(0, N, step):
             h, t = hidden[i : i + step].to(dtype), targets[i : i + step]
-            logits = h @ w.T  # (n, V): the only logits alive
-            logp[i : i + step], lse[i : i + step] = _logp_lse(logits, t, temperature)
+            # (n, V): the only logits alive, divided in place (under autocast a float32 copy, the bf16 ones freed)
+            x = (h @ w.T).float().div_(temperature)
+            logp[i : i + step], lse[i : i + step] = _logp_of_x(x, t)  # _logp_lse's values, without its copy
             if want_entropy:
-                ent[i : i + step] = _entropy(logits, temperature, lse[i : i + step])
+                ent[i : i + step] = _entropy(x, temperature, lse[i : i + step], x=x)
             if ctx.spec is not None:
                 g, g_h, g_w = ctx.spec
                 g[i : i + step] = _chunk_grad(loss, logp[i : i + step], i, N)
-                logits = logits.float().div_(temperature)  # x (under autocast a float32 copy: the bf16 one is freed)
-                d = _logit_grad(logits, lse[i : i + step], t, g[i : i + step], temperature, dtype)
+                d = _logit_grad(x, lse[i : i + step], t, g[i : i + step], temperature, dtype)
                 _add_grads(d, h, w, None if g_h is None else g_h[i : i + step], g_w)
         ctx.save_for_backward(hidden, w, targets, lse, ent if entropy_grad else lse.new_empty(0))
         ctx.temperature, ctx.dtype, ctx.step, ctx.weight_dtype = temperature, dtype, step, weight.dtype
@@ -204,7 +209,7 @@ def head_logprobs(
     the backward then adds the entropy's gradient, -p (log p + H) / temperature per logit, chunk by chunk). Under
     autocast the matmul runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))`
     would.
-    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits).
+    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits), with loss half that.
     loss: the scalar the caller will back-propagate, as a function of the returned logp (a tensor of its shape),
     when it is a sum of per-token terms of their own log-probs (GRPO's clipped surrogate, a KL): the backward is then
     done in the forward, 3 head matmuls per chunk instead of 4, and checked in the backward (_HeadLogprobs: exact for
@@ -216,7 +221,9 @@ def head_logprobs(
     weight = lm_head.weight  # (V, C)
     dev = hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    step = chunk_tokens or max(1, 2**24 // weight.shape[0])
+    # fused, half: beside the (V, C) gradient buffer its forward holds x and logsumexp's (or softmax's) temporary,
+    # twice the one (n, V) tensor the plain backward holds beside it; half the rows keep the peak where it was
+    step = chunk_tokens or max(1, (2**23 if loss else 2**24) // weight.shape[0])
     C = hidden.shape[-1]
     flat = loss and (lambda x: loss(x.view(targets.shape)))  # of the (N,) log-probs
     with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
