@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 
 def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -29,19 +28,8 @@ def _entropy(logits: Tensor, temperature: float, lse: Tensor | None = None, x: T
     """Entropy of softmax(x), x = logits.float() / temperature (or given): H = logsumexp(x) - sum p x. (n, V) -> (n,)"""
     x = logits.float() / temperature if x is None else x
     lse = torch.logsumexp(x, dim=-1) if lse is None else lse
-    return lse - torch.softmax(x, dim=-1).mul_(x).sum(-1)
-
-
-def _chunked(fn, logits: Tensor, *args: Tensor, chunk_rows: int | None) -> Tensor:
-    """Apply fn to row chunks of logits (N, V); under autograd each chunk is checkpointed, so only
-    one chunk's float32 copy exists at a time, in forward and in backward."""
-    step = chunk_rows or max(1, 2**24 // logits.shape[-1])  # default: ~64 MB of float32 per chunk
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    outs = []
-    for i in range(0, logits.shape[0], step):
-        chunk = [logits[i : i + step], *(a[i : i + step] for a in args)]
-        outs.append(checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk))
-    return torch.cat(outs) if outs else logits.new_empty(0, dtype=torch.float32)
+    p = torch.softmax(x, dim=-1)
+    return lse - (p * x if torch.is_grad_enabled() and x.requires_grad else p.mul_(x)).sum(-1)  # no copy without grad
 
 
 def _check_temperature(name: str, temperature: float) -> None:
@@ -50,21 +38,26 @@ def _check_temperature(name: str, temperature: float) -> None:
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
-    """log_softmax(logits.float() / temperature) at targets: logits (..., V), targets (...) long
-    -> float32 (...). For logits that already exist (the sampler's (B, V) rows); training goes
-    through `head_logprobs` instead, which never builds them."""
+    """log_softmax(logits.float() / temperature) at targets: logits (..., V), targets (...) long -> float32 (...), in
+    row chunks (one chunk's float32 copy at a time, ~64 MB by default). For logits that already exist (the sampler's
+    (B, V) rows); training goes through `head_logprobs` instead, which never builds them."""
     _check_temperature("token_logprobs", temperature)
-    V = logits.shape[-1]
     fn = lambda x, t: _logp_lse(x, t, temperature)[0]  # noqa: E731 (n, V), (n,) -> (n,)
-    return _chunked(fn, logits.reshape(-1, V), targets.reshape(-1), chunk_rows=chunk_rows).view(targets.shape)
+    return _chunked(fn, logits, targets, chunk_rows).view(targets.shape)
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
-    """Entropy of softmax(logits.float() / temperature): logits (..., V) -> float32 (...)."""
+    """Entropy of softmax(logits.float() / temperature): logits (..., V) -> float32 (...), in row chunks."""
     _check_temperature("token_entropy", temperature)
-    V = logits.shape[-1]
-    fn = lambda x: _entropy(x, temperature)  # noqa: E731
-    return _chunked(fn, logits.reshape(-1, V), chunk_rows=chunk_rows).view(logits.shape[:-1])
+    return _chunked(lambda x, _: _entropy(x, temperature), logits, None, chunk_rows).view(logits.shape[:-1])
+
+
+def _chunked(fn, logits: Tensor, targets: Tensor | None, chunk_rows: int | None) -> Tensor:
+    """fn(rows of logits (n, V), their targets) over row chunks of the flattened logits, concatenated (N,)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    t = x if targets is None else targets.reshape(-1)  # no targets (the entropy): fn gets the rows twice
+    step = chunk_rows or max(1, 2**24 // x.shape[-1])
+    return torch.cat([fn(x[i : i + step], t[i : i + step]) for i in range(0, len(x), step)] or [x.new_empty(0)]).float()
 
 
 def _logit_grad(x: Tensor, lse: Tensor, targets: Tensor, g: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
@@ -98,27 +91,19 @@ def _chunk_grad(loss: Callable[[Tensor], Tensor], logp: Tensor, start: int, N: i
 
 
 class _HeadLogprobs(torch.autograd.Function):
-    """logp = _logp_lse(hidden @ weight.T, targets) over row chunks; backward recomputes each chunk's
-    logits and applies d logp / d logits = (onehot(target) - softmax(x)) / temperature by hand.
+    """logp = _logp_lse(hidden @ weight.T, targets) over row chunks; backward recomputes each chunk's logits and applies
+    d logp / d logits = (onehot(target) - softmax(x)) / temperature by hand: it saves only the (N,) logsumexp, computes
+    entropy once, and sums weight's gradient over the chunks in ONE float32 buffer (torch.utils.checkpoint per chunk
+    would recompute the entropy and hand autograd one (V, C) gradient per chunk, in bf16 under autocast).
 
-    A hand-written backward rather than torch.utils.checkpoint per chunk: it saves only the (N,)
-    logsumexp, computes entropy once in forward (checkpoint would recompute it), skips the
-    recomputed logsumexp and its backward, and sums weight's gradient over the chunks in ONE
-    float32 buffer (checkpoint hands autograd one (V, C) gradient per chunk to add up, in bf16
-    under autocast).
-
-    With `loss` (the caller's loss as a function of the (N,) log-probs), the backward is done in the forward, a
-    speculation (Liger-Kernel's fused linear losses do it by declaration): each chunk's logits, once computed, give
-    logp, then g = d loss / d logp for its tokens (_chunk_grad), then d = g (onehot - softmax) / temperature and
-    the chunk's gradients d @ W and d.T @ h, at once: 3 head matmuls per chunk instead of 4 (forward, recompute,
-    the two gradients). The backward compares the gradient it receives with the g assumed (torch.equal, exact):
-    equal, it returns the gradients already computed, bitwise those its recomputation would give (the same
-    logits, the same g, the same kernels); different (a loss whose per-token gradient depends on other tokens'
-    log-probs: a sequence ratio, a geometric mean, weights from the current log-probs), it frees them and
-    recomputes as without `loss`. So it is exact for every loss, and faster for a token-separable one; the caller
-    passes `loss` only where it expects that. Memory: the (N, C) and (V, C) gradient buffers the backward would
-    allocate are allocated in the forward instead, the last op before the backward (only the loss, over (B, T)
-    tensors, runs between), so the peak does not rise."""
+    With `loss` (the caller's loss as a function of the (N,) log-probs) the backward is done in the forward, a
+    speculation (Liger-Kernel's fused linear losses do it by declaration): each chunk's logits give logp, then
+    g = d loss / d logp for its tokens (_chunk_grad), d = g (onehot - softmax) / temperature and the chunk's gradients
+    at once: 3 head matmuls per chunk instead of 4. The backward compares the gradient it receives with the g assumed
+    (torch.equal): equal, it returns the gradients computed, bitwise those a recomputation gives; different (a loss
+    whose per-token gradient depends on other tokens: a sequence ratio, a geometric mean), it frees them and
+    recomputes. Exact for every loss, faster for a token-separable one. The gradient buffers the backward would
+    allocate are allocated in the forward, its last op before the backward: the peak does not rise."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad=False, loss=None):

@@ -72,7 +72,7 @@ def test_token_logprobs_and_entropy_match_reference():
 
 
 def test_token_logprobs_gradient_through_chunks():
-    """Guards the checkpointed chunk path on logits: gradients w.r.t. the logits must equal those
+    """Guards the chunk path on logits: gradients w.r.t. the logits must equal those
     of a plain log_softmax + gather (a chunk dropped from the graph gives zero grads)."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 5, 30, generator=g, requires_grad=True)
