@@ -213,8 +213,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     # each micro-batch's trained tokens, the weight of its diagnostics: the same in every epoch, one sync per step
     trained = torch.stack([batch.mask[rows].sum() for rows, _ in micro]).tolist()
     for epoch in range(cfg.mu):
-        with run.precision():  # each shared prompt once per epoch for all micro-batches, when that saves work
-            shared = step_prompts(run.model, batch, micro)
+        with run.precision():  # each shared prompt once per epoch, when that saves work; mu > 1: per micro-batch, as
+            shared = step_prompts(run.model, batch, micro) if cfg.mu == 1 else None  # the score pass (ratio 1 exactly)
         for i, (rows, mb) in enumerate(micro):
             sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
             no_sync = world > 1 and not cfg.fsdp and not sync
