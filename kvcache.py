@@ -308,13 +308,14 @@ class Prompts:
         return Prompts(kv, first, self.valid)
 
 
-def prompt_pass(model, ids: torch.Tensor, valid: torch.Tensor, leaves: bool = False) -> Prompts:
+def prompt_pass(model, ids: torch.Tensor, valid: torch.Tensor, leaves: bool = False, vocab_grads=None) -> Prompts:
     """Each shared prompt once (ids, valid (P, Lp), left-padded), recording its keys/values (a hybrid's states too).
     It runs on the unwrapped module (DDP: the wrapper sees one forward per backward). Its last hidden state predicts
     each row's token 0; that use also keeps every layer's output in the backward graph, which FSDP2 needs (it
-    re-gathers a layer's weights when its output's gradient arrives). leaves: with `leaves` (Prompts.cut)."""
-    kv = PromptKV()
-    kw = dict(cache=kv, attn_mask=chunk_mask(valid, valid.shape[1]), logits_to_keep=1, hidden=True, valid=valid)
+    re-gathers a layer's weights when its output's gradient arrives). leaves: with `leaves` (Prompts.cut).
+    vocab_grads: the trainer's step sum of the embedding's gradient (model.VocabGrads)."""
+    kv, mask = PromptKV(), chunk_mask(valid, valid.shape[1])
+    kw = dict(cache=kv, attn_mask=mask, logits_to_keep=1, hidden=True, valid=valid, vocab_grads=vocab_grads)
     first = getattr(model, "module", model)(ids, positions=(valid.cumsum(1) - 1).clamp(min=0), **kw)[:, 0]
     prompts = Prompts(kv, first, valid)
     prompts.leaves = prompts.cut() if leaves else None

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from model import VocabGrads
+
 
 def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """THE log-prob formula: x = logits.float() / temperature, logp = x[target] - logsumexp(x).
@@ -106,18 +108,17 @@ class _HeadLogprobs(torch.autograd.Function):
     allocate are allocated in the forward, its last op before the backward: the peak does not rise."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad=False, loss=None):
+    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad, loss, acc):
         w = weight.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's weight cache does)
         N = hidden.shape[0]
         logp = hidden.new_empty(N, dtype=torch.float32)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
-        ctx.spec = None
+        ctx.spec, ctx.acc, ctx.own = None, acc or VocabGrads(last=True), acc is None  # no step's buffer: its own
         need_h, need_w = ctx.needs_input_grad[:2]
         if loss is not None and not entropy_grad and (need_h or need_w):  # g assumed (N,), the gradients it gives
             g_h = torch.empty_like(hidden) if need_h else None
-            g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
-            ctx.spec = (torch.empty_like(logp), g_h, g_w)
+            ctx.spec = (torch.empty_like(logp), g_h, ctx.acc.head_buffer(w) if need_w else None)
         for i in range(0, N, step):
             h, t = hidden[i : i + step].to(dtype), targets[i : i + step]
             # (n, V): the only logits alive, divided in place (under autocast a float32 copy, the bf16 ones freed)
@@ -141,21 +142,26 @@ class _HeadLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent):
         spec, ctx.spec = ctx.spec, None
+        need_h, need_w = ctx.needs_input_grad[:2]
         if spec is not None and torch.equal(g_logp, spec[0]):  # the speculation holds: the gradients are computed
-            g_h, g_w = spec[1:]
+            g_h = spec[1]
         else:
-            del spec  # a miss frees the speculative buffers before allocating its own: no higher peak
-            g_h, g_w = _head_backward(ctx, g_logp, g_ent)
-        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None, None
+            if spec is not None and spec[2] is not None and not ctx.own:  # a miss, a step's buffer: the guess's
+                _head_backward(ctx, -spec[0], None, spec[2], False)  # share leaves it
+            elif ctx.own:  # this call's own buffers are freed before the backward allocates its own: no higher peak
+                ctx.acc.head = None
+            del spec
+            g_w = ctx.acc.head_buffer(ctx.saved_tensors[1]) if need_w else None
+            g_h = _head_backward(ctx, g_logp, g_ent, g_w, need_h)
+        g_w = ctx.acc.take_head() if need_w else None
+        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None, None, None
 
 
-def _head_backward(ctx, g_logp: Tensor, g_ent: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """_HeadLogprobs' backward, recomputing each chunk's logits: the gradients of hidden and weight (float32), each
-    None if not needed."""
+def _head_backward(ctx, g_logp: Tensor, g_ent: Tensor | None, g_w: Tensor | None, need_h: bool) -> Tensor | None:
+    """_HeadLogprobs' backward, recomputing each chunk's logits: hidden's gradient (None if not need_h), and the
+    weight's added into g_w (float32 (V, C); None: not needed)."""
     hidden, w, targets, lse, ent = ctx.saved_tensors
-    need_h, need_w = ctx.needs_input_grad[:2]
     g_h = torch.empty_like(hidden) if need_h else None
-    g_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
     for i in range(0, hidden.shape[0], ctx.step):
         h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
         x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
@@ -169,7 +175,7 @@ def _head_backward(ctx, g_logp: Tensor, g_ent: Tensor | None) -> tuple[Tensor | 
         else:
             d = _logit_grad(x, lse[i : i + ctx.step], t, g, ctx.temperature, ctx.dtype)
         _add_grads(d, h, w, None if g_h is None else g_h[i : i + ctx.step], g_w)
-    return g_h, g_w
+    return g_h
 
 
 def head_logprobs(
@@ -182,6 +188,7 @@ def head_logprobs(
     entropy_grad: bool = False,
     chunk_tokens: int | None = None,
     loss: Callable[[Tensor], Tensor] | None = None,
+    vocab_grads: VocabGrads | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """token_logprobs(lm_head(hidden), targets, temperature) without ever holding more than one
     chunk of logits, in forward or backward (at a 152k vocabulary the logits would be the largest
@@ -198,7 +205,8 @@ def head_logprobs(
     loss: the scalar the caller will back-propagate, as a function of the returned logp (a tensor of its shape),
     when it is a sum of per-token terms of their own log-probs (GRPO's clipped surrogate, a KL): the backward is then
     done in the forward, 3 head matmuls per chunk instead of 4, and checked in the backward (_HeadLogprobs: exact for
-    any loss, a loss that is not token-separable only costs the work). Ignored with entropy_grad."""
+    any loss, a loss that is not token-separable only costs the work). Ignored with entropy_grad.
+    vocab_grads: the step's model.VocabGrads: the weight's gradient sums there, returned by the last micro-batch."""
     _check_temperature("head_logprobs", temperature)
     lm_head = getattr(head, "lm_head", head)
     if getattr(lm_head, "bias", None) is not None:
@@ -211,8 +219,7 @@ def head_logprobs(
     step = chunk_tokens or max(1, (2**23 if loss else 2**24) // weight.shape[0])
     C = hidden.shape[-1]
     flat = loss and (lambda x: loss(x.view(targets.shape)))  # of the (N,) log-probs
+    h, t, sums = hidden.reshape(-1, C), targets.reshape(-1), vocab_grads
     with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
-        logp, ent = _HeadLogprobs.apply(
-            hidden.reshape(-1, C), weight, targets.reshape(-1), temperature, dtype, step, entropy, entropy_grad, flat
-        )
+        logp, ent = _HeadLogprobs.apply(h, weight, t, temperature, dtype, step, entropy, entropy_grad, flat, sums)
     return logp.view(targets.shape), ent.view(targets.shape) if entropy else None

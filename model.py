@@ -296,6 +296,48 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class VocabGrads:
+    """The vocabulary tables' gradients (lm_head's and embed_tokens' weights: one Parameter when tied) summed over a
+    step's micro-batches and handed to autograd by the last one's backward (`last`, read when a backward runs); the
+    backwards before it give the tables no gradient (DDP's no_sync and FSDP's deferred sync wait for the last
+    anyway). A (V, C) gradient per micro-batch is a fresh allocation each time, 1 GB at a 248k vocabulary, and on CPU,
+    which caches no memory, each costs more than a head matmul. lm_head's sum is one float32 buffer (head_logprobs
+    adds to it); the lookups' gradients stay rows (n, C) until the hand-over adds them into one (V, C) tensor."""
+
+    def __init__(self, last: bool = False) -> None:
+        self.head, self.rows, self.last = None, [], last
+
+    def head_buffer(self, w: Tensor) -> Tensor:
+        if self.head is None:
+            self.head = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        return self.head
+
+    def take_head(self) -> Tensor | None:
+        """lm_head.weight's gradient for this backward: the step's sum at the last micro-batch, else None."""
+        out, self.head = (self.head, None) if self.last else (None, self.head)
+        return out
+
+
+class _Embedding(torch.autograd.Function):
+    """embed_tokens(ids) whose weight's gradient goes through VocabGrads: its rows, summed in float32 at the last."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, grads: VocabGrads) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.grads, ctx.shape = grads, weight.shape
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        grads = ctx.grads
+        grads.rows.append((ctx.saved_tensors[0].reshape(-1), g.reshape(-1, g.shape[-1]).float()))
+        if not grads.last:
+            return None, None, None
+        ids, rows = (torch.cat(x) for x in zip(*grads.rows))
+        grads.rows = []
+        return None, g.new_zeros(ctx.shape, dtype=torch.float32).index_add_(0, ids, rows).to(g.dtype), None
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -326,6 +368,7 @@ class Transformer(nn.Module):
         logits_to_keep: int = 0,
         hidden: bool = False,
         valid: Tensor | None = None,
+        vocab_grads: VocabGrads | None = None,
     ) -> Tensor:
         """input_ids (B, T) -> logits (B, T or logits_to_keep, V) in the model dtype, or with
         hidden=True the final-norm hidden states (B, T or logits_to_keep, C) that lm_head would see:
@@ -335,7 +378,7 @@ class Transformer(nn.Module):
         `update(layer_idx, k, v) -> (k_all, v_all)`. attn_mask (B, 1, T, S) bool, True = attend (or SDPA's
         additive form, 0 or -inf: kvcache.additive_mask), used as given; without mask and cache the forward is
         plainly causal. valid (B, T) bool: the real tokens (False: padding), what Gated DeltaNet layers skip
-        (deltanet.py); attention layers read attn_mask."""
+        (deltanet.py); attention layers read attn_mask. vocab_grads: the trainer's sum of the embedding's gradient."""
         B, T = input_ids.shape
         if cache is not None and attn_mask is None:
             # is_causal is top-left aligned: wrong as soon as the cache already holds keys
@@ -343,7 +386,8 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device)
         positions = positions.expand(B, T)  # (T,) or (1, T) broadcast; a wrong shape fails here
-        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        embed = self.model.embed_tokens
+        x = embed(input_ids) if vocab_grads is None else _Embedding.apply(input_ids, embed.weight, vocab_grads)
         cos, sin = rope_cos_sin(positions, self.config, x.dtype)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():

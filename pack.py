@@ -21,6 +21,7 @@ import torch
 
 from kvcache import PromptRows, Prompts, TrunkKV, prompt_pass
 from logprobs import head_logprobs
+from model import VocabGrads
 
 
 @dataclass
@@ -258,7 +259,7 @@ def rows_mask(own: torch.Tensor | None, keys: torch.Tensor | None, T: int) -> to
     return torch.cat([keys[:, None, None, :].expand(-1, 1, T, -1), own], 3)  # (B, 1, T, Lp + T)
 
 
-def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_valid: torch.Tensor | None = None):
+def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_valid=None, vocab_grads=None):
     """The packed rows' hidden states (B, T', C) for a model with Gated DeltaNet layers (a Qwen3.5 hybrid), whose
     state no attention mask can keep from reading across the answers of a tree row. Each row's trunk (its prompt,
     unless shared, then its thought) runs once, recording each layer's keys and values and each DeltaNet layer's
@@ -266,7 +267,7 @@ def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_v
     and starting from its state, so each answer sees the prompt, its thought and itself, as the tree mask says. The
     hidden states go back to their packed slots. Cost: the packed row's tokens, in two forwards (no T' x T' mask);
     each answer reads a copy of the trunk's state (Hv dk dv floats per layer). prompts, prompt_valid (B, Lp): with a
-    shared prompt, the trunks continue it (its rows and their padding)."""
+    shared prompt, the trunks continue it (its rows and their padding). vocab_grads: as token_stats'."""
     ids, pos, dev = batch.packed_ids, batch.packed_pos, batch.packed_ids.device
     B, Tp = ids.shape
     ans = torch.where(batch.to_logical >= 0, batch.answer_id.flatten()[batch.to_logical.clamp(min=0)], -1)
@@ -278,7 +279,7 @@ def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_v
     causal = torch.ones(Lt, Lt, dtype=torch.bool, device=dev).tril()
     mask = torch.cat([keys[:, None, None, : keys.shape[1] - Lt].expand(-1, 1, Lt, -1), causal.expand(B, 1, Lt, Lt)], 3)
     trunk = TrunkKV(prompts)
-    kw = dict(cache=trunk, attn_mask=mask, valid=valid, hidden=True)
+    kw = dict(cache=trunk, attn_mask=mask, valid=valid, hidden=True, vocab_grads=vocab_grads)
     h = getattr(model, "module", model)(ids[:, :Lt], positions=pos[:, :Lt], **kw)  # DDP: the answers' pass is its own
     # each answer as a row: its slots start[b, j] .. + length[b, j] (contiguous), right-padded to La
     length = torch.stack([(ans == j).sum(1) for j in range(M)], 1)  # (B, M)
@@ -290,13 +291,14 @@ def tree_hidden(model, batch: Batch, prompts: PromptRows | None = None, prompt_v
     tril = torch.ones(La, La, dtype=torch.bool, device=dev).tril()
     mask = torch.cat([keys[of][:, None, None, :].expand(-1, 1, La, -1), tril.expand(B * M, 1, La, La)], 3)
     a_ids, a_pos = (x.gather(1, at).view(B * M, La) for x in (ids, pos))
-    ha = model(a_ids, positions=a_pos, cache=trunk.rows(of), attn_mask=mask, valid=own.view(B * M, La), hidden=True)
+    kw = dict(cache=trunk.rows(of), attn_mask=mask, valid=own.view(B * M, La), hidden=True, vocab_grads=vocab_grads)
+    ha = model(a_ids, positions=a_pos, **kw)
     out = torch.cat([h, h.new_zeros(B, Tp - Lt, h.shape[-1])], 1) if Tp > Lt else h[:, :Tp]
     flat = (torch.arange(B, device=dev)[:, None] * Tp + at).view(B, M, La)[own]  # packed slot of each answer token
     return out.flatten(0, 1).index_copy(0, flat, ha.flatten(0, 1)[own.flatten()]).view(B, Tp, -1)
 
 
-def step_prompts(model, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -> Prompts | None:
+def step_prompts(model, batch: Batch, micro: list[tuple[torch.Tensor, Batch]], vocab_grads=None) -> Prompts | None:
     """The step's shared prompts run once for all its micro-batches, when more than one micro-batch reads a prompt
     (each would run it again) and the pass is no larger than a micro-batch (its activations live through the epoch,
     beside each micro-batch's); None otherwise. The micro-batches before the last read `leaves`, values cut from the
@@ -306,7 +308,7 @@ def step_prompts(model, batch: Batch, micro: list[tuple[torch.Tensor, Batch]]) -
         return None
     again = sum(int(mb.prompt_valid.sum()) for _, mb in micro) > int(batch.prompt_valid.sum())
     fits = batch.prompt_ids.numel() <= max(mb.packed_ids.numel() + mb.prompt_ids.numel() for _, mb in micro)
-    return prompt_pass(model, batch.prompt_ids, batch.prompt_valid, leaves=True) if again and fits else None
+    return prompt_pass(model, batch.prompt_ids, batch.prompt_valid, True, vocab_grads) if again and fits else None
 
 
 def token_stats(
@@ -319,6 +321,7 @@ def token_stats(
     states: bool = False,
     prompts: Prompts | None = None,
     loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    vocab_grads: VocabGrads | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy; with entropy_grad, differentiable) of every completion token under `model`,
     (B, T) float32 in the logical layout (0 at prompt and padding positions).
@@ -329,19 +332,21 @@ def token_stats(
     not follow its predecessor (the `jumps`: answer j > 0 is predicted from its thought's end, a
     row's first token from its shared prompt's end). prompts: the step's shared prompts, already run (step_prompts;
     the rows' batch.group index them), else the batch's own run here. loss: the loss as a function of the (B, T)
-    log-probs, when a sum of per-token terms: the head's backward runs in its forward (logprobs.head_logprobs)."""
+    log-probs, when a sum of per-token terms: the head's backward runs in its forward (logprobs.head_logprobs).
+    vocab_grads: the step's sum of the embedding's and lm_head's gradients over micro-batches (model.VocabGrads)."""
     ids, first, keys = batch.packed_ids, None, None
     head = getattr(model, "module", model)
     if batch.prompt_ids is not None:  # 1. each prompt once, recording its keys/values (a hybrid's states too)
         of = batch.prompt_of if prompts is None else batch.group
-        prompts = prompt_pass(model, batch.prompt_ids, batch.prompt_valid) if prompts is None else prompts
+        prompts = prompts or prompt_pass(model, batch.prompt_ids, batch.prompt_valid, vocab_grads=vocab_grads)
         first = prompts.first.index_select(0, of)  # (B, C); index_select: see PromptRows.update
         prompts, keys = prompts.kv.rows(of), prompts.valid.index_select(0, of)  # 2. the rows attend to their keys
     if batch.packed_attn is not None and "linear_attention" in (head.config.layer_types or ()):
-        hidden = tree_hidden(model, batch, prompts, keys)  # a hybrid's tree rows: no mask can keep answers apart
+        hidden = tree_hidden(model, batch, prompts, keys, vocab_grads)  # a hybrid's tree rows: no mask parts answers
     else:
         mask = rows_mask(batch.packed_attn, keys, ids.shape[1])
-        hidden = model(ids, positions=batch.packed_pos, cache=prompts, attn_mask=mask, hidden=True)  # (B, T', C)
+        kw = dict(cache=prompts, attn_mask=mask, hidden=True, vocab_grads=vocab_grads)
+        hidden = model(ids, positions=batch.packed_pos, **kw)  # (B, T', C)
 
     # The slot whose hidden state predicts each packed token: the one before it, or its jump's source.
     source = torch.arange(-1, ids.shape[1] - 1, device=ids.device).expand_as(ids).clone()
@@ -358,5 +363,5 @@ def token_stats(
     to_logical = lambda x: x.new_zeros(shape.numel()).index_put(index, x).view(shape)  # noqa: E731 (N,) -> (B, T)
     kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
     fused = loss and (lambda x: loss(to_logical(x)))  # the loss of the (N,) log-probs, for the head's fused backward
-    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw, loss=fused)
+    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw, loss=fused, vocab_grads=vocab_grads)
     return to_logical(logp), None if ent is None else to_logical(ent)

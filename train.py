@@ -61,7 +61,7 @@ from heldout import evaluate
 from hf import bundled, save_model
 from losses import Tokens, policy_loss, token_loss
 from metrics import SUMS, StepClock, add_micro_batch, rollout_metrics, update_metrics
-from model import copy_weights_
+from model import VocabGrads, copy_weights_
 from pack import (
     Batch,
     Group,
@@ -214,9 +214,10 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     trained = torch.stack([batch.mask[rows].sum() for rows, _ in micro]).tolist()
     for epoch in range(cfg.mu):
         with run.precision():  # each shared prompt once per epoch, when that saves work; mu > 1: per micro-batch, as
-            shared = step_prompts(run.model, batch, micro) if cfg.mu == 1 else None  # the score pass (ratio 1 exactly)
+            vocab_grads = VocabGrads()  # the (V, C) tables' gradients summed over micro-batches, handed by the last
+            shared = step_prompts(run.model, batch, micro, vocab_grads) if cfg.mu == 1 else None  # ratio 1 exactly
         for i, (rows, mb) in enumerate(micro):
-            sync = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
+            sync = vocab_grads.last = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
             no_sync = world > 1 and not cfg.fsdp and not sync
             if run.fsdp:
                 run.policy.set_requires_gradient_sync(sync)
@@ -225,7 +226,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 old = None if batch.old_logp is None else batch.old_logp[rows]  # None: mu = 1, the log-probs, detached
                 loss = fuse and functools.partial(token_loss, batch.per_token(rows), old, cfg, run.objective, world)
                 kw = dict(entropy=epoch == 0 and batch.entropy is None, entropy_grad=entropy_grad, prompts=prompts)
-                logp, ent = token_stats(run.model, mb, cfg.temperature, **kw, loss=loss or None)
+                kw |= dict(loss=loss or None, vocab_grads=vocab_grads)
+                logp, ent = token_stats(run.model, mb, cfg.temperature, **kw)
                 mask = batch.mask[rows]
                 tok = Tokens(logp, logp.detach() if old is None else old, **batch.per_token(rows))  # adv, weights, ...
                 sampled = mask if tok.off_policy is None else mask & ~tok.off_policy  # the tokens the sampler drew

@@ -5,12 +5,14 @@
 
 Both sides run the same update on the same checkpoint (random weights from random_checkpoint.py, float32): one
 prompt of --prompt-tokens, --rows completions of --new tokens, micro-batches of --micro-batch-rows, forward and
-backward of every micro-batch, then AdamW. Ours is train.py's path (pack, split_rows, step_prompts: the shared prompt
-once per step, token_stats, a clipped loss; ours_micro: the prompt once per micro-batch); TRL's is what its
-GRPOTrainer computes per micro-batch: transformers' model on the rows' prompt + completion tokens (logits_to_keep =
-the completion), log-softmax at the targets, the clipped loss. Each side runs a warm-up step, then --repeats timed
-steps (the sides in turns), then one under torch.profiler (--no-profile: none), whose table groups the aten ops'
-self CPU time by kind (matmuls split by what they multiply: the head's vocabulary, the MLP's width, the rest).
+backward of every micro-batch, then AdamW. Ours is train.py's path (pack, split_rows, step_prompts: the shared
+prompt once per step, token_stats with the head's backward fused and the vocabulary tables' gradients summed per
+step, a clipped loss; ours_micro: the path before those three: the prompt per micro-batch, the head's plain
+backward); TRL's: what its GRPOTrainer computes per micro-batch: transformers' model on the rows' prompt +
+completion tokens (logits_to_keep = the completion), log-softmax at the targets, the clipped loss. Each side runs a
+warm-up step, then --repeats timed steps (the sides in turns), then one under torch.profiler (--no-profile: none),
+whose table groups the aten ops' self CPU time by kind (matmuls split by what they multiply: the head's vocabulary,
+the MLP's width, the rest).
 A profile to read, not a test.
 """
 
@@ -27,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf import load_model  # noqa: E402
+from model import VocabGrads  # noqa: E402
 from pack import Answer, Group, Thought, pack, select_rows, split_rows, step_prompts, token_stats  # noqa: E402
 
 KINDS = {  # aten op name fragments -> kind (first match wins; matmuls are split by shape below)
@@ -90,14 +93,21 @@ def make_batch(prompt_tokens: int, rows: int, new: int, vocab: int, pad: int, se
 def ours_step(model, opt, groups, micro_rows: int, pad: int, adv: torch.Tensor, once: bool) -> None:
     batch = pack(groups, pad, torch.device("cpu"), share_prompt=True)
     micro = [(rows, select_rows(batch, rows)) for rows in split_rows(batch, micro_rows)]
-    shared = step_prompts(model, batch, micro) if once else None  # train.update's: the prompt once per step
+    grads = VocabGrads() if once else None  # train.update's: the (V, C) tables' gradients summed over micro-batches
+    shared = step_prompts(model, batch, micro, grads) if once else None  # train.update's: the prompt once per step
     for i, (rows, mb) in enumerate(micro):
         last = i == len(micro) - 1
-        logp, _ = token_stats(model, mb, 1.0, prompts=shared and (shared if last else shared.leaves))
-        mask = mb.ids != pad
-        ratio = (logp - logp.detach()).exp()
-        a = adv[rows, None]
-        loss = -(torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a) * mask).sum() / mask.sum() / len(adv)
+        if grads:
+            grads.last = last
+        mask, a = mb.ids != pad, adv[rows, None]
+
+        def loss_of(logp, a=a, mask=mask):  # the clipped surrogate, token-separable: the head's backward can fuse
+            ratio = (logp - logp.detach()).exp()
+            return -(torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a) * mask).sum() / mask.sum() / len(adv)
+
+        prompts = shared and (shared if last else shared.leaves)
+        logp, _ = token_stats(model, mb, 1.0, prompts=prompts, loss=loss_of if once else None, vocab_grads=grads)
+        loss = loss_of(logp)
         shared.backward(loss) if shared and last else loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

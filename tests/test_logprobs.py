@@ -351,3 +351,40 @@ def test_fused_head_backward_under_autocast_equals_the_plain_one(monkeypatch):
     assert len(recomputes) == 1
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("loss_kind", ["plain", "fused", "fused_miss"])
+def test_vocab_grads_sum_micro_batches_and_hand_them_over_once(tied, loss_kind):
+    """Guards model.VocabGrads (train.update's micro-batches): lm_head's and the embedding's gradients summed over
+    micro-batches (one float32 buffer; the lookups' rows) and handed to autograd by the last must equal one backward
+    per micro-batch, every parameter within 1e-6, with the plain head backward, the fused one, and a fused one whose
+    speculation misses (the guess's share leaves the step's buffer). Before the last micro-batch the tables must have
+    no gradient (one handed over early would be counted twice), and after it nothing may stay behind (it would be
+    lost)."""
+    m = tiny_model(tied=tied)
+    g = torch.Generator().manual_seed(6)
+    ids = [torch.randint(0, 96, (2, 7), generator=g) for _ in range(3)]
+    scale = [torch.rand(2, 6, generator=g) for _ in ids]
+    coupled = loss_kind == "fused_miss"
+
+    def loss_of(lp, s):  # coupled: each token's gradient reads the row's mean log-prob (a miss)
+        return (lp * s * (lp.detach().mean(-1, keepdim=True).exp() if coupled else 1)).sum()
+
+    tables = [m.model.embed_tokens.weight, m.lm_head.weight]
+    grads = []
+    for sums in (None, M.VocabGrads()):
+        m.zero_grad(set_to_none=True)
+        for i, (x, s) in enumerate(zip(ids, scale)):
+            if sums is not None:
+                sums.last = i == len(ids) - 1
+            h = m(x[:, :-1], hidden=True, vocab_grads=sums)
+            fn = None if loss_kind == "plain" else (lambda lp, s=s: (lp * s).sum())
+            logp, _ = L.head_logprobs(m, h, x[:, 1:], 0.7, chunk_tokens=5, loss=fn, vocab_grads=sums)
+            loss_of(logp, s).backward()
+            if sums is not None and not sums.last:
+                assert all(t.grad is None for t in tables)
+        assert sums is None or (sums.head is None and sums.rows == [])
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **TOL)
