@@ -30,8 +30,7 @@ def group_advantages(rewards: Tensor, *, std_normalize: bool = True, eps: float 
     """GRPO advantage A = (r - mean_g r) / (std_g r + eps) over the last dim; Dr. GRPO: r - mean_g r.
 
     rewards: [P, G] (any leading dims) -> [P, G]. GRPO eq.: A_i = (r_i - mean(r)) / std(r).
-    Unbiased std; degenerate groups and G == 1 give exactly 0.
-    """
+    Unbiased std; degenerate groups and G == 1 give exactly 0."""
     r = rewards if rewards.is_floating_point() else rewards.float()
     adv = r - r.mean(-1, keepdim=True)
     if std_normalize and r.shape[-1] > 1:  # torch.std of one sample is nan (and warns)
@@ -46,8 +45,7 @@ def grpo_ma_advantages(rewards: Tensor, *, std_normalize: bool = True, eps: floa
     Thought value V[p,i] = mean_j R[p,i,j]; thought adv = group normalisation of V over the K
     thoughts; answer adv = group normalisation of R over all K*M answers of the prompt (not within
     one thought, so the answers of a good thought mostly get positive advantages).
-    M = 1 gives GRPO's advantages bit for bit (V = R and both normalise over the same K values).
-    """
+    M = 1 gives GRPO's advantages bit for bit (V = R and both normalise over the same K values)."""
     if rewards.dim() != 3:
         raise ValueError(f"grpo_ma_advantages: rewards must be [P, K, M], got shape {tuple(rewards.shape)}.")
     P, K, M = rewards.shape
@@ -60,8 +58,7 @@ def two_grpo_advantages(rewards: Tensor) -> Tensor:
     """2-GRPO (arXiv 2510.00977 §5.1): [P, 2] -> [P, 2], +1 for the better, -1 for the worse, 0 on ties.
 
     This is the paper's population-std normalisation of a pair: (r - mean) / std_pop = sign(r1 - r2)
-    for any two distinct rewards (the gap's size is discarded). torch.std would give +-0.707.
-    """
+    for any two distinct rewards (the gap's size is discarded). torch.std would give +-0.707."""
     if rewards.dim() != 2 or rewards.shape[-1] != 2:
         raise ValueError(f"two_grpo_advantages: rewards must be [P, 2], got shape {tuple(rewards.shape)}.")
     r = rewards if rewards.is_floating_point() else rewards.float()
@@ -86,8 +83,7 @@ def agrae_advantages(
         * w(p, P),  w = (1-P) * 0.5/(1 - sqrt(p) + eps) + P * 0.5/(sqrt(p) + eps)
         * min(1, P/alpha) on positive entries only.
     Low P favours easy groups (p -> 1) and damps correct answers (explore); high P favours hard ones.
-    Degenerate groups stay 0.
-    """
+    Degenerate groups stay 0."""
     r = rewards if rewards.is_floating_point() else rewards.float()
     acc = r if correct is None else correct.to(r.dtype)
     p = acc.mean(-1, keepdim=True).clamp(0.0, 1.0)  # (P, 1)
@@ -125,8 +121,7 @@ def noise_corrected_rewards(rewards: Tensor, rho_plus: float | Tensor, rho_minus
     (exactly at eps = 0; with eps the two differ only by eps scaling as 1 - rho_plus - rho_minus).
     With global constant rates the centred correction is a constant rescale by 1 / (1 - rho_plus -
     rho_minus), which Adam mostly ignores (a derivation, not the paper's claim). Equal rewards stay equal, so
-    degenerate groups stay 0.
-    """
+    degenerate groups stay 0."""
     _check_noise_rates("noise_corrected_rewards", rho_plus, rho_minus)
     return (rewards - rho_plus) / (1 - rho_plus - rho_minus)
 
@@ -147,8 +142,7 @@ def flip_rewards(
     entry; the rates may be broadcastable tensors. One uniform is drawn per entry from `generator`
     (on the rewards' device) whatever the rates, so zero rates return the rewards unchanged. `generator` may
     instead be a list of one generator per row of rewards [P, G] (the trainer seeds one per prompt from its
-    rollout seed, so the flips do not depend on how prompts are batched or spread over ranks).
-    """
+    rollout seed, so the flips do not depend on how prompts are batched or spread over ranks)."""
     _check_noise_rates("flip_rewards", rho_plus, rho_minus)
     _check_binary("flip_rewards", rewards=rewards)
     if isinstance(generator, list) and len(generator) != rewards.shape[0]:
@@ -168,8 +162,7 @@ def estimate_noise_rates(noisy_reward: Tensor, correct: Tensor) -> tuple[float, 
 
     rho_plus = #(noisy 1, truly wrong) / #(truly wrong), rho_minus = #(noisy 0, truly right) / #(truly right),
     the maximum-likelihood rates, each with standard error sqrt(rho (1 - rho) / n_class). Draw the sample
-    from the policy being trained (the rates drift with it). Any matching shapes work.
-    """
+    from the policy being trained (the rates drift with it). Any matching shapes work."""
     if noisy_reward.shape != correct.shape:
         raise ValueError(
             f"estimate_noise_rates: noisy_reward {tuple(noisy_reward.shape)} and correct {tuple(correct.shape)} differ."
@@ -200,8 +193,7 @@ def pairwise_distinct_advantages(
     third-party reading uses delta = 0.1). delta = 0 keeps every pair and returns
     group_advantages(rewards, std_normalize=False) bit for bit. std_normalize divides by the
     unmasked group std (GRPO form, also [D]). Groups stay centred (the summand is antisymmetric);
-    degenerate groups, and rows whose pairs are all masked, get exactly 0.
-    """
+    degenerate groups, and rows whose pairs are all masked, get exactly 0."""
     if rewards.shape != scores.shape or rewards.dim() < 1:
         raise ValueError(
             f"pairwise_distinct_advantages: rewards {tuple(rewards.shape)} and scores {tuple(scores.shape)} "
@@ -234,8 +226,7 @@ def splice_anchor_rewards(
     (G-1)/G and every rollout -1/G under Dr. GRPO / pairwise_distinct_advantages(delta=0), or
     (G-1)/G / std = +2.47 at G = 8 under GRPO. The trainer swaps in the anchor's tokens where is_anchor
     [P, G] is True, passes them to policy_loss as off_policy, and for the distinctiveness mask gives the
-    anchor the top score (scores.masked_fill(is_anchor, 1.0), an inference).
-    """
+    anchor the top score (scores.masked_fill(is_anchor, 1.0), an inference)."""
     if rewards.shape != correct.shape or rewards.dim() != 2:
         raise ValueError(
             f"splice_anchor_rewards: rewards {tuple(rewards.shape)} and correct {tuple(correct.shape)} "
@@ -261,8 +252,7 @@ def dynamic_sampling_keep(rewards: Tensor) -> Tensor:
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:
     """DAPO soft overlong punishment, added to the reward: [B] lengths -> [B] float.
 
-    0 if L <= max_len - buffer; ((max_len - buffer) - L) / buffer inside the buffer; -1 beyond max_len.
-    """
+    0 if L <= max_len - buffer; ((max_len - buffer) - L) / buffer inside the buffer; -1 beyond max_len."""
     if not 0 <= buffer <= max_len:
         raise ValueError(f"overlong_penalty: need 0 <= buffer <= max_len, got buffer={buffer}, max_len={max_len}.")
     L = lengths.float()
@@ -289,11 +279,9 @@ def gtpo_conflict_weights(
     tokens of positive rows, w_neg on those of negative rows, 1 elsewhere, 0 off the mask.
 
     Follows the released code (gtpo_training.py build_conflict_mask: set membership per position,
-    cumulative run from each end). Departure: a token in both runs gets w_pos once (a choice:
-    a token is one token);
-    the released code multiplies the two factors (w_pos**2 = 4), which only happens when the runs
-    overlap. Positions are counted over masked tokens, so rows may also carry a prompt or left padding.
-    """
+    cumulative run from each end). Departure: a token in both runs gets w_pos once (a choice: a token is one
+    token); the released code multiplies the two factors (w_pos**2 = 4), which only happens when the runs
+    overlap. Positions are counted over masked tokens, so rows may also carry a prompt or left padding."""
     B, T = token_ids.shape
     if B % group_size != 0:
         raise ValueError(f"gtpo_conflict_weights: {B} rows do not split into groups of {group_size}.")
@@ -332,8 +320,7 @@ def gtpo_entropy_gate(
     token_entropy, mask: [B, T] -> (keep [B] bool, mean_entropy [B]). delta_i = 1[<H>_i <= ln 2].
     The trainer passes enabled=False when the starting policy's mean entropy is already above the
     threshold (README rule; then the gate would drop almost everything). The trainer applies it as
-    adv = where(keep, gtpo_entropy_shift(adv, mean_entropy), 0).
-    """
+    adv = where(keep, gtpo_entropy_shift(adv, mean_entropy), 0)."""
     m = mask.float()
     mean_entropy = (token_entropy.float() * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     keep = mean_entropy <= threshold if enabled else torch.ones_like(mean_entropy, dtype=torch.bool)
@@ -368,8 +355,7 @@ def token_weights(
     "seq_mean_token_sum_norm" Dr. GRPO: per-sequence token sums over a constant, 1/(n_seqs*max_len)
     num_seqs (non-empty rows) and num_tokens default to this mask's counts. Pass the global counts
     when the step is spread over ranks (all-reduced) or over dynamic-sampling top-ups, so the
-    gradient equals the single-process full-batch gradient.
-    """
+    gradient equals the single-process full-batch gradient."""
     m = mask.float()
     lengths = m.sum(-1, keepdim=True)  # (B, 1)
     n_seqs = float((lengths > 0).sum()) if num_seqs is None else float(num_seqs)
@@ -407,8 +393,7 @@ def grpo_ma_token_weights(
     default to this step's counts; pass global counts under DDP. An empty thought (no
     end-of-thought marker) drops out, so with M = 1 and empty thoughts this is GRPO's
     seq_mean_token_mean. With non-empty thoughts and M = 1 it is (thought mean + answer mean), not
-    GRPO's length-weighted mean; for token-level aggregation use token_weights on the union mask.
-    """
+    GRPO's length-weighted mean; for token-level aggregation use token_weights on the union mask."""
     is_answer = answer_id >= 0
     if bool((thought_mask.bool() & is_answer).any()):
         raise ValueError("grpo_ma_token_weights: a token is marked both as thought and as answer.")
@@ -431,8 +416,7 @@ def grpo_ma_token_advantages(
     """Per-token advantage for the packed GRPO-MA layout (see grpo_ma_token_weights).
 
     thought_adv [P, K], answer_adv [P, K, M], thought_mask / answer_id [P*K, T] -> adv [P*K, T]:
-    thought tokens get their thought's advantage, answer j's tokens get A_ans[p, i, j].
-    """
+    thought tokens get their thought's advantage, answer j's tokens get A_ans[p, i, j]."""
     P, K, M = answer_adv.shape
     if bool((answer_id >= M).any()):
         raise ValueError(f"grpo_ma_token_advantages: answer_id holds ids >= M = {M}.")
@@ -449,8 +433,7 @@ def gradient_spike_score(grad_norms: list[float] | Tensor, tau: float = 10.0) ->
     """Gradient spike score (SPAM; GRPO-MA reports GSS@10): gss_t = ||g_t|| / mean_{s<=t} ||g_s||.
 
     grad_norms: [N] global grad norms before clipping -> (gss [N] float64, fraction of steps with
-    gss > tau). Steps where every norm so far is 0 get gss 0.
-    """
+    gss > tau). Steps where every norm so far is 0 get gss 0."""
     g = torch.as_tensor(grad_norms, dtype=torch.float64).flatten()
     running_mean = g.cumsum(0) / torch.arange(1, g.numel() + 1, dtype=torch.float64)
     gss = torch.where(running_mean > 0, g / running_mean, torch.zeros_like(g))
@@ -475,8 +458,7 @@ def select_hard_examples(
     Ties are broken by data order (stable sorts), so equal pass rates keep the earlier index; with a
     small K many prompts tie at 0 and the "hardest 10%" is then the first of them in the file.
     The paper's "learnable percentage" (training steps with non-zero within-group reward std) builds on
-    the per-step fraction of mixed groups, dynamic_sampling_keep(rewards).float().mean().
-    """
+    the per-step fraction of mixed groups, dynamic_sampling_keep(rewards).float().mean()."""
     if mode not in SELECTIONS:
         raise ValueError(f"select_hard_examples: unknown mode {mode!r}; choose one of {', '.join(SELECTIONS)}.")
     if pass_rates.dim() != 1:

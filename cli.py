@@ -93,11 +93,8 @@ def parse_config(
     presets: dict[str, dict[str, Any]] | None = None,
     preset_field: str = "",
 ) -> tuple[Any, set[str]]:
-    """Parse argv into `cls`. Returns (config, names the user set explicitly).
-
-    With `presets`, the value of `preset_field` picks a dict of overrides that applies to every
-    field the user did not set on the command line.
-    """
+    """Parse argv into `cls`. Returns (config, names the user set explicitly). With `presets`, the value of
+    `preset_field` picks a dict of overrides that applies to every field the user did not set on the command line."""
     parser = build_parser(cls, description, presets, preset_field)
     ns = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
     explicit = set(ns)
@@ -343,11 +340,9 @@ def start_line(
     """What will run, on a line or two: the algorithm, model, task, device, the steps to run (from where a resumed run
     continues), the output directory and the memory estimate; then `flags` (changed_flags: every other flag that
     differs from its default, the preset's included, grouped as --help groups them)."""
-    steps = f"steps {step + 1}-{max_steps}, " + (
-        f"resuming {resumed_from} at step {step}" if resumed_from else "from the start"
-    )
-    line = f"train: --algo {algo}, model {model}, task {task}, on {device}; {steps}, into {out}"
-    return line + (f"; {memory}" if memory else "") + (f"\n       {flags}" if flags else "")
+    since = f"resuming {resumed_from} at step {step}" if resumed_from else "from the start"
+    line = f"train: --algo {algo}, model {model}, task {task}, on {device}; steps {step + 1}-{max_steps}, {since}"
+    return line + f", into {out}" + (f"; {memory}" if memory else "") + (f"\n       {flags}" if flags else "")
 
 
 def changed_flags(config: Any, skip: Sequence[str] = ()) -> str:
@@ -359,11 +354,9 @@ def changed_flags(config: Any, skip: Sequence[str] = ()) -> str:
         value = getattr(config, f.name)
         if f.name in skip or value == f.default:
             continue
-        spelt = f"--{'no-' * (not value)}{f.name.replace('_', '-')}" if isinstance(value, bool) else flag(f.name)
         text = str(value) if re.fullmatch(r"[\w.,:/+=-]+", str(value)) else repr(value)  # quote text with spaces
-        changed.setdefault(groups.get(f.name, "options"), []).append(
-            spelt if isinstance(value, bool) else spelt + " " + text
-        )
+        spelt = flag("no_" * (not value) + f.name) if isinstance(value, bool) else f"{flag(f.name)} {text}"
+        changed.setdefault(groups.get(f.name, "options"), []).append(spelt)
     return "; ".join(f"{group}: {' '.join(spelt)}" for group, spelt in changed.items())
 
 

@@ -105,23 +105,17 @@ def plot_runs(runs: list[str], out: str, x: str = "step", keys: list[str] | None
     fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False)
     for label, seeds in groups.items():
         xs = [x_of_step(rows, x) for rows in seeds]
+        name = label + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
         for ax, (key, title) in zip(axes.flat, panels):
             series = [{r["step"]: r[key] for r in rows if r.get(key) is not None} for rows in seeds]
             steps = sorted(set.intersection(*(set(s) for s in series)).intersection(*xs))
             if steps:
                 vals = [[s[t] for s in series] for t in steps]
                 xv = [sum(xm[t] for xm in xs) / len(xs) for t in steps]
-                (line,) = ax.plot(
-                    xv,
-                    [sum(v) / len(v) for v in vals],
-                    label=label + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else ""),
-                    marker="." if key.startswith("eval") else None,
-                    color=colors[label],
-                )
+                marker = "." if key.startswith("eval") else None
+                ax.plot(xv, [sum(v) / len(v) for v in vals], label=name, marker=marker, color=colors[label])
                 if len(seeds) > 1:
-                    ax.fill_between(
-                        xv, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15
-                    )
+                    ax.fill_between(xv, [min(v) for v in vals], [max(v) for v in vals], color=colors[label], alpha=0.15)
             ax.set_title(title)
             ax.set_xlabel(X_AXES[x])
     for ax in list(axes.flat)[len(panels) :]:

@@ -51,11 +51,8 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
         raise ValueError(f"{path}: model_type {mt!r} is not supported (supported: {sorted(ARCHITECTURES)}).")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act {d['hidden_act']!r} is not supported (only 'silu').")
-    if (
-        d.get("use_sliding_window")
-        or "sliding_attention" in (d.get("layer_types") or [])
-        or (mt == "mistral" and d.get("sliding_window") is not None)
-    ):
+    sliding = d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or [])
+    if sliding or (mt == "mistral" and d.get("sliding_window") is not None):
         raise ValueError(f"{path}: sliding-window attention is not supported; only full attention.")
     if d.get("mlp_bias"):
         raise ValueError(f"{path}: mlp_bias is not supported.")
@@ -70,13 +67,8 @@ def config_from_hf(d: dict, path: str = "config.json") -> ModelConfig:
         raise ValueError(f"{path}: partial_rotary_factor is not supported for model_type {mt!r}.")
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"{path}: rope type {rope_type!r} is not supported (only default and 'llama3').")
-    scaling = None
-    if rope_type == "llama3":
-        scaling = {"rope_type": "llama3"} | {
-            k: rs[k]
-            for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            if k in rs
-        }
+    llama3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scaling = {"rope_type": "llama3"} | {k: rs[k] for k in llama3 if k in rs} if rope_type == "llama3" else None
     heads = d["num_attention_heads"]
     try:
         return ModelConfig(
@@ -135,10 +127,7 @@ def hybrid_fields(d: dict, partial: float) -> dict:
         ]
     keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     defaults = dict(zip(keys, (16, 32, 128, 128))) | {"linear_conv_kernel_dim": 4}  # Qwen3_5TextConfig's
-    return {k: d.get(k, v) for k, v in defaults.items()} | {
-        "layer_types": tuple(types),
-        "partial_rotary_factor": partial,
-    }
+    return {k: d.get(k, v) for k, v in defaults.items()} | dict(layer_types=tuple(types), partial_rotary_factor=partial)
 
 
 def config_to_hf(config: ModelConfig) -> dict:

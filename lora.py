@@ -69,43 +69,18 @@ from torch import Tensor
 
 from model import Transformer
 
-TARGETS = {  # --lora-targets name -> the model.py (and HF) module name it adapts
-    "q": "q_proj",
-    "k": "k_proj",
-    "v": "v_proj",
-    "o": "o_proj",
-    "gate": "gate_proj",
-    "up": "up_proj",
-    "down": "down_proj",
-    # a Qwen3.5 hybrid's Gated DeltaNet layers (deltanet.py): its input projections and its output
-    "qkv": "in_proj_qkv",
-    "z": "in_proj_z",
-    "b": "in_proj_b",
-    "a": "in_proj_a",
-    "out": "out_proj",
-}
 DECODER = ("q", "k", "v", "o", "gate", "up", "down")  # every linear of a Llama / Qwen block: --lora-targets' default
+TARGETS = {t: f"{t}_proj" for t in DECODER}  # --lora-targets name -> the model.py (and HF) module name it adapts
+# a Qwen3.5 hybrid's Gated DeltaNet layers (deltanet.py): its input projections and its output
+TARGETS |= {t: f"in_proj_{t}" for t in ("qkv", "z", "b", "a")} | {"out": "out_proj"}
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel -> LoraModel -> the *ForCausalLM
 MULTIMODAL = PEFT_PREFIX + "model.language_model."  # ... -> Qwen3_5ForConditionalGeneration's (hf.decoder_prefix)
 # adapter_config.json fields of PEFT features these adapters do not have: each must be absent or off
-UNSUPPORTED = (
-    "use_dora",
-    "use_rslora",
-    "lora_bias",
-    "modules_to_save",
-    "layers_to_transform",
-    "layers_pattern",
-    "rank_pattern",
-    "alpha_pattern",
-    "fan_in_fan_out",
-    "layer_replication",
-    "trainable_token_indices",
-    "target_parameters",
-    "exclude_modules",
-    "use_qalora",
-    "alora_invocation_tokens",
-    "use_bdlora",
+UNSUPPORTED = tuple(
+    "use_dora use_rslora lora_bias modules_to_save layers_to_transform layers_pattern rank_pattern alpha_pattern "
+    "fan_in_fan_out layer_replication trainable_token_indices target_parameters exclude_modules use_qalora "
+    "alora_invocation_tokens use_bdlora".split()
 )
 
 

@@ -44,8 +44,7 @@ def unbiased_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, mask: Tensor) 
     both factors and is r * (logp - ref_logp) * grad logp, the true KL's gradient (plain k3 gives (1 - e^d) grad logp).
     It differs from k3 even at r = 1. Follows TRL (use_bias_correction_kl: per_token_kl * coef_1, ratio not
     detached) and slime (use_unbiased_kl: importance_ratio * kl, the same). The ratio is the token's under every
-    --loss, as slime's; TRL's coef_1 is the sequence ratio under GSPO.
-    """
+    --loss, as slime's; TRL's coef_1 is the sequence ratio under GSPO."""
     mask = mask.bool()
     zero = torch.zeros_like(logp)
     d = torch.where(mask, ref_logp.detach() - logp, zero)
@@ -217,8 +216,7 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     "off_policy" receives them (DaGRPO's anchors: methods/dagrpo.py's luffy_shaped); for any other they are tokens
     like the rest. Metrics (floats, no grad) are means over this call's tokens with a non-zero surrogate weight,
     i.e. partial for one micro-batch: the trainer averages them weighted by metrics["num_tokens"]. clip_frac_low /
-    clip_frac_high split clip_frac by the sign of the advantage.
-    """
+    clip_frac_high split clip_frac by the sign of the advantage."""
     objective, logp, old_logp, adv = objective or CLIP, tok.logp, tok.old_logp, tok.adv
     beta = hp.beta if tok.beta is None else tok.beta
     if beta != 0.0 and tok.ref_logp is None:

@@ -151,10 +151,8 @@ def graph_pool_bytes(c: ModelConfig, shape: Shape, rows: int) -> int:
 def micro_batch(shape: Shape) -> tuple[int, int, int, int]:
     """(rows, row tokens, shared prompts, their tokens) of the largest micro-batch pack.split_rows cuts:
     rows of one thought and its M answers, every segment at its limit."""
-    row = (
-        shape.thought_tokens + shape.answers * shape.answer_tokens + (0 if shape.share_prompt else shape.prompt_tokens)
-    )
     shared = shape.prompt_tokens if shape.share_prompt else 0
+    row = shape.thought_tokens + shape.answers * shape.answer_tokens + shape.prompt_tokens - shared
     rows = min(shape.micro_batch_rows, shape.prompts * shape.thoughts)
     if shape.micro_batch_tokens:  # rows x row tokens (+ their prompts) within the budget; a longer row runs alone
         rows = max(1, min(rows, shape.micro_batch_tokens // (row + shared)))
@@ -257,20 +255,12 @@ def estimate(c: ModelConfig, shape: Shape, *, fixed: dict[str, int], world: int,
     CPU the process and the data pool), already divided over the ranks where FSDP shards it."""
     N, K = shape.trainable or n_params(c), shape.thoughts  # the gradients' parameters
     grads = 4 * N // (world if fsdp else 1) + (4 * N if world > 1 and not fsdp else 0)  # DDP: + its buckets
-    M, P = shape.answers, shape.prompts
+    M, P, E = shape.answers, shape.prompts, shape.eval_prompts
     thought_rows = P * K if shape.thought_tokens else 0
+    evals = sampling_bytes(c, shape, E, E * max(1, shape.eval_samples), 0, shape.thought_tokens + shape.answer_tokens)
     phases = {
         "sample": dict(kv_cache_and_logits=sampling_bytes(c, shape, P, P * K * M, thought_rows, shape.answer_tokens)),
-        "eval": dict(
-            kv_cache_and_logits=sampling_bytes(
-                c,
-                shape,
-                shape.eval_prompts,
-                shape.eval_prompts * max(1, shape.eval_samples),
-                0,
-                shape.thought_tokens + shape.answer_tokens,
-            )
-        ),
+        "eval": dict(kv_cache_and_logits=evals),
         "update": dict(gradients=grads, **update_bytes(c, shape)),
     }
     if shape.score_pass:
@@ -410,9 +400,8 @@ def check_memory(cfg, task: Task, device: torch.device, world: int) -> Plan:
     T = shape.trainable  # AdamW's state and the gradients: every parameter, or LoRA's adapters
     shard = world if fsdp else 1
     weights = 4 * N // shard + (4 * N if fsdp else 0)  # FSDP: its shard, and the whole weights while sampling
-    weights += (shape.rollout_bytes * N if rollout != "float32" else 0) + (
-        4 * N if cfg.beta and not cfg.lora_rank else 0
-    )
+    weights += shape.rollout_bytes * N if rollout != "float32" else 0  # the sampler's copy
+    weights += 4 * N if cfg.beta and not cfg.lora_rank else 0  # the --beta reference
     weights += methods.weight_bytes(cfg, shape.rollout_bytes)  # a teacher's (methods/teacher.py)
     offloaded = cfg.optimizer_offload and cuda
     fixed = dict(weights=weights, optimizer=0 if offloaded else 8 * T // shard + 4 * T * cfg.optimizer_offload)

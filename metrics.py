@@ -72,7 +72,7 @@ def update_metrics(
     n_sampled = max(n_tok - all_sum(sums["off_tokens"], world).item(), 1)
     state["grad_norms"].append(grad_norm.item())
     gss, gss10 = gradient_spike_score(state["grad_norms"])
-    row = {
+    return {
         "loss": all_sum(sums["loss"], world).item(),
         "clip_frac": all_sum(sums["clip_frac"], world).item() / n_tok,
         "kl": all_sum(sums["kl"], world).item() / n_tok,
@@ -85,7 +85,6 @@ def update_metrics(
         "skipped_steps": state["skipped_steps"],
         **fields,
     }
-    return row
 
 
 # per sampled token: --tis-cap's correction (capped_frac: weights at a bound), DeepSeek-V3.2's mask

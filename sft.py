@@ -72,11 +72,7 @@ class SFTConfig:
             )
         if not 0 <= self.tool_demos <= 1 or (self.tool_demos and self.task != "synthetic-mul"):
             raise ValueError(f"--tool-demos must be in [0, 1] and needs --task synthetic-mul, got {self.tool_demos}")
-        changed = [
-            f"--{f.name.replace('_', '-')}"
-            for f in fields(self)
-            if f.name != "out" and getattr(self, f.name) != f.default
-        ]
+        changed = [cli.flag(f.name) for f in fields(self) if f.name != "out" and getattr(self, f.name) != f.default]
         if os.path.realpath(self.out) == os.path.realpath(BUNDLED_DIR) and changed:
             raise ValueError(
                 f"--out {self.out} is the bundled model, which only the default recipe rebuilds (make tiny-model); "
@@ -99,27 +95,13 @@ def build_char_tokenizer(chars: str) -> Tokenizer:
 def write_tokenizer(tok: Tokenizer, path: str) -> None:
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": None,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "add_bos_token": False,
-            },
-            f,
-            indent=2,
-        )
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump(
-            {
-                "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
-                "pad_token_id": tok.token_to_id("<|endoftext|>"),
-            },
-            f,
-            indent=2,
-        )
+    end, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=None, eos_token="<|im_end|>")
+    config |= dict(pad_token="<|endoftext|>", add_bos_token=False)
+    generation = dict(eos_token_id=[end, pad], pad_token_id=pad)
+    for name, content in (("tokenizer_config.json", config), ("generation_config.json", generation)):
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(content, f, indent=2)
 
 
 def completion_ids(tokenizer, text: str) -> tuple[list[int], list[float]]:
@@ -178,9 +160,7 @@ def build_model(cfg: SFTConfig, tokenizer) -> Transformer:
     )
     model = Transformer(config)
     for name, p in model.named_parameters():  # GPT-2 style init; norms start at 1, biases at 0
-        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.zeros_(
-            p
-        ) if "bias" in name else torch.nn.init.ones_(p)
+        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.constant_(p, 0 if "bias" in name else 1)
     return model
 
 
@@ -190,9 +170,8 @@ def main(cfg: SFTConfig) -> float:
     torch.manual_seed(cfg.seed)
     task = get_task(cfg.task)
     tok_dir = cfg.out + ".tokenizer.tmp"
-    write_tokenizer(
-        build_char_tokenizer(SYNTHETIC_CHARS + (TOOL_CHARS if cfg.task == "synthetic-mul" else "")), tok_dir
-    )
+    chars = SYNTHETIC_CHARS + (TOOL_CHARS if cfg.task == "synthetic-mul" else "")
+    write_tokenizer(build_char_tokenizer(chars), tok_dir)
     tokenizer = load_tokenizer(tok_dir)
     model = build_model(cfg, tokenizer)
     config = model.config
@@ -227,10 +206,8 @@ def main(cfg: SFTConfig) -> float:
     if cfg.tool_demos:  # and with the tool's output appended, as RL samples (methods/tools.py)
         from methods.tools import Flags, evaluator
 
-        rollout = evaluator(Flags(tools="python"), tokenizer, task)
-        res = evaluate(
-            model, tokenizer, task, task.test(cfg.eval_examples, cfg.seed), n=4, seed=cfg.seed, rollout=rollout
-        )
+        rollout, examples = evaluator(Flags(tools="python"), tokenizer, task), task.test(cfg.eval_examples, cfg.seed)
+        res = evaluate(model, tokenizer, task, examples, n=4, seed=cfg.seed, rollout=rollout)
         print("held-out with the tool: " + "  ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
     save_model(model, cfg.out, tokenizer_dir=tok_dir)
     for f in os.listdir(tok_dir):

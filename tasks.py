@@ -25,11 +25,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from data import (
-    CODE_INSTRUCTION,  # noqa: F401  (stays importable from tasks)
-    MAX_CHARS,
-    load_jsonl,
-)
+from data import CODE_INSTRUCTION, MAX_CHARS, load_jsonl  # noqa: F401  (CODE_INSTRUCTION stays importable from tasks)
 from rewards import (
     MAX_ANSWER_CHARS,
     calculator_partial_credit,
@@ -104,31 +100,18 @@ def get_task(name: str, data: str | None = None, test_data: str | None = None, m
             if value is not None:
                 raise ValueError(f"task '{name}' is generated and takes no data file; drop {flag}.")
         if name == "countdown":
-            return Task(
-                name,
-                countdown_reward,
-                countdown_reward,
-                lambda n, seed: countdown_examples(n, seed),
-                lambda n, seed: countdown_examples(n, seed, held_out=True),
-                SYSTEM_PROMPT,
-                components=components(countdown_reward),
-            )
+            train, test = (lambda n, seed, h=h: countdown_examples(n, seed, held_out=h) for h in (False, True))
+            kw = dict(components=components(countdown_reward))
+            return Task(name, countdown_reward, countdown_reward, train, test, SYSTEM_PROMPT, **kw)
         if name == "synthetic-mul":  # the Python tool's task (methods/tools.py): tiny models cannot multiply
             train, test = (lambda n, seed, h=h: multiplication_examples(n, seed, held_out=h) for h in (False, True))
             kw = dict(reference=sft_completion, components=components(exact_reward))
             return Task(name, exact_reward, exact_reward, train, test, None, **kw)
         digits, layout = SYNTHETIC_VARIANTS[name]
-        return Task(
-            name,
-            exact_reward,
-            exact_reward,
-            lambda n, seed: addition_examples(n, seed, digits, layout=layout),
-            lambda n, seed: addition_examples(n, seed, digits, held_out=True, layout=layout),
-            None,
-            partial_credit=synthetic_partial_credit,
-            reference=sft_completion,
-            components=components(exact_reward),
-        )
+        train = lambda n, seed: addition_examples(n, seed, digits, layout=layout)
+        test = lambda n, seed: addition_examples(n, seed, digits, held_out=True, layout=layout)
+        kw = dict(partial_credit=synthetic_partial_credit, reference=sft_completion)
+        return Task(name, exact_reward, exact_reward, train, test, None, components=components(exact_reward), **kw)
     if name not in TASK_NAMES:
         raise ValueError(f"unknown task '{name}'; choose one of {', '.join(TASK_NAMES)}.")
     if data is None and test_data is None:
