@@ -345,8 +345,7 @@ def token_stats(
         hidden = tree_hidden(model, batch, prompts, keys, vocab_grads)  # a hybrid's tree rows: no mask parts answers
     else:
         mask = rows_mask(batch.packed_attn, keys, ids.shape[1])
-        kw = dict(cache=prompts, attn_mask=mask, hidden=True, vocab_grads=vocab_grads)
-        hidden = model(ids, positions=batch.packed_pos, **kw)  # (B, T', C)
+        hidden = model(ids, batch.packed_pos, prompts, mask, hidden=True, vocab_grads=vocab_grads)  # (B, T', C)
 
     # The slot whose hidden state predicts each packed token: the one before it, or its jump's source.
     source = torch.arange(-1, ids.shape[1] - 1, device=ids.device).expand_as(ids).clone()

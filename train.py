@@ -214,20 +214,19 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     trained = torch.stack([batch.mask[rows].sum() for rows, _ in micro]).tolist()
     for epoch in range(cfg.mu):
         with run.precision():  # each shared prompt once per epoch, when that saves work; mu > 1: per micro-batch, as
-            vocab_grads = VocabGrads()  # the (V, C) tables' gradients summed over micro-batches, handed by the last
-            shared = step_prompts(run.model, batch, micro, vocab_grads) if cfg.mu == 1 else None  # ratio 1 exactly
+            tables = VocabGrads()  # the (V, C) tables' gradients summed over micro-batches, handed by the last
+            shared = step_prompts(run.model, batch, micro, tables) if cfg.mu == 1 else None  # ratio 1 exactly
         for i, (rows, mb) in enumerate(micro):
-            sync = vocab_grads.last = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
+            sync = tables.last = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
             no_sync = world > 1 and not cfg.fsdp and not sync
             if run.fsdp:
                 run.policy.set_requires_gradient_sync(sync)
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), run.precision():
-                prompts = shared and (shared if sync else shared.leaves)  # the step's prompts, run once (or None)
                 old = None if batch.old_logp is None else batch.old_logp[rows]  # None: mu = 1, the log-probs, detached
                 loss = fuse and functools.partial(token_loss, batch.per_token(rows), old, cfg, run.objective, world)
-                kw = dict(entropy=epoch == 0 and batch.entropy is None, entropy_grad=entropy_grad, prompts=prompts)
-                kw |= dict(loss=loss or None, vocab_grads=vocab_grads)
-                logp, ent = token_stats(run.model, mb, cfg.temperature, **kw)
+                kw = dict(entropy=epoch == 0 and batch.entropy is None, entropy_grad=entropy_grad, vocab_grads=tables)
+                prompts = shared and (shared if sync else shared.leaves)  # the step's prompts, run once (or None)
+                logp, ent = token_stats(run.model, mb, cfg.temperature, **kw, loss=loss or None, prompts=prompts)
                 mask = batch.mask[rows]
                 tok = Tokens(logp, logp.detach() if old is None else old, **batch.per_token(rows))  # adv, weights, ...
                 sampled = mask if tok.off_policy is None else mask & ~tok.off_policy  # the tokens the sampler drew
@@ -239,10 +238,8 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
                 shared.backward(loss * world) if shared and sync else (loss * world).backward()
             sums["clip_frac"] += metrics["clip_frac"] * trained[i] / cfg.mu  # the mean over epochs
             if epoch == 0:  # diagnostics on the sampling-time parameters, token-weighted
-                ent = ent if ent is not None else batch.entropy[rows]
-                add_micro_batch(
-                    sums, trained[i], loss, metrics, logp, mb.sampler_logp, mask, sampled, ent, tok.off_policy
-                )
+                per_token = (logp, mb.sampler_logp, mask, sampled, ent if ent is not None else batch.entropy[rows])
+                add_micro_batch(sums, trained[i], loss, metrics, *per_token, tok.off_policy)
         grad_norm = optimizer_step(run, step, math.isfinite(sums["loss"]))
     return sums, grad_norm
 
