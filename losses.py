@@ -193,10 +193,10 @@ def token_loss(fields: dict, old: Tensor | None, hp, objective: Objective, scale
     """scale * policy_loss's loss as a function of the log-probs logp [B, T] alone (old: old_logp, None at mu = 1:
     logp itself, detached; fields: the rest of Tokens'): what the head's fused backward differentiates per token
     (pack.token_stats' loss, logprobs.head_logprobs)."""
-    return policy_loss(Tokens(logp, logp.detach() if old is None else old, **fields), hp, objective)[0] * scale
+    return policy_loss(Tokens(logp, logp.detach() if old is None else old, **fields), hp, objective, False)[0] * scale
 
 
-def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(tok: Tokens, hp, objective: Objective | None = None, diagnostics: bool = True) -> tuple[Tensor, dict]:
     """loss = -sum(weight * keep * is_weight * obj) + hp.beta * sum(weight * KL), obj = objective's (default CLIP,
     GRPO's min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A); a method's from methods.LOSSES, --loss), KL per token
     by hp.kl_estimator (KL_ESTIMATORS: k3 by default; k1, k2, low_var_kl; "unbiased", DeepSeek-V3.2's k3 times
@@ -227,15 +227,16 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Te
     sampled = mask if tok.is_weight is None else mask & (tok.is_weight != 0)
     extra = {f: getattr(tok, f) for f in objective.takes if getattr(tok, f) is not None}
     obj, cut = objective.fn(logp, old_logp, adv, sampled, hp, **extra)
-    zero = torch.zeros_like(logp)
     weight = tok.weight if tok.keep is None or "keep" in extra else tok.weight * tok.keep.to(tok.weight.dtype)
     weight = weight if tok.is_weight is None else weight * tok.is_weight
-    loss = -(weight * torch.where(sampled, obj, zero)).sum()
+    loss = -(weight * torch.where(sampled, obj, 0.0)).sum()
     counted = sampled & (weight != 0)  # the tokens the surrogate trains: its metrics' denominator
     kl = None
     if tok.ref_logp is not None:
         kl = KL_ESTIMATORS[getattr(hp, "kl_estimator", "k3")](logp, tok.ref_logp, old_logp, mask)  # k3 without the flag
-        loss = loss + beta * (tok.weight * torch.where(mask, kl, zero)).sum()
+        loss = loss + beta * (tok.weight * torch.where(mask, kl, 0.0)).sum()
+    if not diagnostics:  # the loss alone (token_loss: the head's fused backward, once per chunk, no sync)
+        return loss, {}
 
     with torch.no_grad():
         cut = cut & counted

@@ -219,8 +219,7 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
         for i, (rows, mb) in enumerate(micro):
             sync = tables.last = i == len(micro) - 1  # DDP/FSDP: reduce gradients once, after the last micro-batch
             no_sync = world > 1 and not cfg.fsdp and not sync
-            if run.fsdp:
-                run.policy.set_requires_gradient_sync(sync)
+            run.policy.set_requires_gradient_sync(sync) if run.fsdp else None  # FSDP: the same, by its own switch
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), run.precision():
                 old = None if batch.old_logp is None else batch.old_logp[rows]  # None: mu = 1, the log-probs, detached
                 loss = fuse and functools.partial(token_loss, batch.per_token(rows), old, cfg, run.objective, world)
