@@ -245,7 +245,7 @@ def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) 
             log.seek(0)
             raise SystemExit(f"bench_scale: the {side} run failed (exit {proc.returncode}):\n{log.read()[-3000:]}")
     with open(job["result"]) as f:
-        return json.load(f)
+        return [dict(row, round=0) for row in json.load(f)]  # one round (bench_trl.report reads each row's round)
 
 
 def bench_train(path: Path, args, note: str) -> None:
