@@ -26,9 +26,8 @@ def _logp_of_x(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return x.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
 
 
-def _entropy(logits: Tensor, temperature: float, lse: Tensor | None = None, x: Tensor | None = None) -> Tensor:
-    """Entropy of softmax(x), x = logits.float() / temperature (or given): H = logsumexp(x) - sum p x. (n, V) -> (n,)"""
-    x = logits.float() / temperature if x is None else x
+def _entropy(x: Tensor, lse: Tensor | None = None) -> Tensor:
+    """Entropy of softmax(x), x = logits.float() / temperature: H = logsumexp(x) - sum p x. (n, V) -> (n,)"""
     lse = torch.logsumexp(x, dim=-1) if lse is None else lse
     p = torch.softmax(x, dim=-1)
     return lse - (p * x if torch.is_grad_enabled() and x.requires_grad else p.mul_(x)).sum(-1)  # no copy without grad
@@ -51,7 +50,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, ch
 def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
     """Entropy of softmax(logits.float() / temperature): logits (..., V) -> float32 (...), in row chunks."""
     _check_temperature("token_entropy", temperature)
-    return _chunked(lambda x, _: _entropy(x, temperature), logits, None, chunk_rows).view(logits.shape[:-1])
+    return _chunked(lambda x, _: _entropy(x.float() / temperature), logits, None, chunk_rows).view(logits.shape[:-1])
 
 
 def _chunked(fn, logits: Tensor, targets: Tensor | None, chunk_rows: int | None) -> Tensor:
@@ -125,7 +124,7 @@ class _HeadLogprobs(torch.autograd.Function):
             x = (h @ w.T).float().div_(temperature)
             logp[i : i + step], lse[i : i + step] = _logp_of_x(x, t)  # _logp_lse's values, without its copy
             if want_entropy:
-                ent[i : i + step] = _entropy(x, temperature, lse[i : i + step], x=x)
+                ent[i : i + step] = _entropy(x, lse[i : i + step])
             if ctx.spec is not None:
                 g, g_h, g_w = ctx.spec
                 g[i : i + step] = _chunk_grad(loss, logp[i : i + step], i, N)
@@ -146,10 +145,10 @@ class _HeadLogprobs(torch.autograd.Function):
         if spec is not None and torch.equal(g_logp, spec[0]):  # the speculation holds: the gradients are computed
             g_h = spec[1]
         else:
-            if spec is not None and spec[2] is not None and not ctx.own:  # a miss, a step's buffer: the guess's
-                _head_backward(ctx, -spec[0], None, spec[2], False)  # share leaves it
-            elif ctx.own:  # this call's own buffers are freed before the backward allocates its own: no higher peak
+            if ctx.own:  # a miss frees this call's own buffers before the backward allocates its own: no higher peak
                 ctx.acc.head = None
+            elif spec is not None and spec[2] is not None:  # a miss with the step's buffer: the guess's share leaves it
+                _head_backward(ctx, -spec[0], None, spec[2], False)
             del spec
             g_w = ctx.acc.head_buffer(ctx.saved_tensors[1]) if need_w else None
             g_h = _head_backward(ctx, g_logp, g_ent, g_w, need_h)
