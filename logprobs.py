@@ -1,9 +1,7 @@
 """logprobs.py: the one log-prob formula, log_softmax(logits.float() / temperature) at the targets, on logits that
-exist (the sampler's rows: token_logprobs) and through lm_head chunk by chunk (the trainer: head_logprobs, which
-never holds (tokens, V) logits, in forward or backward); the entropy beside it.
+exist (the sampler's rows: token_logprobs) and through lm_head a slice of the vocabulary at a time (the trainer:
+head_logprobs, which never holds (tokens, V) logits, in forward or backward); the entropy beside it.
 """
-
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -16,12 +14,7 @@ def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tens
     """THE log-prob formula: x = logits.float() / temperature, logp = x[target] - logsumexp(x).
     logits (n, V), targets (n,) -> logp (n,), logsumexp (n,), float32. Every log-prob in the repo
     (sampler, trainer, eval) is this function applied to some rows of logits."""
-    return _logp_of_x(logits.float() / temperature, targets)
-
-
-def _logp_of_x(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """_logp_lse on x = logits.float() / temperature, already scaled (the head's forward divides its own logits in
-    place: no (n, V) copy)."""
+    x = logits.float() / temperature
     lse = torch.logsumexp(x, dim=-1)
     return x.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
 
@@ -61,78 +54,57 @@ def _chunked(fn, logits: Tensor, targets: Tensor | None, chunk_rows: int | None)
     return torch.cat([fn(x[i : i + step], t[i : i + step]) for i in range(0, len(x), step)] or [x.new_empty(0)]).float()
 
 
-def _logit_grad(x: Tensor, lse: Tensor, targets: Tensor, g: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
-    """g * d logp / d logits = g (onehot(target) - softmax(x)) / temperature, x = logits.float() / temperature (n, V),
-    overwritten: the (n, V) result, in the matmul dtype. lse, targets, g (n,)."""
+def _slice_targets(targets: Tensor, start: int, cols: int) -> tuple[Tensor, Tensor]:
+    """Where the targets (n,) fall in the vocabulary slice [start, start + cols): their column there (clamped into
+    it: a target outside reads or writes a column it then ignores) and whether they do."""
+    col = targets - start
+    return col.clamp(0, cols - 1), (col >= 0) & (col < cols)
+
+
+def _logit_grad(x: Tensor, lse: Tensor, col: Tensor, g_t: Tensor, g: Tensor, temperature: float, dtype) -> Tensor:
+    """g * d logp / d logits = g (onehot(target) - softmax(x)) / temperature on one slice, x = its logits.float() /
+    temperature (n, cols), overwritten: the (n, cols) result, in the matmul dtype. lse, g (n,): the whole row's
+    logsumexp and gradient; g_t (n,): g where the target is in the slice (at its column col), else 0."""
     d = x.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
-    d.scatter_add_(1, targets[:, None], g[:, None])  # + g at the target: g * (onehot - softmax)
+    d.scatter_add_(1, col[:, None], g_t[:, None])  # + g at the target: g * (onehot - softmax)
     return d.div_(temperature).to(dtype)
 
 
-def _add_grads(d: Tensor, h: Tensor, w: Tensor, g_h: Tensor | None, g_w: Tensor | None) -> None:
-    """One chunk's share of the gradients: g_h (n, C) = d @ w, and d.T @ h added to g_w (V, C), float32 over chunks."""
-    if g_h is not None:
-        g_h.copy_(d @ w)
-    if g_w is not None:
-        if d.dtype == g_w.dtype:
-            g_w.addmm_(d.T, h)  # in place: no (V, C) temporary per chunk
-        else:  # autocast: the chunk's product in the matmul dtype, then added
-            g_w += d.T @ h
-
-
-def _chunk_grad(loss: Callable[[Tensor], Tensor], logp: Tensor, start: int, N: int) -> Tensor:
-    """d loss / d logp[start : start + n] at these log-probs (n,), the other N - n log-probs replaced by zeros: their
-    value is not known yet, and for a loss that is a sum of per-token terms of their own log-probs it does not matter.
-    The loss runs on an (N,) vector of the real one's shape, so each token's gradient goes through the same kernels
-    at the same position as in the real backward: bitwise the same value when the loss is token-separable."""
-    with torch.enable_grad():
-        x = logp.detach().requires_grad_()
-        full = torch.cat([x.new_zeros(start), x, x.new_zeros(N - start - len(x))])
-        return torch.autograd.grad(loss(full), x)[0]
-
-
 class _HeadLogprobs(torch.autograd.Function):
-    """logp = _logp_lse(hidden @ weight.T, targets) over row chunks; backward recomputes each chunk's logits and applies
-    d logp / d logits = (onehot(target) - softmax(x)) / temperature by hand: it saves only the (N,) logsumexp, computes
-    entropy once, and sums weight's gradient over the chunks in ONE float32 buffer (torch.utils.checkpoint per chunk
-    would recompute the entropy and hand autograd one (V, C) gradient per chunk, in bf16 under autocast).
+    """logp = _logp_lse(hidden @ weight.T, targets), the vocabulary a slice at a time: every token's logits for `cols`
+    words (~64 MB), each slice's logsumexp (and entropy) kept (n, slices), combined at the end, as flash attention
+    combines its key blocks. The backward recomputes each slice's logits and applies d logp / d logits = (onehot(target)
+    - softmax(x)) / temperature by hand: it saves only the (N,) logsumexp and adds weight's gradient, slice by slice,
+    into ONE float32 buffer (a model.VocabGrads: one per step).
 
-    With `loss` (the caller's loss as a function of the (N,) log-probs) the backward is done in the forward, a
-    speculation (Liger-Kernel's fused linear losses do it by declaration): each chunk's logits give logp, then
-    g = d loss / d logp for its tokens (_chunk_grad), d = g (onehot - softmax) / temperature and the chunk's gradients
-    at once: 3 head matmuls per chunk instead of 4. The backward compares the gradient it receives with the g assumed
-    (torch.equal): equal, it returns the gradients computed, bitwise those a recomputation gives; different (a loss
-    whose per-token gradient depends on other tokens: a sequence ratio, a geometric mean), it frees them and
-    recomputes. Exact for every loss, faster for a token-separable one. The gradient buffers the backward would
-    allocate are allocated in the forward, its last op before the backward: the peak does not rise."""
+    Slices of the vocabulary, not chunks of tokens: with a 152k-248k vocabulary, 64 MB of logits hold 33-110 tokens,
+    and each such chunk reads the (V, C) weight twice and reads and writes its (V, C) gradient: thin products, bound by
+    memory. A slice's products are (N, C) x (C, cols), their transposes, and its gradient's rows are written once. The
+    cost is a product more: the forward's logits are computed again in the backward (4 to a token chunk's 3 when its
+    backward ran in its forward). With one slice (cols >= V) every value is the one the unsliced formulas give, bit
+    for bit: the combination of one slice is exact."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, dtype, step, want_entropy, entropy_grad, loss, acc):
-        w = weight.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's weight cache does)
-        N = hidden.shape[0]
-        logp = hidden.new_empty(N, dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
-        ctx.spec, ctx.acc, ctx.own = None, acc or VocabGrads(last=True), acc is None  # no step's buffer: its own
-        need_h, need_w = ctx.needs_input_grad[:2]
-        if loss is not None and not entropy_grad and (need_h or need_w):  # g assumed (N,), the gradients it gives
-            g_h = torch.empty_like(hidden) if need_h else None
-            ctx.spec = (torch.empty_like(logp), g_h, ctx.acc.head_buffer(w) if need_w else None)
-        for i in range(0, N, step):
-            h, t = hidden[i : i + step].to(dtype), targets[i : i + step]
-            # (n, V): the only logits alive, divided in place (under autocast a float32 copy, the bf16 ones freed)
-            x = (h @ w.T).float().div_(temperature)
-            logp[i : i + step], lse[i : i + step] = _logp_of_x(x, t)  # _logp_lse's values, without its copy
+    def forward(ctx, hidden, weight, targets, temperature, dtype, cols, want_entropy, entropy_grad, acc):
+        w, h = weight.to(dtype), hidden.to(dtype)  # (V, C) in the matmul dtype, cast once (as autocast's cache does)
+        picked, lses, ents = torch.zeros_like(targets, dtype=torch.float32), [], []
+        for j in range(0, w.shape[0], cols):
+            # (N, cols): the only logits alive, divided in place (under autocast a float32 copy, the bf16 ones freed)
+            x = (h @ w[j : j + cols].T).float().div_(temperature)
+            col, inside = _slice_targets(targets, j, x.shape[1])
+            picked = torch.where(inside, x.gather(1, col[:, None])[:, 0], picked)  # each target's x, in its slice
+            lses.append(torch.logsumexp(x, dim=-1))
             if want_entropy:
-                ent[i : i + step] = _entropy(x, lse[i : i + step])
-            if ctx.spec is not None:
-                g, g_h, g_w = ctx.spec
-                g[i : i + step] = _chunk_grad(loss, logp[i : i + step], i, N)
-                d = _logit_grad(x, lse[i : i + step], t, g[i : i + step], temperature, dtype)
-                _add_grads(d, h, w, None if g_h is None else g_h[i : i + step], g_w)
+                ents.append(_entropy(x, lses[-1]))
+        part = torch.stack(lses, 1)  # (N, slices): log of each slice's sum of exp(x)
+        lse = torch.logsumexp(part, dim=-1)
+        logp, ent = picked - lse, picked.new_empty(0)
+        if want_entropy:  # H = sum_j q_j (H_j - log q_j), q_j = each slice's share of the probability
+            log_q = part - lse[:, None]
+            ent = (log_q.exp() * (torch.stack(ents, 1) - log_q)).sum(-1)
         ctx.save_for_backward(hidden, w, targets, lse, ent if entropy_grad else lse.new_empty(0))
-        ctx.temperature, ctx.dtype, ctx.step, ctx.weight_dtype = temperature, dtype, step, weight.dtype
-        ctx.entropy_grad = entropy_grad
+        ctx.temperature, ctx.dtype, ctx.cols, ctx.weight_dtype = temperature, dtype, cols, weight.dtype
+        ctx.entropy_grad, ctx.acc = entropy_grad, acc or VocabGrads(last=True)  # no step's buffer: its own
         if not entropy_grad:
             ctx.mark_non_differentiable(ent)
         return logp, ent
@@ -140,41 +112,29 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent):
-        spec, ctx.spec = ctx.spec, None
+        hidden, w, targets, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
-        if spec is not None and torch.equal(g_logp, spec[0]):  # the speculation holds: the gradients are computed
-            g_h = spec[1]
-        else:
-            if ctx.own:  # a miss frees this call's own buffers before the backward allocates its own: no higher peak
-                ctx.acc.head = None
-            elif spec is not None and spec[2] is not None:  # a miss with the step's buffer: the guess's share leaves it
-                _head_backward(ctx, -spec[0], None, spec[2], False)
-            del spec
-            g_w = ctx.acc.head_buffer(ctx.saved_tensors[1]) if need_w else None
-            g_h = _head_backward(ctx, g_logp, g_ent, g_w, need_h)
+        h, T = hidden.to(ctx.dtype), ctx.temperature
+        g_h, g_w = None, ctx.acc.head_buffer(w) if need_w else None  # g_h: float32, summed over the slices
+        for j in range(0, w.shape[0], ctx.cols):
+            w_j = w[j : j + ctx.cols]
+            x = (h @ w_j.T).float().div_(T)  # (N, cols): the forward's x, recomputed
+            col, inside = _slice_targets(targets, j, x.shape[1])
+            g_t = torch.where(inside, g_logp, 0.0)
+            if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
+                log_p = x.sub_(lse[:, None])
+                p = log_p.exp()
+                d = p * -g_logp[:, None] - g_ent[:, None] * p * (log_p + ent[:, None])
+                d = d.scatter_add_(1, col[:, None], g_t[:, None]).div_(T).to(ctx.dtype)  # + g at the target
+            else:
+                d = _logit_grad(x, lse, col, g_t, g_logp, T, ctx.dtype)
+            if need_h:
+                g_h = (d @ w_j).float() if g_h is None else g_h.add_(d @ w_j)
+            if g_w is not None:  # this slice's rows of the weight's gradient, float32
+                g_w[j : j + ctx.cols].addmm_(d.T, h) if d.dtype == g_w.dtype else g_w[j : j + ctx.cols].add_(d.T @ h)
         g_w = ctx.acc.take_head() if need_w else None
-        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None, None, None
-
-
-def _head_backward(ctx, g_logp: Tensor, g_ent: Tensor | None, g_w: Tensor | None, need_h: bool) -> Tensor | None:
-    """_HeadLogprobs' backward, recomputing each chunk's logits: hidden's gradient (None if not need_h), and the
-    weight's added into g_w (float32 (V, C); None: not needed)."""
-    hidden, w, targets, lse, ent = ctx.saved_tensors
-    g_h = torch.empty_like(hidden) if need_h else None
-    for i in range(0, hidden.shape[0], ctx.step):
-        h, t, g = hidden[i : i + ctx.step].to(ctx.dtype), targets[i : i + ctx.step], g_logp[i : i + ctx.step]
-        x = (h @ w.T).float().div_(ctx.temperature)  # (n, V): the forward's x, recomputed
-        if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
-            log_p = x.sub_(lse[i : i + ctx.step, None])
-            p = log_p.exp()
-            e = g_ent[i : i + ctx.step, None]
-            d = p * -g[:, None] - e * p * (log_p + ent[i : i + ctx.step, None])
-            d.scatter_add_(1, t[:, None], g[:, None])  # + g at the target
-            d = d.div_(ctx.temperature).to(ctx.dtype)
-        else:
-            d = _logit_grad(x, lse[i : i + ctx.step], t, g, ctx.temperature, ctx.dtype)
-        _add_grads(d, h, w, None if g_h is None else g_h[i : i + ctx.step], g_w)
-    return g_h
+        g_h = None if g_h is None else g_h.to(hidden.dtype)
+        return g_h, None if g_w is None else g_w.to(ctx.weight_dtype), None, None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -185,26 +145,21 @@ def head_logprobs(
     *,
     entropy: bool = False,
     entropy_grad: bool = False,
-    chunk_tokens: int | None = None,
-    loss: Callable[[Tensor], Tensor] | None = None,
+    chunk_vocab: int | None = None,
     vocab_grads: VocabGrads | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """token_logprobs(lm_head(hidden), targets, temperature) without ever holding more than one
-    chunk of logits, in forward or backward (at a 152k vocabulary the logits would be the largest
+    slice of logits, in forward or backward (at a 152k vocabulary the logits would be the largest
     tensor of a training step).
 
     head: the Transformer (its lm_head is used) or the lm_head Linear. hidden (..., C), e.g. from
     `model(ids, hidden=True)`; targets (...) long. Returns logp (...) float32, differentiable
     w.r.t. hidden and lm_head.weight (a tied embedding included), and, if entropy, the entropy of
     softmax(logits / temperature) (...) float32, else None; without grad unless entropy_grad (an entropy bonus:
-    the backward then adds the entropy's gradient, -p (log p + H) / temperature per logit, chunk by chunk). Under
+    the backward then adds the entropy's gradient, -p (log p + H) / temperature per logit, slice by slice). Under
     autocast the matmul runs in the autocast dtype, the log-softmax in float32, as `token_logprobs(model(ids))`
     would.
-    chunk_tokens: rows per chunk, default 2**24 // V (~64 MB of float32 logits), with loss half that.
-    loss: the scalar the caller will back-propagate, as a function of the returned logp (a tensor of its shape),
-    when it is a sum of per-token terms of their own log-probs (GRPO's clipped surrogate, a KL): the backward is then
-    done in the forward, 3 head matmuls per chunk instead of 4, and checked in the backward (_HeadLogprobs: exact for
-    any loss, a loss that is not token-separable only costs the work). Ignored with entropy_grad.
+    chunk_vocab: words per slice, default 2**24 // tokens (~64 MB of float32 logits; all of them for few tokens).
     vocab_grads: the step's model.VocabGrads: the weight's gradient sums there, returned by the last micro-batch."""
     _check_temperature("head_logprobs", temperature)
     lm_head = getattr(head, "lm_head", head)
@@ -213,12 +168,9 @@ def head_logprobs(
     weight = lm_head.weight  # (V, C)
     dev = hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    # fused, half: beside the (V, C) gradient buffer its forward holds x and logsumexp's (or softmax's) temporary,
-    # twice the one (n, V) tensor the plain backward holds beside it; half the rows keep the peak where it was
-    step = chunk_tokens or max(1, (2**23 if loss else 2**24) // weight.shape[0])
     C = hidden.shape[-1]
-    flat = loss and (lambda x: loss(x.view(targets.shape)))  # of the (N,) log-probs
-    h, t, sums = hidden.reshape(-1, C), targets.reshape(-1), vocab_grads
+    h, t = hidden.reshape(-1, C), targets.reshape(-1)
+    cols = chunk_vocab or max(1, 2**24 // max(1, len(t)))
     with torch.autocast(dev, enabled=False):  # dtypes are explicit inside
-        logp, ent = _HeadLogprobs.apply(h, weight, t, temperature, dtype, step, entropy, entropy_grad, flat, sums)
+        logp, ent = _HeadLogprobs.apply(h, weight, t, temperature, dtype, cols, entropy, entropy_grad, vocab_grads)
     return logp.view(targets.shape), ent.view(targets.shape) if entropy else None

@@ -154,9 +154,7 @@ class Objective:
 
     fn: Callable[..., tuple[Tensor, Tensor]]  # fn(logp, old_logp, adv, mask, hp, **takes) -> (obj, cut)
     takes: tuple[str, ...] = ()  # Tokens fields passed as keywords; "keep": it applies the selections itself
-    # one ratio per sequence: the ratio_mean metric reports the sequence ratio; and the loss is not a sum of per-token
-    # terms of their own log-probs, so the trainer does not ask the head to fuse its backward (logprobs.head_logprobs)
-    sequence_level: bool = False
+    sequence_level: bool = False  # one ratio per sequence: the ratio_mean metric reports the sequence ratio
 
     def __call__(self, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return self.fn(*args, **kwargs)
@@ -189,14 +187,7 @@ class Tokens:
     beta: float | None = None  # the KL penalty's coefficient (None: hp.beta; 0: the KL is in the reward instead)
 
 
-def token_loss(fields: dict, old: Tensor | None, hp, objective: Objective, scale: float, logp: Tensor) -> Tensor:
-    """scale * policy_loss's loss as a function of the log-probs logp [B, T] alone (old: old_logp, None at mu = 1:
-    logp itself, detached; fields: the rest of Tokens'): what the head's fused backward differentiates per token
-    (pack.token_stats' loss, logprobs.head_logprobs)."""
-    return policy_loss(Tokens(logp, logp.detach() if old is None else old, **fields), hp, objective, False)[0] * scale
-
-
-def policy_loss(tok: Tokens, hp, objective: Objective | None = None, diagnostics: bool = True) -> tuple[Tensor, dict]:
+def policy_loss(tok: Tokens, hp, objective: Objective | None = None) -> tuple[Tensor, dict[str, float]]:
     """loss = -sum(weight * keep * is_weight * obj) + hp.beta * sum(weight * KL), obj = objective's (default CLIP,
     GRPO's min(rho*A, clip(rho, 1-clip_low, 1+clip_high)*A); a method's from methods.LOSSES, --loss), KL per token
     by hp.kl_estimator (KL_ESTIMATORS: k3 by default; k1, k2, low_var_kl; "unbiased", DeepSeek-V3.2's k3 times
@@ -235,8 +226,6 @@ def policy_loss(tok: Tokens, hp, objective: Objective | None = None, diagnostics
     if tok.ref_logp is not None:
         kl = KL_ESTIMATORS[getattr(hp, "kl_estimator", "k3")](logp, tok.ref_logp, old_logp, mask)  # k3 without the flag
         loss = loss + beta * (tok.weight * torch.where(mask, kl, 0.0)).sum()
-    if not diagnostics:  # the loss alone (token_loss: the head's fused backward, once per chunk, no sync)
-        return loss, {}
 
     with torch.no_grad():
         cut = cut & counted

@@ -23,7 +23,7 @@ intermediate size I, L layers, H query and Hkv key/value heads of hd):
             --gradient-checkpointing only each layer's input, plus one layer recomputed), the head's saved
             hidden states, and the larger of
             backward's transients: one layer's gradients (SwiGLU's four (tokens, I) tensors), or a
-            chunk of float32 logits (model.head_logprobs) with a float32 (V, C) gradient made before
+            slice of float32 logits (logprobs.head_logprobs) with a float32 (V, C) gradient made before
             it is added into the existing one (docs/memory.md, bench_knobs.py);
   score     (config.score_pass_needs: mu > 1, GTPO's entropy, the token selections, --beta) one micro-batch's
             forward, nothing saved.
@@ -238,16 +238,16 @@ def update_bytes(c: ModelConfig, shape: Shape) -> dict[str, int]:
     head = tokens * (3 * C + 1) * 4 + completion * C * 4 * (2 if prompts else 1)  # final norm; hidden states
     # backward runs the head, then the layers one at a time: its peak is the larger of their transients
     layer_grads = tokens * (4 * c.intermediate_size + 4 * C) * 4 + keys * 2 * c.num_attention_heads * c.head_dim * 4
-    logits = min(max(1, 2**24 // V), completion) * V * 4 * 2  # a head chunk: recomputed logits, their gradient
+    logits = min(2**24, completion * V) * 4 * 2  # a head slice (2**24 logits at most): recomputed, their gradient
     return dict(activations=saved + head, backward=max(layer_grads, logits + V * C * 4))
 
 
 def scoring_bytes(c: ModelConfig, shape: Shape) -> int:
-    """A no-grad forward of the largest micro-batch: one layer's transients and a chunk of head logits."""
+    """A no-grad forward of the largest micro-batch: one layer's transients and a slice of head logits."""
     rows, row, prompts, Lp = micro_batch(shape)
     tokens = rows * row + prompts * Lp
     per_token = (4 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_attention_heads * c.head_dim) * 4
-    return tokens * per_token + min(max(1, 2**24 // c.vocab_size), rows * row) * c.vocab_size * 4 * 3
+    return tokens * per_token + min(2**24, rows * row * c.vocab_size) * 4 * 3
 
 
 def estimate(c: ModelConfig, shape: Shape, *, fixed: dict[str, int], world: int, fsdp: bool) -> dict[str, dict]:

@@ -13,7 +13,7 @@ logical layout where the advantages and weights of the loss live.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -316,23 +316,21 @@ def token_stats(
     batch: Batch,
     temperature: float,
     entropy: bool = False,
-    chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
     entropy_grad: bool = False,
     states: bool = False,
     prompts: Prompts | None = None,
-    loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     vocab_grads: VocabGrads | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and optionally entropy; with entropy_grad, differentiable) of every completion token under `model`,
     (B, T) float32 in the logical layout (0 at prompt and padding positions).
 
     The model runs on the packed rows and returns hidden states; only the completion tokens' ones go
-    through lm_head, chunk by chunk (logprobs.head_logprobs), so no (rows, T, V) logits ever exist.
+    through lm_head, a slice of the vocabulary at a time (logprobs.head_logprobs), so no (rows, T, V) logits ever exist.
     Token t is predicted by the hidden state at t - 1, except the first token of a segment that does
     not follow its predecessor (the `jumps`: answer j > 0 is predicted from its thought's end, a
     row's first token from its shared prompt's end). prompts: the step's shared prompts, already run (step_prompts;
-    the rows' batch.group index them), else the batch's own run here. loss: the loss as a function of the (B, T)
-    log-probs, when a sum of per-token terms: the head's backward runs in its forward (logprobs.head_logprobs).
+    the rows' batch.group index them), else the batch's own run here.
     vocab_grads: the step's sum of the embedding's and lm_head's gradients over micro-batches (model.VocabGrads)."""
     ids, first, keys = batch.packed_ids, None, None
     head = getattr(model, "module", model)
@@ -360,7 +358,6 @@ def token_stats(
         return h, ids[rows, cols]
     index, shape = (batch.to_logical[rows, cols],), batch.ids.shape
     to_logical = lambda x: x.new_zeros(shape.numel()).index_put(index, x).view(shape)  # noqa: E731 (N,) -> (B, T)
-    kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
-    fused = loss and (lambda x: loss(to_logical(x)))  # the loss of the (N,) log-probs, for the head's fused backward
-    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw, loss=fused, vocab_grads=vocab_grads)
+    kw = dict(entropy=entropy or entropy_grad, entropy_grad=entropy_grad, chunk_vocab=chunk_vocab)
+    logp, ent = head_logprobs(head, h, ids[rows, cols], temperature, **kw, vocab_grads=vocab_grads)
     return to_logical(logp), None if ent is None else to_logical(ent)

@@ -59,7 +59,7 @@ from distributed import all_sum, derive_seed
 from graphs import decode_path
 from heldout import evaluate
 from hf import bundled, save_model
-from losses import Tokens, policy_loss, token_loss
+from losses import Tokens, policy_loss
 from metrics import SUMS, StepClock, add_micro_batch, rollout_metrics, update_metrics
 from model import VocabGrads, copy_weights_
 from pack import (
@@ -208,8 +208,6 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
     cfg, world = run.cfg, run.world
     sums = dict.fromkeys(SUMS, 0.0)
     entropy_grad = methods.needs(cfg, "needs_entropy_grad")  # a loss term on the token entropy (the entropy bonus)
-    # a sum of per-token terms of their own log-probs: the lm_head's backward runs in its forward (token_stats' loss)
-    fuse = not (run.objective.sequence_level or methods.hooks(cfg, "micro_batch") or methods.hooks(cfg, "loss_terms"))
     # each micro-batch's trained tokens, the weight of its diagnostics: the same in every epoch, one sync per step
     trained = torch.stack([batch.mask[rows].sum() for rows, _ in micro]).tolist()
     for epoch in range(cfg.mu):
@@ -222,10 +220,9 @@ def update(run: Run, step: int, batch: Batch, micro: list[tuple[torch.Tensor, Ba
             run.policy.set_requires_gradient_sync(sync) if run.fsdp else None  # FSDP: the same, by its own switch
             with run.model.no_sync() if no_sync else contextlib.nullcontext(), run.precision():
                 old = None if batch.old_logp is None else batch.old_logp[rows]  # None: mu = 1, the log-probs, detached
-                loss = fuse and functools.partial(token_loss, batch.per_token(rows), old, cfg, run.objective, world)
                 kw = dict(entropy=epoch == 0 and batch.entropy is None, entropy_grad=entropy_grad, vocab_grads=tables)
                 prompts = shared and (shared if sync else shared.leaves)  # the step's prompts, run once (or None)
-                logp, ent = token_stats(run.model, mb, cfg.temperature, **kw, loss=loss or None, prompts=prompts)
+                logp, ent = token_stats(run.model, mb, cfg.temperature, **kw, prompts=prompts)
                 mask = batch.mask[rows]
                 tok = Tokens(logp, logp.detach() if old is None else old, **batch.per_token(rows))  # adv, weights, ...
                 sampled = mask if tok.off_policy is None else mask & ~tok.off_policy  # the tokens the sampler drew

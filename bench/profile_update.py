@@ -5,14 +5,14 @@
 
 Both sides run the same update on the same checkpoint (random weights from random_checkpoint.py, float32): one
 prompt of --prompt-tokens, --rows completions of --new tokens, micro-batches of --micro-batch-rows, forward and
-backward of every micro-batch, then AdamW. Ours is train.py's path (pack, split_rows, step_prompts: the shared
-prompt once per step, token_stats with the head's backward fused and the vocabulary tables' gradients summed per
-step, a clipped loss; ours_micro: the path before those three: the prompt per micro-batch, the head's plain
-backward); TRL's: what its GRPOTrainer computes per micro-batch: transformers' model on the rows' prompt +
-completion tokens (logits_to_keep = the completion), log-softmax at the targets, the clipped loss. Each side runs a
-warm-up step, then --repeats timed steps (the sides in turns), then one under torch.profiler (--no-profile: none),
-whose table groups the aten ops' self CPU time by kind (matmuls split by what they multiply: the head's vocabulary,
-the MLP's width, the rest).
+backward of every micro-batch, then AdamW (fused: train.py's and TRL's default). Ours is train.py's path (pack,
+split_rows, step_prompts: the shared prompt once per step, token_stats with the head a slice of the vocabulary at a
+time and the vocabulary tables' gradients summed per step, a clipped loss; ours_micro: the prompt per micro-batch,
+the tables' gradients per micro-batch); TRL's: what its GRPOTrainer computes per micro-batch: transformers' model
+on the rows' prompt + completion tokens (logits_to_keep = the completion), log-softmax at the targets, the clipped
+loss. Each side runs a warm-up step, then --repeats timed steps (the sides in turns), then one under
+torch.profiler (--no-profile: none), whose table groups the aten ops' self CPU time by kind (matmuls split by what
+they multiply: the head's vocabulary, the MLP's width, the rest).
 A profile to read, not a test.
 """
 
@@ -101,13 +101,10 @@ def ours_step(model, opt, groups, micro_rows: int, pad: int, adv: torch.Tensor, 
             grads.last = last
         mask, a = mb.ids != pad, adv[rows, None]
 
-        def loss_of(logp, a=a, mask=mask):  # the clipped surrogate, token-separable: the head's backward can fuse
-            ratio = (logp - logp.detach()).exp()
-            return -(torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a) * mask).sum() / mask.sum() / len(adv)
-
         prompts = shared and (shared if last else shared.leaves)
-        logp, _ = token_stats(model, mb, 1.0, prompts=prompts, loss=loss_of if once else None, vocab_grads=grads)
-        loss = loss_of(logp)
+        logp, _ = token_stats(model, mb, 1.0, prompts=prompts, vocab_grads=grads)
+        ratio = (logp - logp.detach()).exp()  # the clipped surrogate
+        loss = -(torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a) * mask).sum() / mask.sum() / len(adv)
         shared.backward(loss) if shared and last else loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -158,7 +155,7 @@ def main() -> None:
     chosen = args.sides.split(",")
     for name in chosen:
         model, _ = sides[name]
-        sides[name] = (model, sides[name][1], torch.optim.AdamW(model.parameters(), lr=1e-7))  # ours, ours_micro: two
+        sides[name] = (model, sides[name][1], torch.optim.AdamW(model.parameters(), lr=1e-7, fused=True))  # train.py's
     for r in range(1 + args.repeats + args.profile):  # the sides in turns: a warm-up, timed rounds, a profiled one
         for name in chosen:
             model, step, opt = sides[name]

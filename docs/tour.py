@@ -148,7 +148,7 @@ def grpo_section() -> str:
     )
     out.append(
         "The model runs the rows and returns hidden states; only the completion tokens' states go through "
-        "`lm_head`, a chunk at a time (`head_logprobs`), so the (B, L, V) logits never exist. Token t of a "
+        "`lm_head`, a slice of the vocabulary at a time (`head_logprobs`), so the (B, L, V) logits never exist. Token t of a "
         "completion is predicted by the position before it. The ratio pi / pi_old is exactly 1 (one update per "
         "batch: pi_old is the current policy) but its gradient is grad log pi. The KL to the reference is 0 at "
         "the first step (the policy is the reference) and grows as the policy moves. The loss is about 0 too: "

@@ -8,10 +8,10 @@ the policy loss and the bonus is verl's entropy_coeff * agg_loss(entropy) for th
 
 Seam: the loss's extra term, added in the update after policy_loss: loss = loss - entropy_bonus(ent, tok.weight, ...).
 What the trainer must supply: the token entropy WITH its gradient, in every epoch's update pass. Today
-pack.token_stats(entropy=True) returns it from logprobs.head_logprobs, whose chunked autograd function marks the entropy
+pack.token_stats(entropy=True) returns it from logprobs.head_logprobs, whose sliced autograd function marks the entropy
 non-differentiable (and the update asks for it only in the first epoch, for a metric). Needed there: keep the entropy
-differentiable and, in _HeadLogprobs.backward, add g_ent * dH/dlogits to each chunk's d logp / d logits, where
-dH/dlogits = -p (log p + H) / temperature (entropy_logit_grad below; the logits are recomputed per chunk already, so
+differentiable and, in _HeadLogprobs.backward, add g_ent * dH/dlogits to each slice's d logp / d logits, where
+dH/dlogits = -p (log p + H) / temperature (entropy_logit_grad below; the logits are recomputed per slice already, so
 no (rows, V) tensor is kept). The weight is the plain weight (not times the selections or importance weights), as the
 KL term's: verl aggregates the entropy over response_mask.
 
@@ -64,7 +64,7 @@ def entropy_bonus(entropy: Tensor, weight: Tensor, coef: float, mask: Tensor | N
 def entropy_logit_grad(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """d H / d logits for H = entropy of softmax(logits / temperature): [N, V] -> [N, V], at least float32.
     With x = logits / temperature, p = softmax(x): dH/dx_v = -p_v (log p_v + H), and dH/dlogits = dH/dx / temperature.
-    The term a chunked backward adds (times the entropy's incoming gradient) to make the entropy differentiable."""
+    The term a sliced backward adds (times the entropy's incoming gradient) to make the entropy differentiable."""
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     p = logp.exp()
     H = -(p * logp).sum(-1, keepdim=True)

@@ -639,7 +639,7 @@ def test_head_logprobs_entropy_gradient_equals_autograd():
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         head = torch.nn.Linear(5, 11, bias=False).double()
         head.weight = torch.nn.Parameter(w)
-        logp, ent = head_logprobs(head, h, targets, temperature, entropy=True, entropy_grad=True, chunk_tokens=3)
+        logp, ent = head_logprobs(head, h, targets, temperature, entropy=True, entropy_grad=True, chunk_vocab=7)
         got = torch.autograd.grad((a * logp + b * ent).sum(), (h, head.weight))
         h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         logits = h2 @ w2.T
@@ -647,7 +647,7 @@ def test_head_logprobs_entropy_gradient_equals_autograd():
         want = torch.autograd.grad(ref.sum(), (h2, w2))
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)  # the head computes in float32
-    logp, ent = head_logprobs(head, hidden.clone().requires_grad_(), targets, entropy=True, chunk_tokens=3)
+    logp, ent = head_logprobs(head, hidden.clone().requires_grad_(), targets, entropy=True, chunk_vocab=7)
     assert logp.requires_grad and not ent.requires_grad
 
 

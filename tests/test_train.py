@@ -1005,21 +1005,3 @@ def test_every_readme_command_that_trains_writes_its_own_run_directory():
     assert len(outs) >= 12 and all(outs), [c for c, o in zip(commands, outs) if not o]
     names = [o[1] for o in outs]
     assert len(set(names)) == len(names) and "runs/default" not in names
-
-
-@pytest.mark.parametrize(
-    "flags, fused",
-    [({}, True), (dict(loss="gspo"), False), (dict(opsm_delta=0.5), False), (dict(entropy_coef=0.01), False)],
-    ids=["clip", "gspo", "dsv32-mask", "entropy-bonus"],
-)
-def test_the_head_fuses_its_backward_for_a_token_level_loss_only(tiny, tmp_path, monkeypatch, flags, fused):
-    """Guards train.update's choice of the fused head backward (token_stats' loss, logprobs.head_logprobs): asked for
-    when the loss is a sum of per-token terms of their own log-probs (GRPO's clip), not for a sequence-level objective
-    (GSPO), a micro_batch hook whose weights read the current log-probs (DeepSeek-V3.2's sequence mask) or a loss
-    term (the entropy bonus, which needs the entropy's gradient). Those would still be exact (the backward checks
-    the gradient it assumed), but pay for the speculation and the recomputation both."""
-    asked, plain = [], train.token_stats
-    spy = lambda *a, **k: ("loss" in k and asked.append(k["loss"] is not None)) or plain(*a, **k)  # noqa: E731
-    monkeypatch.setattr(train, "token_stats", spy)  # the update's calls (the score pass passes no loss)
-    train.main(small(tiny, str(tmp_path / "run"), max_steps=1, **flags))
-    assert asked and all(f == fused for f in asked)
