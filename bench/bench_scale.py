@@ -226,9 +226,9 @@ def bench_gap(ours: Transformer, fast: Transformer, args) -> None:
 MMAP_THRESHOLD = 8 << 20  # bytes: distributed.fixed_mmap_threshold's default
 
 
-def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) -> list[dict]:
-    """One bench_trl.py child (its BENCH_TRL_CHILD job): its per-step rows (times, update memory)."""
-    job = dict(side=side, cfg=asdict(cfg), model_dir=model_dir, work=os.path.join(work, side))
+def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str, round: int = 0) -> list[dict]:
+    """One bench_trl.py child (its BENCH_TRL_CHILD job): its per-step rows (times, update memory), of round `round`."""
+    job = dict(side=side, cfg=asdict(cfg), model_dir=model_dir, work=os.path.join(work, f"{side}{round}"))
     job["result"] = job["work"] + ".json"
     # both sides with the heap setting train.py makes (distributed.fixed_mmap_threshold): without it
     # TRL's freed activations fragment glibc's heap, and the memory columns would compare allocators
@@ -245,14 +245,14 @@ def run_child(side: str, cfg: bench_trl.BenchConfig, model_dir: str, work: str) 
             log.seek(0)
             raise SystemExit(f"bench_scale: the {side} run failed (exit {proc.returncode}):\n{log.read()[-3000:]}")
     with open(job["result"]) as f:
-        return [dict(row, round=0) for row in json.load(f)]  # one round (bench_trl.report reads each row's round)
+        return [dict(row, round=round) for row in json.load(f)]  # bench_trl.report reads each row's round
 
 
 def bench_train(path: Path, args, note: str) -> None:
     cfg = bench_trl.BenchConfig(
         model=str(path),
         steps=args.train_steps,
-        rounds=1,
+        rounds=args.train_rounds,
         prompts_per_step=args.train_prompts,
         group_size=args.train_group,
         max_completion_tokens=args.train_tokens,
@@ -265,13 +265,13 @@ def bench_train(path: Path, args, note: str) -> None:
     have_trl = importlib.util.find_spec("trl") is not None and not args.no_trl
     with tempfile.TemporaryDirectory(prefix="bench_scale-") as work:
         t0 = time.perf_counter()
-        ours = run_child("ours", cfg, str(path), work)
-        if have_trl:
-            trl = run_child("trl", cfg, str(path), work)
-        if args.bf16_rollouts:  # train.py again, sampling from its bf16 copy (TRL's side is unchanged)
-            fast_cfg = dataclasses.replace(cfg, rollout_dtype="bfloat16")
-            os.makedirs(os.path.join(work, "bf16"))
-            fast = run_child("ours", fast_cfg, str(path), os.path.join(work, "bf16"))
+        ours, trl, fast = [], [], []
+        fast_cfg = dataclasses.replace(cfg, rollout_dtype="bfloat16")  # --bf16-rollouts: train.py's bf16 copy samples
+        os.makedirs(os.path.join(work, "bf16"))
+        for r in range(cfg.rounds):  # the sides in turns, each run a fresh process: a drift of the machine hits all
+            ours += run_child("ours", cfg, str(path), work, r)
+            trl += run_child("trl", cfg, str(path), work, r) if have_trl else []
+            fast += run_child("ours", fast_cfg, str(path), os.path.join(work, "bf16"), r) if args.bf16_rollouts else []
         elapsed = time.perf_counter() - t0
     if have_trl:
         bench_trl.report(cfg, ours, trl, note)
@@ -355,6 +355,7 @@ def main() -> None:
     parser.add_argument("--train-group", type=int, default=4, help="GRPO step: completions per prompt")
     parser.add_argument("--train-tokens", type=int, default=64, help="GRPO step: completion limit in tokens")
     parser.add_argument("--train-steps", type=int, default=1, help="GRPO: timed steps per side, after 1 warm-up")
+    parser.add_argument("--train-rounds", type=int, default=1, help="GRPO: runs per side, in turns (median, spread)")
     parser.add_argument("--bf16-rollouts", action="store_true", help="GRPO: also train.py --rollout-dtype bfloat16")
     parser.add_argument("--no-trl", action="store_true", help="GRPO: train.py alone, even if TRL is installed")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every part runs")
