@@ -148,11 +148,12 @@ def grpo_section() -> str:
     )
     out.append(
         "The model runs the rows and returns hidden states; only the completion tokens' states go through "
-        "`lm_head`, a slice of the vocabulary at a time (`head_logprobs`), so the (B, L, V) logits never exist. Token t of a "
-        "completion is predicted by the position before it. The ratio pi / pi_old is exactly 1 (one update per "
-        "batch: pi_old is the current policy) but its gradient is grad log pi. The KL to the reference is 0 at "
-        "the first step (the policy is the reference) and grows as the policy moves. The loss is about 0 too: "
-        "advantages sum to zero within each group. Its gradient is not: the sum of A * grad log pi.\n"
+        "`lm_head`, a slice of the vocabulary at a time (`head_logprobs`), so the (B, L, V) logits never "
+        "exist. Token t of a completion is predicted by the position before it. The ratio pi / pi_old is "
+        "exactly 1 (one update per batch: pi_old is the current policy) but its gradient is grad log pi. The "
+        "KL to the reference is 0 at the first step (the policy is the reference) and grows as the policy "
+        "moves. The loss is about 0 too: advantages sum to zero within each group. Its gradient is not: the "
+        "sum of A * grad log pi.\n"
     )
 
     out.append("### 6. Update: clip the gradient norm, one AdamW step\n\n" + code(gm, "grad_norm = torch.nn.utils"))
