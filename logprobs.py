@@ -61,11 +61,18 @@ def _slice_targets(targets: Tensor, start: int, cols: int) -> tuple[Tensor, Tens
     return col.clamp(0, cols - 1), (col >= 0) & (col < cols)
 
 
-def _logit_grad(x: Tensor, lse: Tensor, col: Tensor, g_t: Tensor, g: Tensor, temperature: float, dtype) -> Tensor:
+def _logit_grad(x: Tensor, lse: Tensor, col: Tensor, g_t: Tensor, g: Tensor, temperature: float, dtype, entropy=None):
     """g * d logp / d logits = g (onehot(target) - softmax(x)) / temperature on one slice, x = its logits.float() /
     temperature (n, cols), overwritten: the (n, cols) result, in the matmul dtype. lse, g (n,): the whole row's
-    logsumexp and gradient; g_t (n,): g where the target is in the slice (at its column col), else 0."""
-    d = x.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g * softmax(x), in place
+    logsumexp and gradient; g_t (n,): g where the target is in the slice (at its column col), else 0. entropy: (its
+    incoming gradient, H) (n,) each: adds the entropy's, dH/dx = -p (log p + H), times that gradient."""
+    log_p = x.sub_(lse[:, None])
+    if entropy is None:
+        d = log_p.exp_().mul_(-g[:, None])  # -g * softmax(x), in place
+    else:
+        g_ent, H = entropy
+        p = log_p.exp()
+        d = p * -g[:, None] - g_ent[:, None] * p * (log_p + H[:, None])
     d.scatter_add_(1, col[:, None], g_t[:, None])  # + g at the target: g * (onehot - softmax)
     return d.div_(temperature).to(dtype)
 
@@ -121,13 +128,7 @@ class _HeadLogprobs(torch.autograd.Function):
             x = (h @ w_j.T).float().div_(T)  # (N, cols): the forward's x, recomputed
             col, inside = _slice_targets(targets, j, x.shape[1])
             g_t = torch.where(inside, g_logp, 0.0)
-            if ctx.entropy_grad:  # dH/dx = -p (log p + H), times the entropy's incoming gradient
-                log_p = x.sub_(lse[:, None])
-                p = log_p.exp()
-                d = p * -g_logp[:, None] - g_ent[:, None] * p * (log_p + ent[:, None])
-                d = d.scatter_add_(1, col[:, None], g_t[:, None]).div_(T).to(ctx.dtype)  # + g at the target
-            else:
-                d = _logit_grad(x, lse, col, g_t, g_logp, T, ctx.dtype)
+            d = _logit_grad(x, lse, col, g_t, g_logp, T, ctx.dtype, (g_ent, ent) if ctx.entropy_grad else None)
             if need_h:
                 g_h = (d @ w_j).float() if g_h is None else g_h.add_(d @ w_j)
             if g_w is not None:  # this slice's rows of the weight's gradient, float32
